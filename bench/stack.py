@@ -37,6 +37,9 @@ __all__ = [
 ]
 
 REPO = Path(__file__).resolve().parent.parent
+_FILE_ACCESS_LOG = (
+    "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
+)
 
 
 def free_port() -> int:
@@ -82,14 +85,15 @@ def render_envoy_config(
             for f in chain["filters"]:
                 hcm = f["typed_config"]
                 for hf in hcm.get("http_filters", []):
-                    if hf["name"] == "envoy.filters.http.ext_proc" and failure_mode_allow is not None:
+                    is_ext_proc = hf["name"] == "envoy.filters.http.ext_proc"
+                    if is_ext_proc and failure_mode_allow is not None:
                         hf["typed_config"]["failure_mode_allow"] = failure_mode_allow
                 if access_log is not None:
                     hcm["access_log"] = [
                         {
                             "name": "envoy.access_loggers.file",
                             "typed_config": {
-                                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                                "@type": _FILE_ACCESS_LOG,
                                 "path": str(access_log),
                             },
                         }
@@ -133,11 +137,13 @@ def wait_http(url: str, timeout: float = 15.0, proc: Proc | None = None) -> None
 class Proc:
     """A child process with its output in a log file."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self, name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
         self.argv = list(argv)
         self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "wb")
         self.popen = subprocess.Popen(
             self.argv,
             stdout=self._log,

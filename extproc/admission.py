@@ -77,7 +77,7 @@ class BucketStats:
 
 
 class _Bucket:
-    __slots__ = ("name", "capacity", "max_queue", "waiting", "running", "mean_hold_s")
+    __slots__ = ("capacity", "max_queue", "mean_hold_s", "name", "running", "waiting")
 
     def __init__(self, name: str, capacity: int, max_queue: int) -> None:
         self.name = name
@@ -103,7 +103,9 @@ class Admission:
 
     def enqueue(self, bucket: str, now: float, timeout_s: float) -> Decision:
         b = self._buckets[bucket]
-        ticket = Ticket(id=next(self._ids), bucket=bucket, enqueued_at=now, deadline=now + timeout_s)
+        ticket = Ticket(
+            id=next(self._ids), bucket=bucket, enqueued_at=now, deadline=now + timeout_s
+        )
         if not b.waiting and len(b.running) < b.capacity:
             b.running[ticket.id] = (ticket, now)
             self._where[ticket.id] = b

@@ -54,7 +54,7 @@ class Refused(Exception):
 class Slot:
     """One held slot. ``release()`` gives it back once; later calls do nothing."""
 
-    __slots__ = ("_gate", "ticket", "admitted_at", "_released")
+    __slots__ = ("_gate", "_released", "admitted_at", "ticket")
 
     def __init__(self, gate: Gate, ticket: Ticket, admitted_at: float) -> None:
         self._gate = gate

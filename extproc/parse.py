@@ -29,7 +29,7 @@ from typing import Any
 
 from extproc.errors import RequestError
 
-__all__ = ["Endpoint", "ParsedRequest", "endpoint_for_path", "parse_body", "check_content_headers"]
+__all__ = ["Endpoint", "ParsedRequest", "check_content_headers", "endpoint_for_path", "parse_body"]
 
 
 class Endpoint(StrEnum):
@@ -248,7 +248,9 @@ def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
     except RecursionError:
         raise RequestError(400, "invalid_json", "The request body is nested too deeply.") from None
     except ValueError as e:  # NaN/Infinity, integers too long to convert
-        raise RequestError(400, "invalid_json", f"The request body is not valid JSON: {e}.") from None
+        raise RequestError(
+            400, "invalid_json", f"The request body is not valid JSON: {e}."
+        ) from None
     if not isinstance(body, dict):
         raise RequestError(
             400, "invalid_body", f"The request body must be a JSON object, not {_type_name(body)}."

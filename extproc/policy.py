@@ -197,6 +197,7 @@ def parse_duration(value: object) -> float:
 # --- the descriptor-driven walker -----------------------------------------------------------
 
 _FD = _descriptor.FieldDescriptor
+_DURATION_TYPE = "google.protobuf.Duration"
 _INT_RANGES = {
     _FD.TYPE_UINT32: (0, 2**32 - 1),
     _FD.TYPE_UINT64: (0, 2**64 - 1),
@@ -209,7 +210,7 @@ def _type_name(value: object) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _scalar(fd: _FD, value: object, path: str) -> object:
+def _scalar(fd: Any, value: object, path: str) -> object:
     """Check one YAML scalar against a proto scalar field and convert it."""
     if fd.type in _INT_RANGES:
         if isinstance(value, float) and value.is_integer():
@@ -245,7 +246,7 @@ def _scalar(fd: _FD, value: object, path: str) -> object:
 def _fill(message: Message, data: object, path: str) -> None:
     """Fill ``message`` from a YAML mapping, checking every key against the descriptor."""
     desc = message.DESCRIPTOR
-    if desc.full_name == "google.protobuf.Duration":
+    if desc.full_name == _DURATION_TYPE:
         raise AssertionError("durations are handled by the caller")  # pragma: no cover
     if not isinstance(data, Mapping):
         raise PolicyError(f"{path or '<top>'}: expected a mapping, got {_type_name(data)}")
@@ -268,7 +269,7 @@ def _fill(message: Message, data: object, path: str) -> None:
                     _fill(target.add(), item, f"{where}[{i}]")
                 else:
                     target.append(_scalar(fd, item, f"{where}[{i}]"))
-        elif fd.message_type is not None and fd.message_type.full_name == "google.protobuf.Duration":
+        elif fd.message_type is not None and fd.message_type.full_name == _DURATION_TYPE:
             try:
                 seconds = parse_duration(value)
             except ValueError as e:
@@ -284,7 +285,7 @@ def _fill(message: Message, data: object, path: str) -> None:
             setattr(message, fd.name, _scalar(fd, value, where))
 
 
-def _fill_map(target: Any, entry: _descriptor.Descriptor, data: object, path: str) -> None:
+def _fill_map(target: Any, entry: Any, data: object, path: str) -> None:
     if not isinstance(data, Mapping):
         raise PolicyError(f"{path}: expected a mapping, got {_type_name(data)}")
     key_fd, value_fd = entry.fields_by_name["key"], entry.fields_by_name["value"]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -40,10 +41,10 @@ from extproc.classify import Classification, MaxTokensAction, TokenCounter, clas
 from extproc.errors import Outcome, Rejection, RequestError, queue_rejection
 from extproc.gate import Gate, Refused, Slot, Waiter
 from extproc.metrics import NO_BUCKET, Metrics
-from extproc.parse import check_content_headers, endpoint_for_path, parse_body
+from extproc.parse import Endpoint, check_content_headers, endpoint_for_path, parse_body
 from extproc.policy import Policy
 
-__all__ = ["ExtProcService", "MESSAGE_TIMEOUT_MARGIN_S"]
+__all__ = ["MESSAGE_TIMEOUT_MARGIN_S", "ExtProcService"]
 
 log = logging.getLogger("extproc.server")
 
@@ -53,6 +54,7 @@ log = logging.getLogger("extproc.server")
 MESSAGE_TIMEOUT_MARGIN_S = 1.0
 
 _EOF = grpc.aio.EOF
+_Context = grpc.aio.ServicerContext[Any, Any]
 
 _HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _PASS_THROUGH = pb.ProcessingResponse(
@@ -86,7 +88,7 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
 def _immediate(rejection: Rejection, details: str) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=rejection.status),  # type: ignore[arg-type]
+            status=http_status_pb2.HttpStatus(code=rejection.status),
             headers=pb.HeaderMutation(set_headers=[_header(k, v) for k, v in rejection.headers()]),
             body=rejection.body,
             details=details,
@@ -128,7 +130,7 @@ def _headers_of(msg: pb.HttpHeaders) -> dict[str, str]:
 class _Stream:
     """What one request's stream has reached, for the single outcome recorded at its end."""
 
-    __slots__ = ("bucket", "outcome", "arrived_at", "decided_at", "slot", "waiter")
+    __slots__ = ("arrived_at", "bucket", "decided_at", "outcome", "slot", "waiter")
 
     def __init__(self) -> None:
         self.bucket = NO_BUCKET
@@ -139,7 +141,7 @@ class _Stream:
         self.waiter: Waiter | None = None
 
 
-class ExtProcService(pb_grpc.ExternalProcessorServicer):
+class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, policy: Policy, gate: Gate, metrics: Metrics) -> None:
         self._policy = policy
         self._count: TokenCounter = token_counter(policy.tokens)
@@ -150,8 +152,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             a: metrics.max_tokens_actions.labels(str(a)) for a in MaxTokensAction
         }
 
-    async def Process(  # noqa: N802 - the gRPC method name
-        self, request_iterator: object, context: grpc.aio.ServicerContext
+    async def Process(
+        self, request_iterator: object, context: _Context
     ) -> None:
         msg = await context.read()
         if msg is _EOF:
@@ -181,10 +183,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
 
     async def _handle(
         self,
-        context: grpc.aio.ServicerContext,
+        context: _Context,
         msg: pb.ProcessingRequest,
         headers: Mapping[str, str],
-        endpoint: object,
+        endpoint: Endpoint,
         st: _Stream,
     ) -> None:
         loop = self._loop
@@ -204,7 +206,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             return  # stream ended before the body: CANCELLED_BEFORE_BODY
         st.arrived_at = loop.time()
         try:
-            parsed = parse_body(endpoint, body)  # type: ignore[arg-type]
+            parsed = parse_body(endpoint, body)
             cls = classify(self._policy, self._count, headers, parsed)
         except RequestError as e:
             await self._reject(context, st, e.outcome, e.rejection(), e.code)
@@ -241,10 +243,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                 nxt = await context.read()
             if nxt is _EOF:
                 return
-            await context.write(_continue_for(nxt))  # type: ignore[arg-type]
+            await context.write(_continue_for(nxt))
 
     async def _wait(
-        self, context: grpc.aio.ServicerContext, st: _Stream, waiter: Waiter
+        self, context: _Context, st: _Stream, waiter: Waiter
     ) -> tuple[asyncio.Future[object] | None, Slot | None]:
         """Wait for a slot while watching the stream. Returns the read still pending (to be
         awaited by the hold loop) and the slot, or (None, None) when the request left the
@@ -282,7 +284,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
 
     # --- answers -----------------------------------------------------------------------------
 
-    async def _read_body(self, context: grpc.aio.ServicerContext) -> bytes | None:
+    async def _read_body(self, context: _Context) -> bytes | None:
         chunks: list[bytes] = []
         while True:
             msg = await context.read()
@@ -301,7 +303,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
 
     async def _reject(
         self,
-        context: grpc.aio.ServicerContext,
+        context: _Context,
         st: _Stream,
         outcome: Outcome,
         rejection: Rejection,
@@ -312,7 +314,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         await context.write(_immediate(rejection, f"llm_extproc_{details}"))
 
     async def _refuse(
-        self, context: grpc.aio.ServicerContext, st: _Stream, r: Refused, limit_s: float
+        self, context: _Context, st: _Stream, r: Refused, limit_s: float
     ) -> None:
         st.waiter = None
         rejection = queue_rejection(
@@ -326,12 +328,12 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         await self._reject(context, st, r.outcome, rejection, str(r.outcome))
 
     async def _pass_through(
-        self, context: grpc.aio.ServicerContext, first: pb.ProcessingRequest | None
+        self, context: _Context, first: pb.ProcessingRequest | None
     ) -> None:
         if first is not None:
             await context.write(_continue_for(first))
         while (msg := await context.read()) is not _EOF:
-            await context.write(_continue_for(msg))  # type: ignore[arg-type]
+            await context.write(_continue_for(msg))
 
     # --- the one place a request is finished ---------------------------------------------------
 

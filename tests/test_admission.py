@@ -210,7 +210,7 @@ def test_random_operations_keep_invariants(seed: int) -> None:
         st = a.statistics()
         assert sum(s.in_flight for s in st.values()) == len(running)
         assert sum(s.queued for s in st.values()) == len(waiting)
-        for name, s in st.items():
+        for s in st.values():
             if s.queued:  # a waiter exists only while the bucket is at capacity
                 assert s.in_flight >= s.capacity
     # Drain: everything given back leaves nothing behind.

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from importlib import resources
+from pathlib import Path
 
 from grpc_tools import protoc
 
