@@ -13,7 +13,8 @@ What it accepts, on purpose strict where laxness would let a request slip past t
   tokens (``tokens.non_text_part_tokens``) and is passed on for the backend to judge;
 - completions: ``prompt``, a string, a list of strings, a list of token ids, or a list of lists of
   token ids (token ids count exactly);
-- ``max_tokens`` / ``max_completion_tokens``: an integer of at least 1, or null (= absent);
+- ``max_tokens`` / ``max_completion_tokens``: an integer from 1 to 2**31 - 1, or null
+  (= absent);
 - ``stream``: a boolean or null.
 
 Prompt text is gathered as a tuple of strings; counting it is the next stage's job
@@ -39,6 +40,10 @@ class Endpoint(StrEnum):
 
 _ENDPOINTS = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.COMPLETIONS}
 MAX_TOKENS_KEYS = ("max_tokens", "max_completion_tokens")
+# Above this a max_tokens is not a request but a bug (no model has such a context); refuse it
+# rather than clamp it, so the client hears about it. Values in range but above the policy's
+# max_output_tokens are clamped or refused as the policy says.
+MAX_TOKENS_CEILING = 2**31 - 1
 
 
 def endpoint_for_path(method: str, path: str) -> Endpoint | None:
@@ -130,9 +135,12 @@ def _max_tokens(body: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise _bad_type(key, "an integer", value)
-        if value < 1:
+        if not 1 <= value <= MAX_TOKENS_CEILING:
             raise RequestError(
-                400, "invalid_value", f"'{key}' must be at least 1, got {value}.", key
+                400,
+                "invalid_value",
+                f"'{key}' must be between 1 and {MAX_TOKENS_CEILING}, got {value}.",
+                key,
             )
         present.append(key)
         values[key] = value

@@ -318,6 +318,8 @@ def _resolve(msg: policy_pb2.Policy) -> Policy:
     )
     if tokens.chars_per_token <= 0:
         raise PolicyError("tokens.chars_per_token: must be greater than 0")
+    if tokens.tokenizer and not Path(tokens.tokenizer).is_file():
+        raise PolicyError(f"tokens.tokenizer: no such file {tokens.tokenizer!r}")
 
     lm = msg.limits
     limits = Limits(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -98,6 +99,8 @@ BAD = [
     (CHAT, chat(max_tokens=0), 400, "invalid_value", "max_tokens"),
     (CHAT, chat(max_tokens=-5), 400, "invalid_value", "max_tokens"),
     (CHAT, chat(max_completion_tokens=-1), 400, "invalid_value", "max_completion_tokens"),
+    (CHAT, chat(max_tokens=2**31), 400, "invalid_value", "max_tokens"),
+    (CHAT, chat(max_tokens=10**30), 400, "invalid_value", "max_tokens"),
     (CHAT, chat(stream="yes"), 400, "invalid_type", "stream"),
     (CHAT, chat(model=7), 400, "invalid_type", "model"),
     (CHAT, chat(tools={"a": 1}), 400, "invalid_type", "tools"),
@@ -205,7 +208,7 @@ def test_null_max_tokens_counts_as_absent() -> None:
 
 
 def test_excess_is_clamped_keeping_every_other_field() -> None:
-    raw = chat(max_tokens=10**30, temperature=0.7, extra={"nested": [1, 2.5, "é", None]},
+    raw = chat(max_tokens=2**31 - 1, temperature=0.7, extra={"nested": [1, 2.5, "é", None]},
                stream=True)
     cls = run(CHAT, raw)
     assert (cls.max_tokens, cls.max_tokens_action) == (512, MaxTokensAction.CLAMPED)
@@ -266,3 +269,22 @@ def test_bom_is_tolerated() -> None:
 )
 def test_first_matching_bucket_wins(headers: dict[str, str], body: bytes, bucket: str) -> None:
     assert run(CHAT, body, headers).bucket.name == bucket
+
+
+def test_exact_counts_with_a_local_tokenizer_json(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    policy = policy_from_yaml(
+        f"tokens: {{tokenizer: '{path}', message_overhead_tokens: 0}}\n"
+        "buckets: [{name: a, max_concurrency: 1, queue_timeout: 1s}]"
+    )
+    count = token_counter(policy.tokens)
+    assert count(("hello world hello", "zzz")) == 4
+    assert count(()) == 0
+    raw = json.dumps({"messages": [{"role": "user", "content": "hello world"}]}).encode()
+    assert classify(policy, count, {}, parse_body(CHAT, raw)).prompt_tokens == 2

@@ -115,6 +115,8 @@ buckets:
          "buckets[0].max_queue: expected an integer, got bool True"),
         ("buckets: {name: a}", "buckets: expected a list, got dict"),
         ("buckets: [\n", "not valid YAML"),
+        ("tokens: {tokenizer: /nonexistent/tokenizer.json}\n" + MINIMAL,
+         "tokens.tokenizer: no such file '/nonexistent/tokenizer.json'"),
     ],
 )
 def test_errors_name_the_key_and_why(text: str, message: str) -> None:

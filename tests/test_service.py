@@ -9,6 +9,7 @@ import asyncio
 import json
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -349,3 +350,22 @@ def test_health_and_metrics_endpoints() -> None:
         assert 'llm_extproc_in_flight{bucket="solo"} 0.0' in text
 
     with_sidecar(t)
+
+
+def test_unix_socket_listener(tmp_path: Path) -> None:
+    async def main() -> None:
+        path = tmp_path / "extproc.sock"
+        sidecar = Sidecar(POLICY, listen=f"unix:{path}", metrics_listen=None)
+        await sidecar.start()
+        try:
+            async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
+                ex = Exchange(pb_grpc.ExternalProcessorStub(ch))
+                await ex.send(headers_msg())
+                assert (await ex.recv()).HasField("request_headers")
+                await ex.send(body_msg(CHAT))
+                assert (await ex.recv()).request_body.response.header_mutation.set_headers
+                await ex.close()
+        finally:
+            await sidecar.stop(0)
+
+    asyncio.run(asyncio.wait_for(main(), 10))
