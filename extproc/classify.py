@@ -50,7 +50,7 @@ def token_counter(tokens: TokenPolicy) -> TokenCounter:
     """Build the prompt-text counter once, at policy load."""
     if tokens.tokenizer:
         try:
-            from tokenizers import Tokenizer  # type: ignore[import-not-found]
+            from tokenizers import Tokenizer
         except ImportError as e:
             raise RuntimeError(
                 "tokens.tokenizer is set but the 'tokenizers' package is missing: "
