@@ -1,0 +1,441 @@
+"""Tests of the load generator: arrival schedules (deterministic, no network), the SDK-style retry
+policy (pure), summaries, and short end-to-end runs against the simulator on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+from aiohttp import web
+
+from bench.loadgen import (
+    LoadConfig,
+    LoadResult,
+    Outcome,
+    RequestRecord,
+    _parse_args,
+    percentile,
+    prompt_text,
+    request_payload,
+    retry_after_s,
+    retry_delay_s,
+    run_load,
+    should_retry,
+    summarize,
+)
+from bench.vllm_sim import SimConfig, count_prompt_tokens, start_server
+from bench.workload import (
+    DEFAULT_TRACES_DIR,
+    ClassSpec,
+    Fixed,
+    LogNormal,
+    PlannedRequest,
+    Uniform,
+    build_schedule,
+    class_from_dict,
+    default_classes,
+    load_trace,
+    parse_dist,
+    poisson_arrivals,
+    trace_arrivals,
+)
+
+T = TypeVar("T")
+needs_traces = pytest.mark.skipif(
+    not (DEFAULT_TRACES_DIR / "azure_conv.csv").exists(),
+    reason=f"traces not found in {DEFAULT_TRACES_DIR}",
+)
+
+
+def run(factory: Callable[[], Awaitable[T]], timeout: float = 25.0) -> T:
+    async def main() -> T:
+        return await asyncio.wait_for(factory(), timeout)
+
+    return asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------------------
+# Arrivals and schedules
+# ---------------------------------------------------------------------------------------------
+
+
+def test_poisson_arrivals_deterministic_and_bounded() -> None:
+    a = poisson_arrivals(10.0, duration_s=100.0, rng=random.Random(1), max_n=10_000)
+    b = poisson_arrivals(10.0, duration_s=100.0, rng=random.Random(1), max_n=10_000)
+    c = poisson_arrivals(10.0, duration_s=100.0, rng=random.Random(2), max_n=10_000)
+    assert a == b and a != c
+    assert all(0 <= x < 100.0 for x in a) and a == sorted(a)
+    assert 900 < len(a) < 1100  # ~1000 expected, sd ~32
+    gaps = [y - x for x, y in itertools.pairwise(a)]
+    assert sum(gaps) / len(gaps) == pytest.approx(0.1, rel=0.1)
+    assert len(poisson_arrivals(10.0, duration_s=100.0, rng=random.Random(1), max_n=7)) == 7
+
+
+def _write_trace(path: Path, rows: list[tuple[float, int, int]]) -> Path:
+    path.write_text(
+        "arrived_at,num_prefill_tokens,num_decode_tokens\n"
+        + "".join(f"{t},{p},{o}\n" for t, p, o in rows)
+    )
+    return path
+
+
+def test_trace_arrivals_scaled_and_wrapped(tmp_path: Path) -> None:
+    load_trace.cache_clear()
+    trace = load_trace(
+        _write_trace(tmp_path / "t.csv", [(10.0, 5, 1), (11.0, 6, 2), (12.0, 7, 3), (13.0, 8, 4)])
+    )
+    assert trace.arrivals_s == (0.0, 1.0, 2.0, 3.0) and trace.mean_rate == pytest.approx(1.0)
+    got = trace_arrivals(trace, rate=2.0, duration_s=3.0, max_n=100)
+    # Scaled by 1/2; the second lap starts one mean gap after the last row: (3 + 1) * 0.5 = 2.0.
+    assert got == [(0.0, 0), (0.5, 1), (1.0, 2), (1.5, 3), (2.0, 0), (2.5, 1)]
+    assert trace_arrivals(trace, rate=2.0, duration_s=3.0, max_n=3) == got[:3]
+
+
+def test_schedule_with_trace_lengths(tmp_path: Path) -> None:
+    _write_trace(tmp_path / "t.csv", [(0.0, 5, 1), (1.0, 6, 2), (2.0, 7, 3), (3.0, 8, 4)])
+    spec = ClassSpec(name="x", rate=1.0, arrivals="trace", trace="t.csv")
+    sched = build_schedule([spec], duration_s=4.0, max_requests=100, traces_dir=tmp_path)
+    assert [(p.t_s, p.prompt_tokens, p.output_tokens) for p in sched] == [
+        (0.0, 5, 1),
+        (1.0, 6, 2),
+        (2.0, 7, 3),
+        (3.0, 8, 4),
+    ]
+    spec = ClassSpec(name="x", rate=50.0, trace="t.csv")  # Poisson arrivals, lengths from rows
+    sched = build_schedule([spec], duration_s=10.0, max_requests=1000, seed=3, traces_dir=tmp_path)
+    assert {(p.prompt_tokens, p.output_tokens) for p in sched} == {(5, 1), (6, 2), (7, 3), (8, 4)}
+
+
+def test_build_schedule_mix_is_deterministic() -> None:
+    classes = [
+        ClassSpec(
+            name="interactive",
+            rate=8.0,
+            prompt=LogNormal(median=200, sigma=0.5),
+            output=Fixed(n=32),
+        ),
+        ClassSpec(name="batch", rate=2.0, prompt=Uniform(lo=1000, hi=2000), output=Fixed(n=500)),
+    ]
+    s1 = build_schedule(classes, duration_s=50.0, max_requests=10_000, seed=7)
+    s2 = build_schedule(classes, duration_s=50.0, max_requests=10_000, seed=7)
+    s3 = build_schedule(classes, duration_s=50.0, max_requests=10_000, seed=8)
+    assert s1 == s2 and s1 != s3
+    assert [p.index for p in s1] == list(range(len(s1)))
+    assert [p.t_s for p in s1] == sorted(p.t_s for p in s1)
+    n_int = sum(1 for p in s1 if p.cls == "interactive")
+    n_batch = sum(1 for p in s1 if p.cls == "batch")
+    assert 300 < n_int < 500 and 60 < n_batch < 140
+    assert all(
+        1000 <= p.prompt_tokens <= 2000 and p.output_tokens == 500 for p in s1 if p.cls == "batch"
+    )
+    # A class's requests do not depend on the other classes (per-class random streams).
+    alone = build_schedule(classes[1:], duration_s=50.0, max_requests=10_000, seed=7)
+    assert [(p.t_s, p.prompt_tokens) for p in alone] == [
+        (p.t_s, p.prompt_tokens) for p in s1 if p.cls == "batch"
+    ]
+    capped = build_schedule(classes, duration_s=50.0, max_requests=25, seed=7)
+    assert capped == s1[:25]
+
+
+@needs_traces
+def test_real_traces_scaled_to_target_rate() -> None:
+    conv = load_trace(DEFAULT_TRACES_DIR / "azure_conv.csv")
+    assert len(conv) == 19366 and conv.mean_rate == pytest.approx(5.53, rel=0.01)
+    classes = default_classes(10.0, interactive_share=0.8, arrivals="trace")
+    sched = build_schedule(classes, duration_s=600.0, max_requests=100_000, seed=0)
+    n_int = sum(1 for p in sched if p.cls == "interactive")
+    assert n_int / 600.0 == pytest.approx(8.0, rel=0.15)  # trace replay keeps its burstiness
+    assert sched == build_schedule(classes, duration_s=600.0, max_requests=100_000, seed=0)
+
+
+def test_parse_dist_and_class_from_dict() -> None:
+    assert parse_dist("fixed:5") == Fixed(n=5)
+    assert parse_dist("uniform:1:9") == Uniform(lo=1, hi=9)
+    assert parse_dist("lognormal:100:0.5:10:200") == LogNormal(median=100, sigma=0.5, lo=10, hi=200)
+    with pytest.raises(ValueError):
+        parse_dist("gamma:1")
+    spec = class_from_dict(
+        {
+            "name": "b",
+            "rate": 1.5,
+            "prompt": "fixed:10",
+            "output": "fixed:3",
+            "stream": True,
+            "timeout_s": 5,
+        }
+    )
+    assert spec.prompt == Fixed(n=10) and spec.stream and spec.timeout_s == 5
+    d = LogNormal(median=100, sigma=1.0, lo=10, hi=300)
+    rng = random.Random(0)
+    assert all(10 <= d.sample(rng) <= 300 for _ in range(1000))
+
+
+def test_prompt_text_matches_simulator_count() -> None:
+    for n in (1, 7, 100, 9000):
+        text = prompt_text(3, n)
+        assert len(text) == 4 * n
+        assert (
+            count_prompt_tokens({"messages": [{"role": "user", "content": text}]}, chat=True) == n
+        )
+    spec = ClassSpec(name="i", rate=1.0, stream=True, endpoint="completions")
+    body = request_payload(
+        spec, PlannedRequest(index=0, t_s=0.0, cls="i", prompt_tokens=10, output_tokens=7), "m"
+    )
+    assert (
+        body["max_tokens"] == 7
+        and body["stream"]
+        and body["stream_options"] == {"include_usage": True}
+    )
+    assert len(body["prompt"]) == 40
+
+
+def test_cli_args() -> None:
+    cfg, _ = _parse_args(
+        [
+            "--url",
+            "http://127.0.0.1:1",
+            "--rate",
+            "4",
+            "--speedup",
+            "10",
+            "--max-retries",
+            "2",
+            "--interactive-share",
+            "0.5",
+        ]
+    )
+    assert [c.name for c in cfg.classes] == ["interactive", "batch"]
+    assert [c.rate for c in cfg.classes] == [2.0, 2.0]
+    assert cfg.speedup == 10 and cfg.max_retries == 2
+    cfg, _ = _parse_args(["--classes", '[{"name": "a", "rate": 3, "output": "fixed:4"}]'])
+    assert cfg.classes[0].output == Fixed(n=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Retry policy
+# ---------------------------------------------------------------------------------------------
+
+
+def test_should_retry_like_sdk() -> None:
+    for status in (408, 409, 429, 500, 502, 503, 504):
+        assert should_retry(status)
+    for status in (400, 401, 404, 413, 422):
+        assert not should_retry(status)
+    assert should_retry(None)  # connection error / timeout
+    assert should_retry(400, {"x-should-retry": "true"})
+    assert not should_retry(503, {"x-should-retry": "false"})
+
+
+def test_retry_backoff_schedule() -> None:
+    assert [retry_delay_s(n, rand=0.0) for n in range(6)] == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0]
+    assert retry_delay_s(0, rand=0.5) == pytest.approx(0.5 * 0.875)
+    assert retry_delay_s(3, rand=0.999) == pytest.approx(4.0 * (1 - 0.25 * 0.999))
+    assert retry_delay_s(40, rand=0.0) == 8.0
+
+
+def test_retry_after_headers() -> None:
+    assert retry_delay_s(0, {"retry-after-ms": "250", "retry-after": "3"}) == 0.25
+    assert retry_delay_s(0, {"retry-after": "3"}, rand=0.9) == 3.0
+    assert retry_delay_s(0, {"retry-after": "1.5"}) == 1.5
+    assert retry_delay_s(1, {"retry-after": "61"}, rand=0.0) == 1.0  # out of (0, 60]: backoff
+    assert retry_delay_s(1, {"retry-after": "0"}, rand=0.0) == 1.0
+    assert retry_delay_s(2, {"retry-after": "soon"}, rand=0.0) == 2.0
+    date = "Wed, 21 Oct 2015 07:28:30 GMT"
+    assert retry_after_s({"retry-after": date}, now_epoch_s=1445412500.0) == pytest.approx(10.0)
+    assert retry_after_s(None) is None and retry_after_s({}) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Summaries
+# ---------------------------------------------------------------------------------------------
+
+
+def test_percentile() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile(list(map(float, range(101))), 95) == pytest.approx(95.0)
+
+
+def _rec(
+    i: int,
+    outcome: Outcome,
+    status: int | None,
+    e2e: float,
+    tokens: int = 10,
+    good: bool = False,
+    attempts: int = 1,
+) -> RequestRecord:
+    return RequestRecord(
+        index=i,
+        cls="c",
+        arrival_s=float(i),
+        prompt_tokens=5,
+        max_tokens=10,
+        outcome=outcome,
+        status=status,
+        ttft_s=0.1 if outcome == "ok" else None,
+        e2e_s=e2e,
+        output_tokens=tokens,
+        attempts=attempts,
+        gave_up=outcome == "timeout",
+        good=good,
+    )
+
+
+def test_summarize_counts() -> None:
+    recs = [
+        _rec(0, "ok", 200, 1.0, good=True),
+        _rec(1, "ok", 200, 50.0, good=False, attempts=3),  # 200 but past the client timeout
+        _rec(2, "http_error", 429, 0.1),
+        _rec(3, "http_error", 413, 0.1),
+        _rec(4, "http_error", 503, 0.1),
+        _rec(5, "http_error", 400, 0.1),
+        _rec(6, "timeout", None, 30.0, tokens=3),
+        _rec(7, "conn_error", None, 0.1, tokens=0),
+    ]
+    s = summarize("c", recs, window_s=4.0)
+    assert (s.requests, s.ok, s.good) == (8, 2, 1)
+    assert (s.status_413, s.status_429, s.status_5xx, s.timeouts, s.other) == (1, 1, 1, 1, 2)
+    assert s.goodput_rps == 0.25 and s.goodput_tokens_per_s == 2.5 and s.offered_rps == 2.0
+    assert s.e2e_p50_s == pytest.approx(25.5) and s.ttft_p50_s == pytest.approx(0.1)
+    assert s.retries == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end (127.0.0.1, random ports, high speedup)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_end_to_end_against_simulator() -> None:
+    speedup = 20.0
+    classes = (
+        ClassSpec(
+            name="interactive",
+            rate=6.0,
+            prompt=Fixed(n=200),
+            output=Fixed(n=20),
+            stream=True,
+            timeout_s=30.0,
+        ),
+        ClassSpec(
+            name="batch",
+            rate=2.0,
+            prompt=Fixed(n=1000),
+            output=Fixed(n=50),
+            stream=False,
+            timeout_s=300.0,
+            endpoint="completions",
+        ),
+        # Wants 3000 tokens (~18 simulated s of decode) but gives up after 2 s: pure waste.
+        ClassSpec(
+            name="impatient",
+            rate=1.0,
+            prompt=Fixed(n=100),
+            output=Fixed(n=3000),
+            stream=True,
+            timeout_s=2.0,
+        ),
+    )
+
+    async def go() -> LoadResult:
+        server = await start_server(SimConfig(speedup=speedup), host="127.0.0.1", port=0)
+        try:
+            cfg = LoadConfig(
+                url=server.url,
+                classes=classes,
+                duration_s=6.0,
+                max_requests=200,
+                speedup=speedup,
+                seed=1,
+                stats_url=server.url + "/sim/stats",
+            )
+            return await run_load(cfg)
+        finally:
+            await server.close()
+
+    result = run(go)
+    pc = result.per_class
+    n = {k: v.requests for k, v in pc.items()}
+    assert n["interactive"] > 15 and n["batch"] > 3 and n["impatient"] >= 1
+    assert result.overall.requests == len(result.records) == sum(n.values())
+    for name in ("interactive", "batch"):
+        assert pc[name].ok == pc[name].good == pc[name].requests
+    assert all(
+        r.output_tokens == 20 and r.ttft_s is not None
+        for r in result.records
+        if r.cls == "interactive"
+    )
+    assert all(
+        r.output_tokens == 50 and r.ttft_s is None for r in result.records if r.cls == "batch"
+    )
+    assert pc["interactive"].ttft_p50_s is not None and 0 < pc["interactive"].ttft_p50_s < 1.0
+    imp = [r for r in result.records if r.cls == "impatient"]
+    assert all(r.gave_up and r.outcome == "timeout" and not r.good for r in imp)
+    assert all(r.output_tokens < 3000 for r in imp)  # partial stream at most, then disconnect
+    assert pc["impatient"].timeouts == len(imp)
+    b = result.backend
+    assert b is not None
+    assert b.aborted_requests == len(imp) and b.finished_requests == n["interactive"] + n["batch"]
+    assert b.aborted_generation_tokens > 0 and 0 < b.wasted_generation_frac < 1
+    d = result.to_dict()
+    assert "records" not in d and d["per_class"]["batch"]["ok"] == n["batch"]
+    assert len(result.to_dict(include_records=True)["records"]) == len(result.records)
+
+
+def test_retries_honour_retry_after() -> None:
+    """A stub that answers 429 (retry-after-ms) twice, then 200; and one that always fails."""
+    hits: dict[str, int] = {}
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        cls = request.headers["x-llm-class"]
+        hits[cls] = hits.get(cls, 0) + 1
+        if cls == "flaky" and hits[cls] <= 2:
+            return web.json_response({"error": {}}, status=429, headers={"retry-after-ms": "500"})
+        if cls == "down":
+            return web.json_response({"error": {}}, status=503)
+        return web.json_response({"usage": {"completion_tokens": 4}})
+
+    async def go() -> LoadResult:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", handler)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
+        schedule = [
+            PlannedRequest(index=0, t_s=0.0, cls="flaky", prompt_tokens=3, output_tokens=4),
+            PlannedRequest(index=1, t_s=0.0, cls="down", prompt_tokens=3, output_tokens=4),
+        ]
+        classes = (
+            ClassSpec(name="flaky", rate=1.0, timeout_s=10.0),
+            ClassSpec(name="down", rate=1.0, timeout_s=10.0),
+        )
+        try:
+            cfg = LoadConfig(
+                url=f"http://127.0.0.1:{port}",
+                classes=classes,
+                duration_s=1.0,
+                speedup=10.0,
+                max_retries=2,
+                seed=0,
+            )
+            return await run_load(cfg, schedule)
+        finally:
+            await runner.cleanup()
+
+    result = run(go)
+    flaky, down = result.records
+    assert hits == {"flaky": 3, "down": 3}
+    assert flaky.outcome == "ok" and flaky.attempts == 3 and flaky.good
+    assert flaky.e2e_s >= 1.0  # two 0.5 s (simulated) retry-after waits
+    assert down.outcome == "http_error" and down.status == 503 and down.attempts == 3
+    # Backoff without retry-after: 0.5 * jitter + 1.0 * jitter, jitter in (0.75, 1].
+    assert 1.1 <= down.e2e_s
+    assert result.per_class["down"].status_5xx == 1 and result.per_class["flaky"].retries == 2
