@@ -19,7 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +37,7 @@ __all__ = [
 ]
 
 REPO = Path(__file__).resolve().parent.parent
-_FILE_ACCESS_LOG = (
-    "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
-)
+_EXT_PROC = "envoy.filters.http.ext_proc"
 
 
 def free_port() -> int:
@@ -74,9 +72,20 @@ def render_envoy_config(
     source: Path = REPO / "envoy" / "envoy.yaml",
     failure_mode_allow: bool | None = None,
     access_log: Path | None = None,
+    ext_proc: bool = True,
+    backend_circuit_breakers: Mapping[str, int] | None = None,
 ) -> str:
-    """envoy/envoy.yaml with its ports replaced (and a few test knobs)."""
+    """envoy/envoy.yaml with its ports replaced (and a few test and benchmark knobs).
+
+    ``ext_proc=False`` gives plain Envoy: the ext_proc HTTP filter, its per-route settings and the
+    ``llm_extproc`` cluster are removed (``extproc_port`` is then unused).
+    ``backend_circuit_breakers`` replaces the backend cluster's default-priority thresholds, e.g.
+    ``{"max_connections": 64, "max_requests": 64, "max_pending_requests": 16}``: Envoy then
+    answers 503 (``x-envoy-overloaded``) to what overflows them.
+    """
     cfg = yaml.safe_load(source.read_text())
+    if not ext_proc:
+        _drop_ext_proc(cfg)
     _set_address(cfg["admin"]["address"], admin_port)
     resources = cfg["static_resources"]
     for listener in resources["listeners"]:
@@ -85,26 +94,42 @@ def render_envoy_config(
             for f in chain["filters"]:
                 hcm = f["typed_config"]
                 for hf in hcm.get("http_filters", []):
-                    is_ext_proc = hf["name"] == "envoy.filters.http.ext_proc"
+                    is_ext_proc = hf["name"] == _EXT_PROC
                     if is_ext_proc and failure_mode_allow is not None:
                         hf["typed_config"]["failure_mode_allow"] = failure_mode_allow
                 if access_log is not None:
-                    hcm["access_log"] = [
-                        {
-                            "name": "envoy.access_loggers.file",
-                            "typed_config": {
-                                "@type": _FILE_ACCESS_LOG,
-                                "path": str(access_log),
-                            },
-                        }
-                    ]
+                    # Keep envoy.yaml's access-log format; only send it to this file.
+                    for logger in hcm.get("access_log", []):
+                        logger["typed_config"]["path"] = str(access_log)
     ports = {"backend": backend_port, "llm_extproc": extproc_port}
     for cluster in resources["clusters"]:
+        if cluster["name"] == "backend" and backend_circuit_breakers is not None:
+            cluster["circuit_breakers"] = {"thresholds": [dict(backend_circuit_breakers)]}
         port = ports[cluster["name"]]
         for ep in cluster["load_assignment"]["endpoints"]:
             for lb in ep["lb_endpoints"]:
                 _set_address(lb["endpoint"]["address"], port)
     return yaml.safe_dump(cfg, sort_keys=False)
+
+
+def _drop_ext_proc(cfg: dict[str, Any]) -> None:
+    """Remove the ext_proc filter, every per-route config that names it and its cluster."""
+    resources = cfg["static_resources"]
+    for listener in resources["listeners"]:
+        for chain in listener["filter_chains"]:
+            for f in chain["filters"]:
+                hcm = f["typed_config"]
+                hcm["http_filters"] = [
+                    hf for hf in hcm.get("http_filters", []) if hf["name"] != _EXT_PROC
+                ]
+                for vhost in hcm.get("route_config", {}).get("virtual_hosts", []):
+                    for route in [vhost, *vhost.get("routes", [])]:
+                        per_filter = route.get("typed_per_filter_config")
+                        if per_filter is not None:
+                            per_filter.pop(_EXT_PROC, None)
+                            if not per_filter:
+                                del route["typed_per_filter_config"]
+    resources["clusters"] = [c for c in resources["clusters"] if c["name"] != "llm_extproc"]
 
 
 def wait_tcp(port: int, timeout: float = 15.0, proc: Proc | None = None) -> None:
@@ -185,6 +210,9 @@ class Stack:
     """backend + sidecar + Envoy on free ports. Use as a context manager.
 
     ``backend_argv`` is the backend command with ``{port}`` in place of its port.
+    ``start_envoy=False`` starts the backend (and the sidecar, if asked) only;
+    ``ext_proc=False`` and ``backend_circuit_breakers`` are passed to
+    :func:`render_envoy_config` (plain Envoy, breakers on the backend cluster).
     """
 
     def __init__(
@@ -195,10 +223,16 @@ class Stack:
         envoy_concurrency: int = 1,
         failure_mode_allow: bool | None = None,
         start_sidecar: bool = True,
-        access_log: bool = False,
+        access_log: bool = True,
         log_dir: Path | None = None,
+        start_envoy: bool = True,
+        ext_proc: bool = True,
+        backend_circuit_breakers: Mapping[str, int] | None = None,
     ) -> None:
         self.backend_argv = list(backend_argv)
+        self.start_envoy = start_envoy
+        self.ext_proc = ext_proc
+        self.backend_circuit_breakers = backend_circuit_breakers
         self.policy_path = policy_path
         self.envoy_concurrency = envoy_concurrency
         self.failure_mode_allow = failure_mode_allow
@@ -235,6 +269,8 @@ class Stack:
             wait_http(f"{self.backend_url}/health", proc=backend)
             if self.start_sidecar:
                 self.start_sidecar_proc()
+            if not self.start_envoy:
+                return self
             cfg = self.log_dir / "envoy.yaml"
             cfg.write_text(
                 render_envoy_config(
@@ -244,6 +280,8 @@ class Stack:
                     admin_port=self.admin_port,
                     failure_mode_allow=self.failure_mode_allow,
                     access_log=self.access_log_path if self.access_log else None,
+                    ext_proc=self.ext_proc,
+                    backend_circuit_breakers=self.backend_circuit_breakers,
                 )
             )
             envoy = self.procs["envoy"] = Proc(
@@ -254,6 +292,8 @@ class Stack:
                     "--concurrency", str(self.envoy_concurrency),
                     "--disable-hot-restart",
                     "--log-level", "warning",
+                    # Access-log lines reach the file within 100 ms (default 10 s).
+                    "--file-flush-interval-msec", "100",
                 ],
                 self.log_dir,
             )

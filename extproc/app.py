@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from importlib import resources
+from pathlib import Path
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -17,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.gate import Gate
 from extproc.metrics import Metrics, serve_metrics
-from extproc.policy import Policy, policy_from_yaml
+from extproc.policy import Policy, load_policy, policy_from_yaml
 from extproc.server import ExtProcService
 
 __all__ = ["Sidecar", "default_policy", "split_host_port"]
@@ -48,8 +49,14 @@ class Sidecar:
         *,
         listen: str = "127.0.0.1:50051",
         metrics_listen: str | None = "127.0.0.1:9464",
+        policy_path: str | Path | None = None,
+        watch_interval_s: float = 1.0,
     ) -> None:
         self.policy = policy
+        self.policy_path = Path(policy_path) if policy_path is not None else None
+        self.watch_interval_s = watch_interval_s
+        self._watch_task: asyncio.Task[None] | None = None
+        self.service: ExtProcService | None = None
         self.listen = listen
         self.metrics_listen = metrics_listen
         self.grpc_port: int | None = None
@@ -71,9 +78,8 @@ class Sidecar:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        pb_grpc.add_ExternalProcessorServicer_to_server(
-            ExtProcService(self.policy, gate, metrics), server
-        )
+        self.service = ExtProcService(self.policy, gate, metrics)
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         port = server.add_insecure_port(self.listen)
         if not self.listen.startswith("unix:"):
@@ -90,12 +96,56 @@ class Sidecar:
             host, mport = split_host_port(self.metrics_listen)
             self._metrics_server = await serve_metrics(host, mport, metrics, self.debug_queues)
             self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
+        if self.policy_path is not None and self.watch_interval_s > 0:
+            self._watch_task = asyncio.ensure_future(self._watch())
         log.info(
-            "serving ext_proc on %s, metrics on %s; buckets: %s",
+            "serving ext_proc on %s, metrics on %s; mode %s; buckets: %s",
             self.listen,
             self.metrics_listen or "-",
+            self.policy.mode,
             gate,
         )
+
+    # --- policy reload -------------------------------------------------------------------------
+
+    def reload(self) -> bool:
+        """Re-read the policy file and switch to it atomically; on any error keep the old
+        policy. Called on SIGHUP and when the file changes."""
+        assert self.service is not None and self.metrics is not None
+        if self.policy_path is None:
+            log.warning("reload asked, but the sidecar runs on the embedded policy")
+            return False
+        try:
+            policy = load_policy(self.policy_path)
+            self.service.apply_policy(policy)
+        except Exception as e:  # PolicyError, or a tokenizer that does not load
+            self.metrics.policy_reloads.labels("error").inc()
+            log.error("policy reload refused, keeping the current policy: %s", e)
+            return False
+        self.policy = policy
+        self.metrics.policy_reloads.labels("ok").inc()
+        log.info("policy reloaded from %s; buckets: %s", self.policy_path, self.gate)
+        return True
+
+    def _file_state(self) -> tuple[int, int, int] | None:
+        assert self.policy_path is not None
+        try:
+            st = self.policy_path.stat()
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    async def _watch(self) -> None:
+        """Poll the policy file (an atomic `mv` over it changes its inode; an edit in place
+        its mtime or size). Polling needs no extra dependency and sees Kubernetes ConfigMap
+        symlink swaps too."""
+        last = self._file_state()
+        while True:
+            await asyncio.sleep(self.watch_interval_s)
+            now = self._file_state()
+            if now is not None and now != last:
+                self.reload()
+            last = now
 
     def debug_queues(self) -> dict[str, object]:
         assert self.gate is not None
@@ -111,6 +161,8 @@ class Sidecar:
         }
 
     async def stop(self, grace: float | None = 5.0) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
         await self._health.enter_graceful_shutdown()
         if self._metrics_server is not None:
             self._metrics_server.close()

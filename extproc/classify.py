@@ -5,7 +5,10 @@ Order matters and is fixed:
 2. effective ``max_tokens``: the client's value, or ``limits.default_max_tokens`` when absent;
    above ``limits.max_output_tokens`` it is clamped (``on_excess: clamp``) or refused with 400
    ``max_tokens_too_large`` (``on_excess: reject``);
-3. the first bucket whose match holds for (headers, prompt tokens, effective max_tokens);
+3. the bucket named by the route's metadata, else the first bucket whose match holds for
+   (headers, prompt tokens, effective max_tokens);
+Route metadata (``RouteOverride``) may also replace the limits of steps 1-2 and the queue
+timeout for its route.
 4. the body is re-serialised only when max_tokens changed. Each max_tokens key the client sent
    is set to the effective value; when it sent none, ``max_tokens`` is added (vLLM reads it on
    both endpoints).
@@ -22,9 +25,16 @@ from typing import Any
 
 from extproc.errors import RequestError
 from extproc.parse import ParsedRequest
-from extproc.policy import BucketPolicy, OnExcess, Policy, TokenPolicy
+from extproc.policy import BucketPolicy, Limits, OnExcess, Policy, RouteOverride, TokenPolicy
 
-__all__ = ["Classification", "MaxTokensAction", "TokenCounter", "classify", "token_counter"]
+__all__ = [
+    "Classification",
+    "MaxTokensAction",
+    "TokenCounter",
+    "classify",
+    "effective_limits",
+    "token_counter",
+]
 
 # Counts the tokens of a batch of strings.
 TokenCounter = Callable[[tuple[str, ...]], int]
@@ -44,6 +54,8 @@ class Classification:
     max_tokens_action: MaxTokensAction
     # The body to send upstream when it changed, else None (forward the original bytes).
     new_body: bytes | None
+    # The bucket's, or the route's when route metadata overrides it.
+    queue_timeout_s: float
 
 
 def token_counter(tokens: TokenPolicy) -> TokenCounter:
@@ -84,11 +96,24 @@ def _rewrite(original: dict[str, Any], keys: tuple[str, ...], value: int) -> byt
         return json.dumps(body, separators=(",", ":")).encode("ascii")
 
 
+def effective_limits(limits: Limits, route: RouteOverride | None) -> Limits:
+    if route is None:
+        return limits
+    max_output = route.max_output_tokens or limits.max_output_tokens
+    return Limits(
+        max_prompt_tokens=route.max_prompt_tokens or limits.max_prompt_tokens,
+        max_output_tokens=max_output,
+        default_max_tokens=min(max_output, route.default_max_tokens or limits.default_max_tokens),
+        on_excess=limits.on_excess,
+    )
+
+
 def classify(
     policy: Policy,
     count: TokenCounter,
     headers: Mapping[str, str],
     req: ParsedRequest,
+    route: RouteOverride | None = None,
 ) -> Classification:
     tp = policy.tokens
     prompt_tokens = (
@@ -97,7 +122,7 @@ def classify(
         + req.non_text_parts * tp.non_text_part_tokens
         + req.messages * tp.message_overhead_tokens
     )
-    limits = policy.limits
+    limits = effective_limits(policy.limits, route)
     if prompt_tokens > limits.max_prompt_tokens:
         raise RequestError(
             413,
@@ -131,15 +156,22 @@ def classify(
     )
     new_body = _rewrite(req.body, req.max_tokens_keys, max_tokens) if needs_rewrite else None
 
-    for bucket in policy.buckets:
-        if bucket.match.matches(headers, prompt_tokens, max_tokens):
-            break
-    else:  # pragma: no cover - the policy guarantees a catch-all bucket
-        raise AssertionError("policy has no catch-all bucket")
+    if route is not None and route.bucket is not None:
+        bucket = policy.bucket(route.bucket)
+    else:
+        for bucket in policy.buckets:
+            if bucket.match.matches(headers, prompt_tokens, max_tokens):
+                break
+        else:  # pragma: no cover - the policy guarantees a catch-all bucket
+            raise AssertionError("policy has no catch-all bucket")
+    timeout = bucket.queue_timeout_s
+    if route is not None and route.queue_timeout_s is not None:
+        timeout = route.queue_timeout_s
     return Classification(
         bucket=bucket,
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
         max_tokens_action=action,
         new_body=new_body,
+        queue_timeout_s=timeout,
     )

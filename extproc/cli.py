@@ -11,6 +11,7 @@ import sys
 import yaml
 
 from extproc.app import Sidecar, default_policy
+from extproc.logs import configure as configure_logging
 from extproc.policy import Policy, PolicyError, load_policy
 from extproc.server import MESSAGE_TIMEOUT_MARGIN_S
 
@@ -23,13 +24,18 @@ def _policy(path: str | None) -> Policy:
 
 async def _serve(args: argparse.Namespace) -> None:
     sidecar = Sidecar(
-        _policy(args.policy), listen=args.listen, metrics_listen=args.metrics or None
+        _policy(args.policy),
+        listen=args.listen,
+        metrics_listen=args.metrics or None,
+        policy_path=args.policy,
+        watch_interval_s=args.watch_interval,
     )
     await sidecar.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, sidecar.reload)
     await stop.wait()
     logging.getLogger("extproc").info("stopping")
     await sidecar.stop(grace=args.grace)
@@ -48,7 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         "--metrics", default="127.0.0.1:9464", help="metrics HOST:PORT ('' to disable)"
     )
     serve.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM")
+    serve.add_argument(
+        "--watch-interval", type=float, default=1.0,
+        help="seconds between checks of the policy file for changes (0: only on SIGHUP)",
+    )
     serve.add_argument("--log-level", default="INFO")
+    serve.add_argument("--log-format", choices=("json", "text"), default="json")
 
     check = sub.add_parser("check", help="validate a policy and print it resolved")
     check.add_argument("--policy", help="policy YAML (default: the embedded default policy)")
@@ -68,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level, args.log_format)
     try:
         asyncio.run(_serve(args))
     except PolicyError as e:

@@ -111,11 +111,27 @@ class Gate:
     ) -> None:
         self._loop = loop or asyncio.get_running_loop()
         self._rand = rand
-        self._policy = policy
-        self._core = Admission({b.name: (b.max_concurrency, b.max_queue) for b in policy.buckets})
+        self._core = Admission({})
         self._waiters: dict[int, asyncio.Future[Slot]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
+        self._default_hold: dict[str, float] = {}
+        self.reconfigure(policy)
+
+    # --- configuration -----------------------------------------------------------------------
+
+    def reconfigure(self, policy: Policy) -> None:
+        """Apply a (re)loaded policy. Raised capacity admits waiters at once; lowered capacity
+        lets running requests finish. Buckets no longer in the policy keep draining."""
+        self._retry = policy.retry_after
+        for b in policy.buckets:
+            # Before any slot was released, assume a slot is held for the queue timeout.
+            self._default_hold[b.name] = b.queue_timeout_s
+            self.set_limits(b.name, b.max_concurrency, b.max_queue)
+
+    def set_limits(self, bucket: str, capacity: int, max_queue: int) -> None:
+        self._default_hold.setdefault(bucket, 1.0)
+        self._hand_over(self._core.set_limits(bucket, capacity, max_queue, self._loop.time()))
 
     # --- entering ----------------------------------------------------------------------------
 
@@ -148,10 +164,8 @@ class Gate:
     # --- internals ---------------------------------------------------------------------------
 
     def _retry_after(self, bucket: str) -> float:
-        ra = self._policy.retry_after
-        # Before any slot was released, assume a slot is held for the bucket's queue timeout.
-        default_hold = self._policy.bucket(bucket).queue_timeout_s
-        estimate = self._core.drain_estimate_s(bucket, default_hold)
+        ra = self._retry
+        estimate = self._core.drain_estimate_s(bucket, self._default_hold[bucket])
         return retry_after_s(estimate, ra.min_s, ra.max_s, ra.jitter, self._rand())
 
     def _hand_over(self, tickets: list[Ticket]) -> None:

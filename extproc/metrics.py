@@ -1,5 +1,8 @@
 """Prometheus metrics, recorded in one place: ``Metrics.finish`` when a request's stream ends.
 
+Label values come from bounded sets only: bucket names from the policy (plus ``none``),
+outcomes from ``Outcome``, max_tokens actions. Never anything a client sends.
+
 Gauges of the queues (depth, in flight, capacity) are not updated on the request path at all:
 a custom collector reads ``Gate.statistics()`` when Prometheus scrapes. Every server instance
 has its own ``CollectorRegistry``, so tests can run several side by side.
@@ -21,17 +24,15 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from extproc.admission import BucketStats
-from extproc.errors import Outcome
+from extproc.record import RequestRecord
 
-__all__ = ["NO_BUCKET", "Metrics", "serve_metrics"]
+__all__ = ["Metrics", "serve_metrics"]
 
 # The *_created series double the output and tell an operator nothing here.
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
-# Bucket label of requests refused before a bucket was chosen (bad input, prompt too long).
-NO_BUCKET = "none"
-
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_HOLD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
@@ -40,64 +41,94 @@ class _QueueCollector(Collector):
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        depth = GaugeMetricFamily(
-            "llm_extproc_queue_depth", "Requests waiting for a slot.", labels=["bucket"]
-        )
-        in_flight = GaugeMetricFamily(
-            "llm_extproc_in_flight", "Requests holding a slot.", labels=["bucket"]
-        )
-        capacity = GaugeMetricFamily(
-            "llm_extproc_capacity", "Slots (max_concurrency) of the bucket.", labels=["bucket"]
-        )
+        families = {
+            "queue_depth": GaugeMetricFamily(
+                "llm_extproc_queue_depth", "Requests waiting for a slot.", labels=["bucket"]
+            ),
+            "in_flight": GaugeMetricFamily(
+                "llm_extproc_in_flight", "Requests holding a slot.", labels=["bucket"]
+            ),
+            "capacity": GaugeMetricFamily(
+                "llm_extproc_capacity", "Slots (max_concurrency) of the bucket.", labels=["bucket"]
+            ),
+            "max_queue": GaugeMetricFamily(
+                "llm_extproc_queue_limit", "Longest queue (max_queue) of the bucket.",
+                labels=["bucket"],
+            ),
+        }
         for name, s in self._stats().items():
-            depth.add_metric([name], s.queued)
-            in_flight.add_metric([name], s.in_flight)
-            capacity.add_metric([name], s.capacity)
-        yield depth
-        yield in_flight
-        yield capacity
+            families["queue_depth"].add_metric([name], s.queued)
+            families["in_flight"].add_metric([name], s.in_flight)
+            families["capacity"].add_metric([name], s.capacity)
+            families["max_queue"].add_metric([name], s.max_queue)
+        yield from families.values()
 
 
 class Metrics:
+    """Every metric of one sidecar, in its own registry."""
+
     def __init__(self, stats: Callable[[], dict[str, BucketStats]]) -> None:
-        self.registry = CollectorRegistry()
-        self.registry.register(_QueueCollector(stats))
+        r = self.registry = CollectorRegistry()
+        r.register(_QueueCollector(stats))
         self.requests = Counter(
-            "llm_extproc_requests",
-            "LLM requests finished, by bucket and outcome.",
-            ["bucket", "outcome"],
-            registry=self.registry,
+            "llm_extproc_requests", "LLM requests finished, by bucket and outcome.",
+            ["bucket", "outcome"], registry=r,
         )
         self.queue_wait = Histogram(
             "llm_extproc_queue_wait_seconds",
             "Time from arrival of the body to admission or refusal, by bucket and outcome.",
-            ["bucket", "outcome"],
-            buckets=_WAIT_BUCKETS,
-            registry=self.registry,
+            ["bucket", "outcome"], buckets=_WAIT_BUCKETS, registry=r,
+        )
+        self.slot_hold = Histogram(
+            "llm_extproc_slot_hold_seconds",
+            "Time an admitted request held its slot (until the last byte of the response).",
+            ["bucket"], buckets=_HOLD_BUCKETS, registry=r,
         )
         self.prompt_tokens = Histogram(
-            "llm_extproc_prompt_tokens",
-            "Estimated prompt tokens of parsed requests.",
-            buckets=_TOKEN_BUCKETS,
-            registry=self.registry,
+            "llm_extproc_prompt_tokens", "Estimated prompt tokens of classified requests.",
+            ["bucket"], buckets=_TOKEN_BUCKETS, registry=r,
         )
-        self.max_tokens_actions = Counter(
-            "llm_extproc_max_tokens",
-            "max_tokens decisions: kept, defaulted or clamped.",
-            ["action"],
-            registry=self.registry,
+        self.max_tokens = Histogram(
+            "llm_extproc_max_tokens", "Effective max_tokens of classified requests.",
+            ["bucket"], buckets=_TOKEN_BUCKETS, registry=r,
         )
-        # Children resolved once, so the request path does no label lookups.
-        self._children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+        self.max_tokens_adjusted = Counter(
+            "llm_extproc_max_tokens_adjusted",
+            "Requests whose max_tokens the sidecar set (defaulted) or lowered (clamped).",
+            ["bucket", "action"], registry=r,
+        )
+        self.shadow = Counter(
+            "llm_extproc_shadow_outcomes",
+            "Shadow mode: what enforcement would have done to requests that were admitted.",
+            ["bucket", "outcome"], registry=r,
+        )
+        self.policy_reloads = Counter(
+            "llm_extproc_policy_reloads", "Policy file reloads, by result (ok, error).",
+            ["result"], registry=r,
+        )
+        self.route_policy_errors = Counter(
+            "llm_extproc_route_policy_errors",
+            "Route metadata overrides refused (the file's policy applied instead).",
+            registry=r,
+        )
 
-    def finish(self, bucket: str, outcome: Outcome, wait_s: float) -> None:
-        key = (bucket, outcome)
-        pair = self._children.get(key)
-        if pair is None:
-            pair = (self.requests.labels(*key), self.queue_wait.labels(*key))
-            self._children[key] = pair
-        pair[0].inc()
-        pair[1].observe(wait_s)
+    def finish(self, rec: RequestRecord) -> None:
+        """Record one finished request. Called exactly once per request, by the server."""
+        assert rec.outcome is not None
+        bucket, outcome = rec.bucket, str(rec.outcome)
+        self.requests.labels(bucket, outcome).inc()
+        self.queue_wait.labels(bucket, outcome).observe(rec.queue_s)
+        hold = rec.hold_s
+        if hold is not None:
+            self.slot_hold.labels(bucket).observe(hold)
+        if rec.prompt_tokens is not None:
+            self.prompt_tokens.labels(bucket).observe(rec.prompt_tokens)
+        if rec.max_tokens is not None:
+            self.max_tokens.labels(bucket).observe(rec.max_tokens)
+        if rec.max_tokens_action in ("defaulted", "clamped"):
+            self.max_tokens_adjusted.labels(bucket, rec.max_tokens_action).inc()
+        if rec.shadow_outcome is not None:
+            self.shadow.labels(bucket, str(rec.shadow_outcome)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

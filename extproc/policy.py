@@ -34,15 +34,18 @@ __all__ = [
     "BucketPolicy",
     "Limits",
     "MatchRule",
+    "Mode",
     "OnExcess",
     "Policy",
     "PolicyError",
     "RetryAfterPolicy",
+    "RouteOverride",
     "TokenPolicy",
     "load_policy",
     "parse_duration",
     "policy_from_mapping",
     "policy_from_yaml",
+    "route_override_from_mapping",
 ]
 
 
@@ -53,6 +56,11 @@ class PolicyError(ValueError):
 class OnExcess(StrEnum):
     CLAMP = "clamp"
     REJECT = "reject"
+
+
+class Mode(StrEnum):
+    ENFORCE = "enforce"
+    SHADOW = "shadow"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,6 +112,20 @@ class BucketPolicy:
     max_concurrency: int
     queue_timeout_s: float
     max_queue: int
+    trusted: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteOverride:
+    """Per-route values from Envoy route metadata; None = the policy file's value."""
+
+    bucket: str | None = None
+    max_concurrency: int | None = None
+    max_queue: int | None = None
+    queue_timeout_s: float | None = None
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+    default_max_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,6 +134,8 @@ class Policy:
     limits: Limits = field(default_factory=Limits)
     retry_after: RetryAfterPolicy = field(default_factory=RetryAfterPolicy)
     buckets: tuple[BucketPolicy, ...]
+    mode: Mode = Mode.ENFORCE
+    trusted_headers: tuple[str, ...] = ()
 
     def bucket(self, name: str) -> BucketPolicy:
         for bucket in self.buckets:
@@ -130,6 +154,8 @@ class Policy:
             return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
 
         return {
+            "mode": str(self.mode),
+            "trusted_headers": list(self.trusted_headers),
             "tokens": {
                 "chars_per_token": self.tokens.chars_per_token,
                 "tokenizer": self.tokens.tokenizer,
@@ -162,6 +188,7 @@ class Policy:
                     "max_concurrency": b.max_concurrency,
                     "queue_timeout": duration(b.queue_timeout_s),
                     "max_queue": b.max_queue,
+                    "trusted": b.trusted,
                 }
                 for b in self.buckets
             ],
@@ -350,6 +377,12 @@ def _resolve(msg: policy_pb2.Policy) -> Policy:
     if not 0 <= retry_after.jitter <= 10:
         raise PolicyError("retry_after.jitter: must be between 0 and 10")
 
+    trusted_headers: list[str] = []
+    for i, name in enumerate(msg.trusted_headers):
+        if not _HEADER_NAME.match(name.lower()):
+            raise PolicyError(f"trusted_headers[{i}]: {name!r} is not a valid header name")
+        trusted_headers.append(name.lower())
+
     if not msg.buckets:
         raise PolicyError("buckets: at least one bucket is required")
     buckets: list[BucketPolicy] = []
@@ -378,6 +411,14 @@ def _resolve(msg: policy_pb2.Policy) -> Policy:
             max_prompt_tokens=m.max_prompt_tokens if m.HasField("max_prompt_tokens") else None,
             max_tokens=m.max_tokens if m.HasField("max_tokens") else None,
         )
+        if b.trusted:
+            untrusted = [name for name, _ in match.headers if name not in trusted_headers]
+            if not match.headers or untrusted:
+                raise PolicyError(
+                    f"{where}.match.headers: bucket {b.name!r} is trusted, so it may match only "
+                    "on headers listed in trusted_headers"
+                    + (f" (not: {', '.join(untrusted)})" if untrusted else "")
+                )
         if match.is_catch_all and i != len(msg.buckets) - 1:
             raise PolicyError(
                 f"{where}: bucket {b.name!r} matches every request, so the buckets after it "
@@ -390,6 +431,7 @@ def _resolve(msg: policy_pb2.Policy) -> Policy:
                 max_concurrency=b.max_concurrency,
                 queue_timeout_s=_seconds(b.queue_timeout),
                 max_queue=b.max_queue,
+                trusted=b.trusted,
             )
         )
     if not buckets[-1].match.is_catch_all:
@@ -397,7 +439,51 @@ def _resolve(msg: policy_pb2.Policy) -> Policy:
             f"buckets[{len(buckets) - 1}]: the last bucket must have no `match`, so that every "
             "request has a bucket"
         )
-    return Policy(tokens=tokens, limits=limits, retry_after=retry_after, buckets=tuple(buckets))
+    return Policy(
+        tokens=tokens,
+        limits=limits,
+        retry_after=retry_after,
+        buckets=tuple(buckets),
+        mode=Mode.SHADOW if msg.mode == policy_pb2.SHADOW else Mode.ENFORCE,
+        trusted_headers=tuple(trusted_headers),
+    )
+
+
+def _opt(msg: Any, name: str) -> Any:
+    return getattr(msg, name) if msg.HasField(name) else None
+
+
+def route_override_from_mapping(data: object, policy: Policy) -> RouteOverride:
+    """Validate route metadata (namespace ``llm_extproc``) against the RouteOverride schema
+    and the policy it refines. Raises PolicyError naming the key."""
+    msg = policy_pb2.RouteOverride()
+    _fill(msg, data, "")
+    names = {b.name for b in policy.buckets}
+    override = RouteOverride(
+        bucket=msg.bucket or None,
+        max_concurrency=_opt(msg, "max_concurrency"),
+        max_queue=_opt(msg, "max_queue"),
+        queue_timeout_s=_seconds(msg.queue_timeout) if msg.HasField("queue_timeout") else None,
+        max_prompt_tokens=_opt(msg, "max_prompt_tokens"),
+        max_output_tokens=_opt(msg, "max_output_tokens"),
+        default_max_tokens=_opt(msg, "default_max_tokens"),
+    )
+    if override.bucket is not None and override.bucket not in names:
+        raise PolicyError(
+            f"bucket: {override.bucket!r} is not a bucket of the policy "
+            f"(known: {', '.join(sorted(names))})"
+        )
+    if (override.max_concurrency is not None or override.max_queue is not None) and (
+        override.bucket is None
+    ):
+        raise PolicyError("max_concurrency/max_queue: set `bucket` too, to say whose limits")
+    if override.max_concurrency is not None and override.max_concurrency < 1:
+        raise PolicyError("max_concurrency: must be at least 1")
+    for name in ("max_prompt_tokens", "max_output_tokens", "default_max_tokens"):
+        value = getattr(override, name)
+        if value is not None and value < 1:
+            raise PolicyError(f"{name}: must be at least 1")
+    return override
 
 
 def policy_from_mapping(data: object, source: str = "<policy>") -> Policy:

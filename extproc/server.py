@@ -6,7 +6,8 @@ see ../shared/ENVOY_NOTES.md):
 1. ``request_headers``. Not a POST to /v1/chat/completions or /v1/completions: answer CONTINUE
    with a mode override that skips the body, then answer CONTINUE to anything else until the
    stream ends. Nothing is queued or counted. Otherwise refuse unreadable encodings (415) or a
-   missing body (400) at once, else CONTINUE and wait for the body.
+   missing body (400) at once, else CONTINUE and wait for the body. Route metadata overrides
+   (namespace ``llm_extproc``) arrive on this message as the ``xds.route_metadata`` attribute.
 2. ``request_body`` (end_of_stream). Parse (``extproc.parse``), bound and classify
    (``extproc.classify``); a bad request gets its 4xx as an ImmediateResponse.
 3. Admission (``extproc.gate``). Admitted at once, or queued: then we first send
@@ -14,9 +15,14 @@ see ../shared/ENVOY_NOTES.md):
    and keep reading the stream so that a client who leaves is dropped from the queue at once.
    Queue full or evicted at the deadline: ImmediateResponse 429 with Retry-After.
 4. Admitted: answer the body message with CONTINUE, the rewritten body (if max_tokens changed)
-   and its content-length, and headers for the backend and the access log.
+   and its content-length, headers for the backend, and dynamic metadata for the access log.
 5. Hold: keep reading until Envoy ends the stream (it does so when the HTTP stream is done,
    after the last byte of the response) or cancels it (client gone). Then the slot goes back.
+
+Shadow mode (``mode: shadow``): the same decisions are taken and counted, but every request is
+let through unchanged and at once; what enforcement would have done is recorded as the
+request's ``shadow_outcome``. A request that would have queued keeps a virtual place in its
+bucket's queue, so would-be evictions and queue-full refusals are counted as under enforcement.
 
 The slot is released in one ``finally`` and the request's single ``Outcome`` is recorded in the
 same place, whatever ended the stream.
@@ -35,28 +41,37 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import duration_pb2
+from google.protobuf import duration_pb2, json_format, struct_pb2, text_format
 
-from extproc.classify import Classification, MaxTokensAction, TokenCounter, classify, token_counter
+from extproc.classify import Classification, TokenCounter, classify, token_counter
 from extproc.errors import Outcome, Rejection, RequestError, queue_rejection
 from extproc.gate import Gate, Refused, Slot, Waiter
-from extproc.metrics import NO_BUCKET, Metrics
+from extproc.logs import log_finished
+from extproc.metrics import Metrics
 from extproc.parse import Endpoint, check_content_headers, endpoint_for_path, parse_body
-from extproc.policy import Policy
+from extproc.policy import Mode, Policy, PolicyError, RouteOverride, route_override_from_mapping
+from extproc.record import RequestRecord
 
-__all__ = ["MESSAGE_TIMEOUT_MARGIN_S", "ExtProcService"]
+__all__ = ["MESSAGE_TIMEOUT_MARGIN_S", "METADATA_NAMESPACE", "ExtProcService"]
 
 log = logging.getLogger("extproc.server")
 
-# The message-timeout override sent while queued is the bucket's queue timeout plus this margin,
-# so our own eviction (a 429 with Retry-After) always fires before Envoy's 504. Envoy's
+# The message-timeout override sent while queued is the queue timeout plus this margin, so our
+# own eviction (a 429 with Retry-After) always fires before Envoy's 504. Envoy's
 # max_message_timeout must be at least the longest queue_timeout plus this margin.
 MESSAGE_TIMEOUT_MARGIN_S = 1.0
+
+# Route metadata namespace read from Envoy, and the dynamic metadata namespace we write.
+METADATA_NAMESPACE = "llm_extproc"
+_ROUTE_ATTRIBUTE = "xds.route_metadata"
+_ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
+_ROUTE_CACHE_SIZE = 256
 
 _EOF = grpc.aio.EOF
 _Context = grpc.aio.ServicerContext[Any, Any]
 
 _HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+_BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse())
 _PASS_THROUGH = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(),
     mode_override=processing_mode_pb2.ProcessingMode(
@@ -85,21 +100,42 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
-def _immediate(rejection: Rejection, details: str) -> pb.ProcessingResponse:
+def _metadata(rec: RequestRecord) -> struct_pb2.Struct:
+    """Dynamic metadata for Envoy's access log: %DYNAMIC_METADATA(llm_extproc:bucket)% etc."""
+    fields: dict[str, Any] = {
+        "bucket": rec.bucket,
+        "outcome": str(rec.outcome),
+        "queue_ms": round(rec.queue_s * 1000),
+    }
+    if rec.prompt_tokens is not None:
+        fields["prompt_tokens"] = rec.prompt_tokens
+    if rec.max_tokens is not None:
+        fields["max_tokens"] = rec.max_tokens
+    if rec.code is not None:
+        fields["code"] = rec.code
+    if rec.shadow_outcome is not None:
+        fields["shadow_outcome"] = str(rec.shadow_outcome)
+    md = struct_pb2.Struct()
+    md.update({METADATA_NAMESPACE: fields})
+    return md
+
+
+def _immediate(rejection: Rejection, rec: RequestRecord) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=rejection.status),
             headers=pb.HeaderMutation(set_headers=[_header(k, v) for k, v in rejection.headers()]),
             body=rejection.body,
-            details=details,
-        )
+            details=f"llm_extproc_{rec.code}",
+        ),
+        dynamic_metadata=_metadata(rec),
     )
 
 
-def _admit(cls: Classification, queue_s: float) -> pb.ProcessingResponse:
+def _admit(cls: Classification, rec: RequestRecord) -> pb.ProcessingResponse:
     set_headers = [
         _header("x-llm-bucket", cls.bucket.name),
-        _header("x-llm-queue-ms", str(round(queue_s * 1000))),
+        _header("x-llm-queue-ms", str(round(rec.queue_s * 1000))),
         _header("x-llm-prompt-tokens", str(cls.prompt_tokens)),
         # Echoed to the client by the route's response_headers_to_add (%REQ(x-llm-max-tokens)%),
         # which spares us a round trip on the response path.
@@ -111,7 +147,9 @@ def _admit(cls: Classification, queue_s: float) -> pb.ProcessingResponse:
         common.header_mutation.set_headers.append(
             _header("content-length", str(len(cls.new_body)))
         )
-    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+    return pb.ProcessingResponse(
+        request_body=pb.BodyResponse(response=common), dynamic_metadata=_metadata(rec)
+    )
 
 
 def _timeout_override(seconds: float) -> pb.ProcessingResponse:
@@ -128,33 +166,45 @@ def _headers_of(msg: pb.HttpHeaders) -> dict[str, str]:
 
 
 class _Stream:
-    """What one request's stream has reached, for the single outcome recorded at its end."""
+    """Per-stream state the ``finally`` needs: what is held, and the record."""
 
-    __slots__ = ("arrived_at", "bucket", "decided_at", "outcome", "slot", "waiter")
+    __slots__ = ("rec", "shadow_task", "slot", "waiter")
 
-    def __init__(self) -> None:
-        self.bucket = NO_BUCKET
-        self.outcome: Outcome | None = None
-        self.arrived_at: float | None = None
-        self.decided_at: float | None = None
+    def __init__(self, rec: RequestRecord) -> None:
+        self.rec = rec
         self.slot: Slot | None = None
         self.waiter: Waiter | None = None
+        self.shadow_task: asyncio.Task[None] | None = None
+
+
+class _Invalid:
+    """A route's metadata that failed validation (cached, so it is logged once)."""
+
+
+_INVALID = _Invalid()
 
 
 class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, policy: Policy, gate: Gate, metrics: Metrics) -> None:
-        self._policy = policy
-        self._count: TokenCounter = token_counter(policy.tokens)
         self._gate = gate
         self._metrics = metrics
         self._loop = asyncio.get_running_loop()
-        self._max_tokens_children = {
-            a: metrics.max_tokens_actions.labels(str(a)) for a in MaxTokensAction
-        }
+        self._routes: dict[str, RouteOverride | _Invalid | None] = {}
+        self.apply_policy(policy)
 
-    async def Process(
-        self, request_iterator: object, context: _Context
-    ) -> None:
+    def apply_policy(self, policy: Policy) -> None:
+        """Switch to a new policy: the next request uses it. Raises if it cannot be used
+        (e.g. its tokenizer file does not load); then nothing changes."""
+        count: TokenCounter = token_counter(policy.tokens)
+        self._gate.reconfigure(policy)
+        self._policy, self._count = policy, count
+        self._routes.clear()  # route overrides are validated against the policy
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    async def Process(self, request_iterator: object, context: _Context) -> None:
         msg = await context.read()
         if msg is _EOF:
             return
@@ -168,7 +218,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             await self._pass_through(context, None)
             return
 
-        st = _Stream()
+        st = _Stream(RequestRecord(headers.get("x-request-id", "")))
         try:
             await self._handle(context, msg, headers, endpoint, st)
         except asyncio.CancelledError:
@@ -189,7 +239,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         endpoint: Endpoint,
         st: _Stream,
     ) -> None:
-        loop = self._loop
+        policy = self._policy
+        shadow = policy.mode is Mode.SHADOW
+        rec = st.rec
+        route = self._route_override(msg, policy)
         try:
             check_content_headers(headers.get("content-type"), headers.get("content-encoding"))
             if msg.request_headers.end_of_stream:
@@ -197,45 +250,74 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     400, "empty_body", "The request body is empty; send a JSON object."
                 )
         except RequestError as e:
-            await self._reject(context, st, e.outcome, e.rejection(), e.code)
-            return
+            if not shadow or msg.request_headers.end_of_stream:
+                await self._refuse(context, rec, e.outcome, e.rejection(), e.code)
+                return
+            self._note_shadow(rec, e.outcome, e.code)
         await context.write(_HEADERS_CONTINUE)
 
         body = await self._read_body(context)
         if body is None:
             return  # stream ended before the body: CANCELLED_BEFORE_BODY
-        st.arrived_at = loop.time()
+        rec.arrived_at = self._loop.time()
+        if rec.shadow_outcome is not None:  # unreadable body in shadow mode: let it through
+            await self._admit_unchanged(context, rec)
+            await self._hold(context, None)
+            return
         try:
             parsed = parse_body(endpoint, body)
-            cls = classify(self._policy, self._count, headers, parsed)
+            rec.stream = parsed.stream
+            cls = classify(policy, self._count, headers, parsed, route)
         except RequestError as e:
-            await self._reject(context, st, e.outcome, e.rejection(), e.code)
+            if not shadow:
+                await self._refuse(context, rec, e.outcome, e.rejection(), e.code)
+                return
+            self._note_shadow(rec, e.outcome, e.code)
+            await self._admit_unchanged(context, rec)
+            await self._hold(context, None)
             return
-        self._metrics.prompt_tokens.observe(cls.prompt_tokens)
-        self._max_tokens_children[cls.max_tokens_action].inc()
-        st.bucket = cls.bucket.name
+        rec.bucket = cls.bucket.name
+        rec.prompt_tokens = cls.prompt_tokens
+        rec.max_tokens = cls.max_tokens
+        rec.max_tokens_action = str(cls.max_tokens_action)
 
-        timeout = cls.bucket.queue_timeout_s
+        timeout = cls.queue_timeout_s
         try:
             entry = self._gate.enter(cls.bucket.name, timeout)
         except Refused as r:
-            await self._refuse(context, st, r, timeout)
+            if not shadow:
+                await self._refuse_queue(context, rec, r, timeout)
+                return
+            self._note_shadow(rec, r.outcome, str(r.outcome))
+            entry = None
+        if shadow:
+            if isinstance(entry, Waiter):
+                st.shadow_task = asyncio.ensure_future(self._shadow_wait(st, entry))
+            else:
+                st.slot = entry
+            await self._admit_unchanged(context, rec)
+            await self._hold(context, None)
             return
-        pending_read: asyncio.Future[object] | None = None
+
+        pending_read: asyncio.Future[Any] | None = None
         if isinstance(entry, Waiter):
             st.waiter = entry
             await context.write(_timeout_override(timeout + MESSAGE_TIMEOUT_MARGIN_S))
-            pending_read, slot = await self._wait(context, st, entry)
+            pending_read, slot = await self._wait(context, rec, entry)
+            st.waiter = None
             if slot is None:
                 return  # left the queue: evicted (answered) or the stream ended
-            st.waiter = None
         else:
+            assert isinstance(entry, Slot)
             slot = entry
         st.slot = slot
-        st.decided_at = loop.time()
-        await context.write(_admit(cls, slot.queue_s))
+        rec.outcome = Outcome.ADMITTED
+        rec.decided_at = self._loop.time()
+        await context.write(_admit(cls, rec))
+        await self._hold(context, pending_read)
 
-        # Hold the slot until Envoy ends the stream.
+    async def _hold(self, context: _Context, pending_read: asyncio.Future[Any] | None) -> None:
+        """Keep the stream (and any slot) until Envoy ends it."""
         while True:
             if pending_read is not None:
                 nxt, pending_read = await pending_read, None
@@ -246,8 +328,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             await context.write(_continue_for(nxt))
 
     async def _wait(
-        self, context: _Context, st: _Stream, waiter: Waiter
-    ) -> tuple[asyncio.Future[object] | None, Slot | None]:
+        self, context: _Context, rec: RequestRecord, waiter: Waiter
+    ) -> tuple[asyncio.Future[Any] | None, Slot | None]:
         """Wait for a slot while watching the stream. Returns the read still pending (to be
         awaited by the hold loop) and the slot, or (None, None) when the request left the
         queue."""
@@ -255,14 +337,14 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         assert task is not None
         stream_ended = False
 
-        def on_read(_: asyncio.Future[object]) -> None:
+        def on_read(_: asyncio.Future[Any]) -> None:
             # Envoy half-closed or sent something while we were queued: the stream is over
             # for us. Take the waiter out of the queue now.
             nonlocal stream_ended
             stream_ended = True
             task.cancel()
 
-        read: asyncio.Future[object] = asyncio.ensure_future(context.read())
+        read: asyncio.Future[Any] = asyncio.ensure_future(context.read())
         read.add_done_callback(on_read)
         try:
             slot = await waiter.admitted()
@@ -270,7 +352,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             read.remove_done_callback(on_read)
             read.cancel()
             limit = waiter.ticket.deadline - waiter.ticket.enqueued_at
-            await self._refuse(context, st, r, limit)
+            await self._refuse_queue(context, rec, r, limit)
             return None, None
         except asyncio.CancelledError:
             read.remove_done_callback(on_read)
@@ -281,6 +363,13 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return None, None
         read.remove_done_callback(on_read)
         return read, slot
+
+    async def _shadow_wait(self, st: _Stream, waiter: Waiter) -> None:
+        """Shadow mode: keep the request's virtual place in the queue while it runs."""
+        try:
+            st.slot = await waiter.admitted()  # released when the stream ends
+        except Refused as r:
+            self._note_shadow(st.rec, r.outcome, str(r.outcome))
 
     # --- answers -----------------------------------------------------------------------------
 
@@ -301,22 +390,22 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             # A chunk not marked last (STREAMED mode): acknowledge it and wait for more.
             await context.write(_continue_for(msg))
 
-    async def _reject(
+    async def _refuse(
         self,
         context: _Context,
-        st: _Stream,
+        rec: RequestRecord,
         outcome: Outcome,
         rejection: Rejection,
-        details: str,
+        code: str,
     ) -> None:
-        st.outcome = outcome
-        st.decided_at = self._loop.time()
-        await context.write(_immediate(rejection, f"llm_extproc_{details}"))
+        rec.outcome = outcome
+        rec.code = code
+        rec.decided_at = self._loop.time()
+        await context.write(_immediate(rejection, rec))
 
-    async def _refuse(
-        self, context: _Context, st: _Stream, r: Refused, limit_s: float
+    async def _refuse_queue(
+        self, context: _Context, rec: RequestRecord, r: Refused, limit_s: float
     ) -> None:
-        st.waiter = None
         rejection = queue_rejection(
             r.outcome,
             bucket=r.bucket,
@@ -325,32 +414,95 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             waited_s=r.waited_s,
             limit_s=limit_s,
         )
-        await self._reject(context, st, r.outcome, rejection, str(r.outcome))
+        code = "queue_full" if r.outcome is Outcome.REJECTED_QUEUE_FULL else "queue_timeout"
+        await self._refuse(context, rec, r.outcome, rejection, code)
 
-    async def _pass_through(
-        self, context: _Context, first: pb.ProcessingRequest | None
-    ) -> None:
+    async def _admit_unchanged(self, context: _Context, rec: RequestRecord) -> None:
+        rec.outcome = Outcome.ADMITTED
+        rec.decided_at = self._loop.time()
+        resp = pb.ProcessingResponse()
+        resp.CopyFrom(_BODY_CONTINUE)
+        resp.dynamic_metadata.CopyFrom(_metadata(rec))
+        await context.write(resp)
+
+    def _note_shadow(self, rec: RequestRecord, outcome: Outcome, code: str) -> None:
+        if rec.shadow_outcome is None:
+            rec.shadow_outcome = outcome
+            rec.code = code
+
+    async def _pass_through(self, context: _Context, first: pb.ProcessingRequest | None) -> None:
         if first is not None:
             await context.write(_continue_for(first))
         while (msg := await context.read()) is not _EOF:
             await context.write(_continue_for(msg))
 
+    # --- route metadata ----------------------------------------------------------------------
+
+    def _route_override(self, msg: pb.ProcessingRequest, policy: Policy) -> RouteOverride | None:
+        if _ATTRIBUTES_KEY not in msg.attributes:
+            return None
+        value = msg.attributes[_ATTRIBUTES_KEY].fields.get(_ROUTE_ATTRIBUTE)
+        raw = value.string_value if value is not None else ""
+        if not raw:
+            return None
+        if raw in self._routes:
+            cached = self._routes[raw]
+        else:
+            if len(self._routes) >= _ROUTE_CACHE_SIZE:
+                self._routes.clear()
+            cached = self._routes[raw] = self._compile_route(raw, policy)
+        if isinstance(cached, _Invalid):
+            self._metrics.route_policy_errors.inc()
+            return None
+        return cached
+
+    def _compile_route(self, raw: str, policy: Policy) -> RouteOverride | _Invalid | None:
+        """Parse and validate one route's metadata; apply its bucket limits to the gate."""
+        try:
+            md = text_format.Parse(raw, base_pb2.Metadata())
+        except text_format.ParseError as e:
+            log.warning("route metadata is not text-format Metadata: %s", e)
+            return _INVALID
+        if METADATA_NAMESPACE not in md.filter_metadata:
+            return None
+        data = json_format.MessageToDict(md.filter_metadata[METADATA_NAMESPACE])
+        try:
+            override = route_override_from_mapping(data, policy)
+        except PolicyError as e:
+            log.warning(
+                "route metadata %s.%s refused; the policy file applies to this route",
+                METADATA_NAMESPACE,
+                e,
+                extra={"fields": {"route_metadata": data}},
+            )
+            return _INVALID
+        if override.bucket is not None and (
+            override.max_concurrency is not None or override.max_queue is not None
+        ):
+            b = policy.bucket(override.bucket)
+            self._gate.set_limits(
+                b.name,
+                override.max_concurrency or b.max_concurrency,
+                b.max_queue if override.max_queue is None else override.max_queue,
+            )
+        return override
+
     # --- the one place a request is finished ---------------------------------------------------
 
     def _finish(self, st: _Stream) -> None:
+        if st.shadow_task is not None and not st.shadow_task.done():
+            st.shadow_task.cancel()  # leaves the virtual queue (Waiter.admitted cleans up)
         if st.slot is not None:
             st.slot.release()
         if st.waiter is not None:
             st.waiter.cancel()
-        outcome = st.outcome
-        if outcome is None:
-            if st.slot is not None:
-                outcome = Outcome.ADMITTED
-            elif st.arrived_at is not None:
-                outcome = Outcome.CANCELLED_WHILE_QUEUED
-            else:
-                outcome = Outcome.CANCELLED_BEFORE_BODY
-        now = self._loop.time()
-        start = st.arrived_at if st.arrived_at is not None else now
-        end = st.decided_at if st.decided_at is not None else now
-        self._metrics.finish(st.bucket, outcome, max(0.0, end - start))
+        rec = st.rec
+        rec.ended_at = self._loop.time()
+        if rec.outcome is None:
+            rec.outcome = (
+                Outcome.CANCELLED_WHILE_QUEUED
+                if rec.arrived_at is not None
+                else Outcome.CANCELLED_BEFORE_BODY
+            )
+        self._metrics.finish(rec)
+        log_finished(rec)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import urllib.request
@@ -62,6 +63,7 @@ def write_policy(tmp: Path, text: str) -> Path:
 
 
 def start_stack(tmp: Path, policy: str | None, **kwargs: object) -> Iterator[Stack]:
+    tmp.mkdir(parents=True, exist_ok=True)
     stack = Stack(
         backend_argv=BACKEND,
         policy_path=write_policy(tmp, policy) if policy is not None else None,
@@ -73,3 +75,7 @@ def start_stack(tmp: Path, policy: str | None, **kwargs: object) -> Iterator[Sta
         yield stack
     finally:
         stack.stop()
+
+
+# `with running_stack(tmp, policy) as stack:` for tests that need a stack of their own.
+running_stack = contextlib.contextmanager(start_stack)

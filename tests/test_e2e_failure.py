@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.stack import Stack
-from tests.harness import start_stack
+from tests.harness import running_stack, start_stack
 
 BODY = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999}).encode()
 
@@ -52,7 +52,7 @@ def test_sidecar_down(stack: Stack) -> None:
 
 def test_sidecar_comes_back(tmp_path: Path) -> None:
     """Fail closed while it is down; once it starts, requests are admitted again."""
-    for stack in start_stack(tmp_path, None, start_sidecar=False, failure_mode_allow=False):
+    with running_stack(tmp_path, None, start_sidecar=False, failure_mode_allow=False) as stack:
         assert post(f"{stack.url}/v1/chat/completions")[0] == 500
         stack.start_sidecar_proc()
         status, body = 0, b""

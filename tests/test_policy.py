@@ -49,7 +49,10 @@ def test_defaults_fill_in() -> None:
 
 def test_embedded_default_matches_the_documented_example() -> None:
     p = default_policy()
-    assert [b.name for b in p.buckets] == ["interactive", "batch"]
+    assert [b.name for b in p.buckets] == ["priority", "interactive", "batch"]
+    assert p.trusted_headers == ("x-llm-tier",)
+    priority = p.bucket("priority")
+    assert priority.trusted and priority.match.headers == (("x-llm-tier", "priority"),)
     inter = p.bucket("interactive")
     assert inter.match.headers == (("x-llm-class", "interactive"),)
     assert (inter.match.max_prompt_tokens, inter.match.max_tokens) == (2000, 128)
@@ -77,7 +80,8 @@ buckets:
         ("buckets: []", "buckets: at least one bucket is required"),
         ("{}", "buckets: at least one bucket is required"),
         ("[1, 2]", "<top>: expected a mapping, got list"),
-        ("bucket: []", "bucket: unknown key (known keys: tokens, limits, retry_after, buckets)"),
+        ("bucket: []", "bucket: unknown key (known keys: tokens, limits, retry_after, buckets, "
+         "mode, trusted_headers)"),
         ("buckets: [{name: a, max_concurrency: 1, queue_timeout: 5x, max_queue: 1}]",
          "buckets[0].queue_timeout: bad duration '5x'"),
         ("buckets: [{name: a, max_concurrency: -1, queue_timeout: 5s, max_queue: 1}]",
@@ -115,6 +119,12 @@ buckets:
          "buckets[0].max_queue: expected an integer, got bool True"),
         ("buckets: {name: a}", "buckets: expected a list, got dict"),
         ("buckets: [\n", "not valid YAML"),
+        ("trusted_headers: [x-tier]\nbuckets:\n"
+         "- {name: a, trusted: true, match: {headers: {x-class: a}}, max_concurrency: 1,"
+         " queue_timeout: 1s}\n- {name: b, max_concurrency: 1, queue_timeout: 1s}",
+         "buckets[0].match.headers: bucket 'a' is trusted, so it may match only on headers "
+         "listed in trusted_headers (not: x-class)"),
+        ("mode: strict\n" + MINIMAL, "mode: expected one of enforce, shadow"),
         ("tokens: {tokenizer: /nonexistent/tokenizer.json}\n" + MINIMAL,
          "tokens.tokenizer: no such file '/nonexistent/tokenizer.json'"),
     ],
@@ -157,3 +167,27 @@ def test_round_trip_of_check_output() -> None:
     p = default_policy()
     again = policy_from_yaml(yaml.safe_dump(p.to_dict()))
     assert again == p
+
+
+def test_route_overrides_are_validated_against_the_schema_and_policy() -> None:
+    from extproc.policy import RouteOverride, route_override_from_mapping
+
+    p = default_policy()
+    ok = route_override_from_mapping(
+        {"bucket": "batch", "max_concurrency": 4.0, "queue_timeout": "2s",
+         "max_output_tokens": 64},
+        p,
+    )
+    assert ok == RouteOverride(
+        bucket="batch", max_concurrency=4, queue_timeout_s=2.0, max_output_tokens=64
+    )
+    for data, message in [
+        ({"bucket": "nope"}, "bucket: 'nope' is not a bucket of the policy"),
+        ({"buckett": "batch"}, "buckett: unknown key"),
+        ({"max_concurrency": 3}, "set `bucket` too"),
+        ({"bucket": "batch", "max_concurrency": 0}, "max_concurrency: must be at least 1"),
+        ({"queue_timeout": "soon"}, "queue_timeout: bad duration"),
+        ({"max_output_tokens": -1}, "max_output_tokens: -1 is out of range"),
+    ]:
+        with pytest.raises(PolicyError, match=message):
+            route_override_from_mapping(data, p)

@@ -1,0 +1,80 @@
+"""What one admitted-path request went through, gathered along its stream.
+
+The server fills a ``RequestRecord`` as the stream advances and hands it, once, to
+``Metrics.finish`` and ``log_finished`` when the stream ends. That is the only place a
+request's outcome is counted or logged.
+"""
+
+from __future__ import annotations
+
+from extproc.errors import Outcome
+
+__all__ = ["NO_BUCKET", "RequestRecord"]
+
+# Bucket label of requests refused before a bucket was chosen (bad input, prompt too long).
+NO_BUCKET = "none"
+
+
+class RequestRecord:
+    __slots__ = (
+        "arrived_at",
+        "bucket",
+        "code",
+        "decided_at",
+        "ended_at",
+        "max_tokens",
+        "max_tokens_action",
+        "outcome",
+        "prompt_tokens",
+        "request_id",
+        "shadow_outcome",
+        "stream",
+    )
+
+    def __init__(self, request_id: str = "") -> None:
+        self.request_id = request_id
+        self.bucket = NO_BUCKET
+        # Set when the sidecar answered (or decided to admit); None until then.
+        self.outcome: Outcome | None = None
+        # In shadow mode: what enforcement would have done, when that differs from admitting.
+        self.shadow_outcome: Outcome | None = None
+        self.code: str | None = None  # error code of a refusal
+        self.arrived_at: float | None = None  # body received
+        self.decided_at: float | None = None  # admitted or refused
+        self.ended_at: float | None = None  # stream ended
+        self.prompt_tokens: int | None = None
+        self.max_tokens: int | None = None
+        self.max_tokens_action: str | None = None
+        self.stream = False
+
+    @property
+    def queue_s(self) -> float:
+        if self.arrived_at is None:
+            return 0.0
+        end = self.decided_at if self.decided_at is not None else self.ended_at
+        return max(0.0, (end or self.arrived_at) - self.arrived_at)
+
+    @property
+    def hold_s(self) -> float | None:
+        if self.outcome is not Outcome.ADMITTED or self.decided_at is None:
+            return None
+        return max(0.0, (self.ended_at or self.decided_at) - self.decided_at)
+
+    def as_log(self) -> dict[str, object]:
+        """The request as a log line: bounded fields only, never prompt text."""
+        out: dict[str, object] = {
+            "request_id": self.request_id,
+            "bucket": self.bucket,
+            "outcome": str(self.outcome),
+            "queue_ms": round(self.queue_s * 1000, 1),
+        }
+        for key in ("code", "prompt_tokens", "max_tokens", "max_tokens_action"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        if self.shadow_outcome is not None:
+            out["shadow_outcome"] = str(self.shadow_outcome)
+        hold = self.hold_s
+        if hold is not None:
+            out["hold_ms"] = round(hold * 1000, 1)
+        return out
