@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: test demo bench protos lint clean
+.PHONY: test demo bench protos envoy-rds lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,15 @@ demo: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=extproc/_proto \
 		--pyi_out=extproc/_proto protos/llm_extproc/v1/policy.proto
+
+# Regenerate envoy/envoy-rds.yaml and envoy/routes/routes.yaml from envoy/envoy.yaml.
+envoy-rds: $(STAMP)
+	$(BIN)/python envoy/make_rds.py
+
+lint: $(STAMP)
+	$(BIN)/python -m pip install -q ruff mypy types-PyYAML types-protobuf types-grpcio
+	$(BIN)/ruff check extproc bench tests
+	$(BIN)/mypy extproc
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

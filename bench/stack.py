@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from extproc.envoy_config import to_rds
+
 __all__ = [
     "REPO",
     "Proc",
@@ -225,6 +227,7 @@ class Stack:
         start_sidecar: bool = True,
         access_log: bool = True,
         log_dir: Path | None = None,
+        rds: bool = False,
         start_envoy: bool = True,
         ext_proc: bool = True,
         backend_circuit_breakers: Mapping[str, int] | None = None,
@@ -245,6 +248,8 @@ class Stack:
         self.listener_port = free_port()
         self.admin_port = free_port()
         self.procs: dict[str, Proc] = {}
+        # Routes from a watched file (file-based RDS) instead of static routes.
+        self.rds = rds
 
     @property
     def url(self) -> str:
@@ -257,6 +262,17 @@ class Stack:
     @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    @property
+    def routes_path(self) -> Path:
+        return self.log_dir / "routes" / "routes.yaml"
+
+    def write_routes(self, routes: dict[str, Any] | str) -> None:
+        """Replace the RDS routes file atomically (temp file in the watched dir, then rename)."""
+        text = routes if isinstance(routes, str) else yaml.safe_dump(routes, sort_keys=False)
+        tmp = self.routes_path.with_name(".routes.tmp")
+        tmp.write_text(text)
+        tmp.replace(self.routes_path)
 
     @property
     def access_log_path(self) -> Path:
@@ -272,7 +288,7 @@ class Stack:
             if not self.start_envoy:
                 return self
             cfg = self.log_dir / "envoy.yaml"
-            cfg.write_text(
+            text = (
                 render_envoy_config(
                     listener_port=self.listener_port,
                     backend_port=self.backend_port,
@@ -284,6 +300,12 @@ class Stack:
                     backend_circuit_breakers=self.backend_circuit_breakers,
                 )
             )
+            if self.rds:
+                bootstrap, routes = to_rds(yaml.safe_load(text), str(self.routes_path.parent))
+                self.routes_path.parent.mkdir(exist_ok=True)
+                self.write_routes(routes)
+                text = yaml.safe_dump(bootstrap, sort_keys=False)
+            cfg.write_text(text)
             envoy = self.procs["envoy"] = Proc(
                 "envoy",
                 [

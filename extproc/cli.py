@@ -1,4 +1,4 @@
-"""``llm-extproc serve | check``."""
+"""``llm-extproc serve | check | render-envoy``."""
 
 from __future__ import annotations
 
@@ -41,6 +41,30 @@ async def _serve(args: argparse.Namespace) -> None:
     await sidecar.stop(grace=args.grace)
 
 
+def _render(args: argparse.Namespace) -> int:
+    from extproc.envoy_config import render, validate
+    from extproc.policy import parse_duration
+
+    try:
+        policy = _policy(args.policy)
+        route_wait = parse_duration(args.route_queue_timeout)
+    except (PolicyError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    rendered = render(
+        policy,
+        extproc_address=args.extproc_address,
+        extproc_port=args.extproc_port,
+        longest_route_queue_timeout_s=route_wait,
+    )
+    validate(rendered)
+    print(f"# Envoy settings for policy {args.policy or '<embedded default>'}.")
+    print("# http_filters go before envoy.filters.http.router in the HTTP connection manager;")
+    print("# llm_routes applies to the /v1/chat/completions and /v1/completions routes.")
+    print(yaml.safe_dump(rendered, sort_keys=False), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llm-extproc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,7 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check", help="validate a policy and print it resolved")
     check.add_argument("--policy", help="policy YAML (default: the embedded default policy)")
 
+    render = sub.add_parser(
+        "render-envoy", help="print the Envoy settings the policy needs (filters, cluster, ...)"
+    )
+    render.add_argument("--policy", help="policy YAML (default: the embedded default policy)")
+    render.add_argument("--extproc-address", default="127.0.0.1")
+    render.add_argument("--extproc-port", type=int, default=50051)
+    render.add_argument(
+        "--route-queue-timeout", default="0s",
+        help="longest queue_timeout set in route metadata, if above the policy's",
+    )
+
     args = parser.parse_args(argv)
+    if args.command == "render-envoy":
+        return _render(args)
     if args.command == "check":
         try:
             policy = _policy(args.policy)
