@@ -202,6 +202,15 @@ class Admission:
             for name, b in self._buckets.items()
         }
 
+    def ticket(self, ticket_id: int) -> Ticket | None:
+        """A live ticket (waiting or running), or None."""
+        b = self._where.get(ticket_id)
+        if b is None:
+            return None
+        if ticket_id in b.waiting:
+            return b.waiting[ticket_id]
+        return b.running[ticket_id][0]
+
     def queued(self, bucket: str) -> int:
         return len(self._buckets[bucket].waiting)
 

@@ -8,6 +8,7 @@ one thread only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from importlib import resources
 from pathlib import Path
@@ -161,13 +162,21 @@ class Sidecar:
         }
 
     async def stop(self, grace: float | None = 5.0) -> None:
+        """Graceful stop: health says NOT_SERVING, queued and new requests get 503 with
+        Retry-After, admitted requests may finish for up to ``grace`` seconds, then the server
+        closes (cancelling whatever is left)."""
         if self._watch_task is not None:
             self._watch_task.cancel()
         await self._health.enter_graceful_shutdown()
+        if self.gate is not None:
+            self.gate.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.gate.drained(), grace or 0.0)
         if self._metrics_server is not None:
             self._metrics_server.close()
         if self._server is not None:
-            await self._server.stop(grace)
+            # Answers already written are flushed; streams still open are cancelled.
+            await self._server.stop(0.5)
 
     async def wait(self) -> None:
         assert self._server is not None

@@ -77,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--metrics", default="127.0.0.1:9464", help="metrics HOST:PORT ('' to disable)"
     )
-    serve.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM")
+    serve.add_argument(
+        "--grace", type=float, default=30.0,
+        help="on SIGTERM, seconds admitted requests may take to finish",
+    )
     serve.add_argument(
         "--watch-interval", type=float, default=1.0,
         help="seconds between checks of the policy file for changes (0: only on SIGHUP)",

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["Outcome", "Rejection", "RequestError", "queue_rejection"]
+__all__ = ["Outcome", "Rejection", "RequestError", "queue_code", "queue_rejection"]
 
 
 class Outcome(StrEnum):
@@ -24,6 +24,7 @@ class Outcome(StrEnum):
     REJECTED_TOO_LARGE = "rejected_too_large"  # 413: prompt over max_prompt_tokens
     REJECTED_QUEUE_FULL = "rejected_queue_full"  # 429 at once
     EVICTED_TIMEOUT = "evicted_timeout"  # 429 when the queue deadline passed
+    REJECTED_SHUTTING_DOWN = "rejected_shutting_down"  # 503: the sidecar is stopping
     # The stream ended before an answer: the client left.
     CANCELLED_WHILE_QUEUED = "cancelled_while_queued"
     CANCELLED_BEFORE_BODY = "cancelled_before_body"
@@ -46,6 +47,7 @@ class RequestError(Exception):
     def rejection(self) -> Rejection:
         return Rejection(
             status=self.status,
+            code=self.code,
             body=_error_body(self.message, "invalid_request_error", self.code, self.param),
         )
 
@@ -55,6 +57,7 @@ class Rejection:
     """An answer the sidecar gives in place of the backend."""
 
     status: int
+    code: str
     body: bytes
     retry_after_s: float | None = None
 
@@ -71,17 +74,32 @@ def _error_body(message: str, type_: str, code: str, param: str | None = None) -
     return json.dumps({"error": err}, separators=(",", ":")).encode()
 
 
-_QUEUE_MESSAGES = {
+# The one table from a queue outcome to its answer: status, error type, code, message.
+_QUEUE_ANSWERS = {
     Outcome.REJECTED_QUEUE_FULL: (
+        429,
+        "rate_limit_error",
         "queue_full",
         "The {bucket} queue is full ({queued} waiting). Retry after {retry:.0f}s.",
     ),
     Outcome.EVICTED_TIMEOUT: (
+        429,
+        "rate_limit_error",
         "queue_timeout",
         "Waited {waited:.1f}s in the {bucket} queue without a free slot (limit {limit:g}s). "
         "Retry after {retry:.0f}s.",
     ),
+    Outcome.REJECTED_SHUTTING_DOWN: (
+        503,
+        "service_unavailable_error",
+        "shutting_down",
+        "The admission sidecar is shutting down. Retry after {retry:.0f}s.",
+    ),
 }
+
+
+def queue_code(outcome: Outcome) -> str:
+    return _QUEUE_ANSWERS[outcome][2]
 
 
 def queue_rejection(
@@ -93,7 +111,7 @@ def queue_rejection(
     waited_s: float = 0.0,
     limit_s: float = 0.0,
 ) -> Rejection:
-    code, template = _QUEUE_MESSAGES[outcome]
+    status, type_, code, template = _QUEUE_ANSWERS[outcome]
     message = template.format(
         bucket=bucket,
         queued=queued,
@@ -102,7 +120,8 @@ def queue_rejection(
         retry=max(1, math.ceil(retry_after_s)),
     )
     return Rejection(
-        status=429,
-        body=_error_body(message, "rate_limit_error", code),
+        status=status,
+        code=code,
+        body=_error_body(message, type_, code),
         retry_after_s=retry_after_s,
     )

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from extproc.admission import Admission, BucketStats, Ticket, Verdict
-from extproc.errors import Outcome
+from extproc.errors import Outcome, queue_code
 from extproc.policy import Policy
 
 __all__ = ["Gate", "Refused", "Slot", "Waiter", "retry_after_s"]
@@ -45,6 +45,7 @@ class Refused(Exception):
     ) -> None:
         super().__init__(f"{outcome} in {bucket}")
         self.outcome = outcome
+        self.code = queue_code(outcome)
         self.bucket = bucket
         self.retry_after_s = retry_after_s
         self.queued = queued
@@ -116,6 +117,8 @@ class Gate:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._default_hold: dict[str, float] = {}
+        self._closed = False
+        self._drained: asyncio.Event | None = None  # set up by drained(), while shutting down
         self.reconfigure(policy)
 
     # --- configuration -----------------------------------------------------------------------
@@ -135,7 +138,29 @@ class Gate:
 
     # --- entering ----------------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Shutting down: refuse everyone waiting and every newcomer (503 + Retry-After);
+        requests holding a slot run to the end."""
+        self._closed = True
+        now = self._loop.time()
+        for ticket_id, fut in list(self._waiters.items()):
+            waiter_ticket = self._core.ticket(ticket_id)
+            self._core.cancel(ticket_id, now)
+            if not fut.done() and waiter_ticket is not None:
+                fut.set_exception(self._shutting_down(waiter_ticket.bucket))
+
+    async def drained(self) -> None:
+        """Return once no request holds a slot."""
+        while any(s.in_flight for s in self.statistics().values()):
+            self._drained = asyncio.Event()
+            await self._drained.wait()
+
+    def _shutting_down(self, bucket: str) -> Refused:
+        return Refused(Outcome.REJECTED_SHUTTING_DOWN, bucket, self._retry.min_s, 0, 0.0)
+
     def enter(self, bucket: str, timeout_s: float) -> Slot | Waiter:
+        if self._closed:
+            raise self._shutting_down(bucket)
         now = self._loop.time()
         decision = self._core.enqueue(bucket, now, timeout_s)
         if decision.verdict is Verdict.ADMITTED:
@@ -180,6 +205,8 @@ class Gate:
 
     def _release(self, ticket: Ticket) -> None:
         self._hand_over(self._core.release(ticket.id, self._loop.time()))
+        if self._drained is not None:
+            self._drained.set()  # drained() checks again
 
     def _cancel(self, ticket: Ticket) -> None:
         self._hand_over(self._core.cancel(ticket.id, self._loop.time()))

@@ -251,7 +251,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 )
         except RequestError as e:
             if not shadow or msg.request_headers.end_of_stream:
-                await self._refuse(context, rec, e.outcome, e.rejection(), e.code)
+                await self._refuse(context, rec, e.outcome, e.rejection())
                 return
             self._note_shadow(rec, e.outcome, e.code)
         await context.write(_HEADERS_CONTINUE)
@@ -270,7 +270,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             cls = classify(policy, self._count, headers, parsed, route)
         except RequestError as e:
             if not shadow:
-                await self._refuse(context, rec, e.outcome, e.rejection(), e.code)
+                await self._refuse(context, rec, e.outcome, e.rejection())
                 return
             self._note_shadow(rec, e.outcome, e.code)
             await self._admit_unchanged(context, rec)
@@ -288,7 +288,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if not shadow:
                 await self._refuse_queue(context, rec, r, timeout)
                 return
-            self._note_shadow(rec, r.outcome, str(r.outcome))
+            self._note_shadow(rec, r.outcome, r.code)
             entry = None
         if shadow:
             if isinstance(entry, Waiter):
@@ -369,7 +369,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         try:
             st.slot = await waiter.admitted()  # released when the stream ends
         except Refused as r:
-            self._note_shadow(st.rec, r.outcome, str(r.outcome))
+            self._note_shadow(st.rec, r.outcome, r.code)
 
     # --- answers -----------------------------------------------------------------------------
 
@@ -396,10 +396,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         rec: RequestRecord,
         outcome: Outcome,
         rejection: Rejection,
-        code: str,
     ) -> None:
         rec.outcome = outcome
-        rec.code = code
+        rec.code = rejection.code
         rec.decided_at = self._loop.time()
         await context.write(_immediate(rejection, rec))
 
@@ -414,8 +413,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             waited_s=r.waited_s,
             limit_s=limit_s,
         )
-        code = "queue_full" if r.outcome is Outcome.REJECTED_QUEUE_FULL else "queue_timeout"
-        await self._refuse(context, rec, r.outcome, rejection, code)
+        await self._refuse(context, rec, r.outcome, rejection)
 
     async def _admit_unchanged(self, context: _Context, rec: RequestRecord) -> None:
         rec.outcome = Outcome.ADMITTED

@@ -8,6 +8,9 @@ admission and length limits. Routes with ext_proc disabled are unaffected either
 from __future__ import annotations
 
 import json
+import signal
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -62,3 +65,52 @@ def test_sidecar_comes_back(tmp_path: Path) -> None:
                 break
         assert status == 200
         assert json.loads(json.loads(body)["echo"]["body"])["max_tokens"] == 1024
+
+
+SHUTDOWN_POLICY = """
+buckets:
+  - {name: one, max_concurrency: 1, queue_timeout: 10s, max_queue: 5}
+"""
+
+
+Answer = tuple[int, dict[str, str], bytes]
+
+
+def send(url: str, headers: dict[str, str], out: list[Answer]) -> None:
+    req = urllib.request.Request(
+        url, data=json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(),
+        headers={"content-type": "application/json", **headers}, method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=20) as r:
+            out.append((r.status, dict(r.headers), r.read()))
+    except urllib.error.HTTPError as e:
+        out.append((e.code, dict(e.headers), e.read()))
+
+
+def test_sigterm_drains_admitted_and_refuses_queued_with_503(tmp_path: Path) -> None:
+    with running_stack(tmp_path, SHUTDOWN_POLICY) as stack:
+        url = f"{stack.url}/v1/chat/completions"
+        held: list[Answer] = []
+        queued: list[Answer] = []
+        holder = threading.Thread(target=send, args=(url, {"x-test-delay-ms": "1500"}, held))
+        holder.start()
+        time.sleep(0.3)
+        waiter = threading.Thread(target=send, args=(url, {}, queued))
+        waiter.start()
+        time.sleep(0.3)
+        sidecar = stack.procs["sidecar"]
+        t0 = time.monotonic()
+        sidecar.popen.send_signal(signal.SIGTERM)
+        waiter.join(5)
+        status, headers, body = queued[0]
+        assert status == 503 and time.monotonic() - t0 < 1.0
+        assert json.loads(body)["error"]["code"] == "shutting_down"
+        assert int({k.lower(): v for k, v in headers.items()}["retry-after"]) >= 1
+        late: list[Answer] = []
+        send(url, {}, late)
+        assert late[0][0] == 503  # newcomers while draining
+        holder.join(10)
+        assert held[0][0] == 200  # the admitted request finished
+        assert sidecar.popen.wait(10) == 0
+        assert time.monotonic() - t0 < 5.0

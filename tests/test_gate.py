@@ -164,3 +164,23 @@ def test_many_waiters_evicted_together_by_one_timer() -> None:
         holder.release()
 
     run(main())
+
+
+def test_close_refuses_waiters_and_newcomers_but_keeps_running_slots() -> None:
+    async def main() -> None:
+        gate = Gate(POLICY)
+        holder = gate.enter("b", 5)
+        waiter = gate.enter("b", 5)
+        assert isinstance(holder, Slot) and isinstance(waiter, Waiter)
+        gate.close()
+        with pytest.raises(Refused) as info:
+            await waiter.admitted()
+        assert info.value.outcome is Outcome.REJECTED_SHUTTING_DOWN
+        assert info.value.code == "shutting_down" and info.value.retry_after_s == 1.0
+        with pytest.raises(Refused):
+            gate.enter("b", 5)
+        assert stats(gate) == (1, 0)
+        holder.release()
+        assert stats(gate) == (0, 0)
+
+    run(main())
