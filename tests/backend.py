@@ -5,6 +5,9 @@ non-streamed responses carry ``echo: {body, headers}``; streamed ones (``"stream
 ``x-test-chunks`` SSE chunks (default 3), each after ``x-test-delay-ms`` (default 0), the first
 carrying the echo. ``GET /stats`` reports requests running, finished and aborted (client left),
 so tests can see that work stops when clients leave.
+
+Faults on request (header ``x-test-fault``): ``500`` answers 500; ``reset`` sends the first SSE
+chunk then drops the connection; ``hang`` never answers (until the client leaves).
 """
 
 from __future__ import annotations
@@ -26,6 +29,12 @@ async def llm(request: web.Request) -> web.StreamResponse:
     try:
         delay = int(request.headers.get("x-test-delay-ms", "0")) / 1000
         chunks = int(request.headers.get("x-test-chunks", "3"))
+        fault = request.headers.get("x-test-fault")
+        if fault == "500":
+            STATS["finished"] += 1
+            return web.json_response({"error": {"message": "backend failure"}}, status=500)
+        if fault == "hang":
+            await asyncio.sleep(3600)
         echo = {
             "body": raw.decode("utf-8", "replace"),
             "headers": {k.lower(): v for k, v in request.headers.items()},
@@ -62,6 +71,11 @@ async def llm(request: web.Request) -> web.StreamResponse:
             if i == 0:
                 chunk["echo"] = echo
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if fault == "reset":
+                assert request.transport is not None
+                request.transport.abort()  # drop the connection mid-stream
+                STATS["aborted"] += 1
+                return resp
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         STATS["finished"] += 1
