@@ -85,7 +85,7 @@ async def run_storm(
 
             try:
                 status: int | str = await asyncio.wait_for(call(), abort_after or 60.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 status = "aborted" if abort_after is not None else "timeout"
             except aiohttp.ClientError as e:
                 status = type(e).__name__
