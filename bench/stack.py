@@ -114,6 +114,35 @@ def render_envoy_config(
     return yaml.safe_dump(cfg, sort_keys=False)
 
 
+def _with_upstream_tls(text: str, tls: Mapping[str, Path]) -> str:
+    """Envoy talks to the sidecar over mutual TLS (HTTP/2 by ALPN)."""
+    cfg = yaml.safe_load(text)
+    for cluster in cfg["static_resources"]["clusters"]:
+        if cluster["name"] == "llm_extproc":
+            cluster["transport_socket"] = {
+                "name": "envoy.transport_sockets.tls",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3"
+                    ".UpstreamTlsContext",
+                    "sni": "llm-extproc",
+                    "common_tls_context": {
+                        "alpn_protocols": ["h2"],
+                        "tls_certificates": [{
+                            "certificate_chain": {"filename": str(tls["client.pem"])},
+                            "private_key": {"filename": str(tls["client.key"])},
+                        }],
+                        "validation_context": {
+                            "trusted_ca": {"filename": str(tls["ca.pem"])},
+                            "match_typed_subject_alt_names": [
+                                {"san_type": "DNS", "matcher": {"exact": "llm-extproc"}}
+                            ],
+                        },
+                    },
+                },
+            }
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
 def _drop_ext_proc(cfg: dict[str, Any]) -> None:
     """Remove the ext_proc filter, every per-route config that names it and its cluster."""
     resources = cfg["static_resources"]
@@ -228,6 +257,7 @@ class Stack:
         access_log: bool = True,
         log_dir: Path | None = None,
         rds: bool = False,
+        tls: Mapping[str, Path] | None = None,
         start_envoy: bool = True,
         ext_proc: bool = True,
         backend_circuit_breakers: Mapping[str, int] | None = None,
@@ -250,6 +280,9 @@ class Stack:
         self.procs: dict[str, Proc] = {}
         # Routes from a watched file (file-based RDS) instead of static routes.
         self.rds = rds
+        # Mutual TLS between Envoy and the sidecar: PEM files ca.pem, server.pem/key (the
+        # sidecar's), client.pem/key (Envoy's).
+        self.tls = tls
 
     @property
     def url(self) -> str:
@@ -300,6 +333,8 @@ class Stack:
                     backend_circuit_breakers=self.backend_circuit_breakers,
                 )
             )
+            if self.tls is not None:
+                text = _with_upstream_tls(text, self.tls)
             if self.rds:
                 bootstrap, routes = to_rds(yaml.safe_load(text), str(self.routes_path.parent))
                 self.routes_path.parent.mkdir(exist_ok=True)
@@ -334,6 +369,10 @@ class Stack:
         ]
         if self.policy_path is not None:
             argv += ["--policy", str(self.policy_path)]
+        if self.tls is not None:
+            argv += ["--tls-cert", str(self.tls["server.pem"]),
+                     "--tls-key", str(self.tls["server.key"]),
+                     "--tls-client-ca", str(self.tls["ca.pem"])]
         sidecar = self.procs["sidecar"] = Proc("sidecar", argv, self.log_dir)
         wait_http(self.metrics_url, proc=sidecar)
         wait_tcp(self.extproc_port, proc=sidecar)

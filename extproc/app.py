@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -22,13 +23,30 @@ from extproc.metrics import Metrics, serve_metrics
 from extproc.policy import Policy, load_policy, policy_from_yaml
 from extproc.server import ExtProcService
 
-__all__ = ["Sidecar", "default_policy", "split_host_port"]
+__all__ = ["Sidecar", "TlsFiles", "default_policy", "split_host_port"]
 
 log = logging.getLogger("extproc")
 
 # Envoy buffers the whole request body and sends it in one gRPC message: allow large ones.
 # Envoy's own buffer limit (413 before we see the body) is the real bound on body size.
 MAX_GRPC_MESSAGE = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TlsFiles:
+    """PEM files for the gRPC listener: TLS with cert+key; mutual TLS when client_ca is set
+    (clients, i.e. Envoy, must then present a certificate signed by it)."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.key.read_bytes(), self.cert.read_bytes())],
+            root_certificates=self.client_ca.read_bytes() if self.client_ca else None,
+            require_client_auth=self.client_ca is not None,
+        )
 
 
 def default_policy() -> Policy:
@@ -52,7 +70,9 @@ class Sidecar:
         metrics_listen: str | None = "127.0.0.1:9464",
         policy_path: str | Path | None = None,
         watch_interval_s: float = 1.0,
+        tls: TlsFiles | None = None,
     ) -> None:
+        self.tls = tls
         self.policy = policy
         self.policy_path = Path(policy_path) if policy_path is not None else None
         self.watch_interval_s = watch_interval_s
@@ -82,7 +102,10 @@ class Sidecar:
         self.service = ExtProcService(self.policy, gate, metrics)
         pb_grpc.add_ExternalProcessorServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        port = server.add_insecure_port(self.listen)
+        if self.tls is not None:
+            port = server.add_secure_port(self.listen, self.tls.server_credentials())
+        else:
+            port = server.add_insecure_port(self.listen)
         if not self.listen.startswith("unix:"):
             if port == 0:
                 raise OSError(f"cannot listen on {self.listen}")

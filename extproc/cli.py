@@ -7,10 +7,11 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import yaml
 
-from extproc.app import Sidecar, default_policy
+from extproc.app import Sidecar, TlsFiles, default_policy
 from extproc.logs import configure as configure_logging
 from extproc.policy import Policy, PolicyError, load_policy
 from extproc.server import MESSAGE_TIMEOUT_MARGIN_S
@@ -23,12 +24,22 @@ def _policy(path: str | None) -> Policy:
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    tls = None
+    if args.tls_cert or args.tls_key or args.tls_client_ca:
+        if not (args.tls_cert and args.tls_key):
+            raise SystemExit("error: --tls-cert and --tls-key go together")
+        tls = TlsFiles(
+            cert=Path(args.tls_cert),
+            key=Path(args.tls_key),
+            client_ca=Path(args.tls_client_ca) if args.tls_client_ca else None,
+        )
     sidecar = Sidecar(
         _policy(args.policy),
         listen=args.listen,
         metrics_listen=args.metrics or None,
         policy_path=args.policy,
         watch_interval_s=args.watch_interval,
+        tls=tls,
     )
     await sidecar.start()
     stop = asyncio.Event()
@@ -84,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--watch-interval", type=float, default=1.0,
         help="seconds between checks of the policy file for changes (0: only on SIGHUP)",
+    )
+    serve.add_argument("--tls-cert", help="PEM certificate: serve gRPC over TLS")
+    serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    serve.add_argument(
+        "--tls-client-ca", help="PEM CA: require client certificates signed by it (mutual TLS)"
     )
     serve.add_argument("--log-level", default="INFO")
     serve.add_argument("--log-format", choices=("json", "text"), default="json")

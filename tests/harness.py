@@ -79,3 +79,26 @@ def start_stack(tmp: Path, policy: str | None, **kwargs: object) -> Iterator[Sta
 
 # `with running_stack(tmp, policy) as stack:` for tests that need a stack of their own.
 running_stack = contextlib.contextmanager(start_stack)
+
+
+def make_certs(directory: Path) -> dict[str, Path]:
+    """A throwaway CA, a server certificate for the sidecar (SAN llm-extproc, 127.0.0.1) and a
+    client certificate for Envoy, made with the openssl command line."""
+    import subprocess
+
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True,
+                       timeout=60)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+        "-subj", "/CN=llm-extproc test CA")
+    for name, san in (("server", "DNS:llm-extproc,IP:127.0.0.1"), ("client", "DNS:envoy")):
+        (directory / f"{name}.ext").write_text(f"subjectAltName={san}\n")
+        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext")
+    return {n: directory / n for n in
+            ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
