@@ -157,3 +157,27 @@ def test_slow_but_complete_chunked_upload_is_admitted(stack: Stack) -> None:
     t.join(30)
     assert result and result[0][0] == 200
     assert b'"max_tokens\\": 3' in result[0][2] or b'"max_tokens": 3' in result[0][2]
+
+
+@pytest.mark.parametrize(
+    "body,status,code",
+    [(b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 999}', 200, None),
+     (b"{oops", 400, "invalid_json")],
+)
+def test_http2_clients(stack: Stack, body: bytes, status: int, code: str | None) -> None:
+    """HTTP/2 (prior knowledge, h2c) clients get the same answers; curl speaks it for us."""
+    import subprocess
+
+    out = subprocess.run(
+        ["curl", "-sS", "--http2-prior-knowledge", "-o", "-", "-D", "/dev/stderr",
+         "-H", "content-type: application/json", "--data-binary", "@-",
+         f"{stack.url}/v1/chat/completions"],
+        input=body, capture_output=True, timeout=30, check=True,
+    )
+    head = out.stderr.decode()
+    assert head.startswith(f"HTTP/2 {status}"), head
+    if code is None:
+        assert "x-llm-max-tokens: 100" in head
+        assert json.loads(json.loads(out.stdout)["echo"]["body"])["max_tokens"] == 100
+    else:
+        assert json.loads(out.stdout)["error"]["code"] == code
