@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: test demo bench protos envoy-rds lint clean
+.PHONY: test demo bench bench-overhead soak soak-ci protos envoy-rds lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,14 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m bench.demo
+
+# One hour of mixed load at 1.5x capacity with aborts: leaks, slot balance, drift.
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak --minutes 60
+
+# The five-minute version CI runs after the tests.
+soak-ci: $(STAMP)
+	$(BIN)/python -m bench.soak --minutes 5 --every 30
 
 # Regenerate the policy stubs from protos/ (tests/test_generated.py checks they are current).
 protos: $(STAMP)

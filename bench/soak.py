@@ -1,0 +1,214 @@
+"""Soak: a long mixed load above capacity, with aborts, watching for leaks and drift.
+
+``python -m bench.soak --minutes 60`` (``make soak``; CI runs ``--minutes 5``).
+
+Stack: the echo backend (tests/backend.py: every request takes a fixed ``--backend-ms``), the
+sidecar with SOAK_POLICY (interactive 8 slots, batch 4 slots), the real Envoy. Capacity is
+therefore known: slots / service time. Clients arrive open-loop (Poisson) at ``--load`` times
+that capacity, half interactive, half batch, a share streamed, and ``--abort-share`` of them give
+up at a random moment. Every ``--every`` seconds it samples the sidecar's RSS (from /proc),
+the in-flight and queued gauges, and the latency of the requests finished in the window.
+
+It fails (exit 1) when, after the load stops, anything is still in flight or queued; when the
+outcome counters do not add up to the requests the sidecar saw; when RSS grew by more than
+``--max-rss-growth-mb`` between the first and last sample; or when the p50 latency of admitted
+requests in the last window drifted above twice the first window's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.stack import REPO, Stack
+
+SOAK_POLICY = """
+buckets:
+  - name: interactive
+    match: {headers: {x-llm-class: interactive}}
+    max_concurrency: 8
+    queue_timeout: 1s
+    max_queue: 100
+  - {name: batch, max_concurrency: 4, queue_timeout: 5s, max_queue: 200}
+"""
+SLOTS = 12
+
+
+@dataclass(slots=True)
+class Window:
+    t: float
+    rss_mb: float
+    in_flight: float
+    queued: float
+    sent: int = 0
+    ok: int = 0
+    refused: int = 0
+    aborted: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+    def p(self, q: float) -> float | None:
+        if not self.latencies:
+            return None
+        xs = sorted(self.latencies)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def gauges(stack: Stack) -> dict[str, float]:
+    with urllib.request.urlopen(stack.metrics_url, timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {"in_flight": 0.0, "queued": 0.0, "finished": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "llm_extproc_in_flight":
+                out["in_flight"] += s.value
+            elif s.name == "llm_extproc_queue_depth":
+                out["queued"] += s.value
+            elif s.name == "llm_extproc_requests_total":
+                out["finished"] += s.value
+    return out
+
+
+async def drive(stack: Stack, args: argparse.Namespace, windows: list[Window]) -> int:
+    rng = random.Random(args.seed)
+    capacity = SLOTS / (args.backend_ms / 1000)
+    rate = args.load * capacity
+    end = time.monotonic() + args.minutes * 60
+    pid = stack.procs["sidecar"].popen.pid
+    current = Window(time.monotonic(), rss_mb(pid), 0, 0)
+    windows.append(current)
+    tasks: set[asyncio.Task[None]] = set()
+    sent = 0
+
+    async def one(session: aiohttp.ClientSession, w: Window) -> None:
+        # One chunk when streamed, so every request takes backend_ms and capacity is known.
+        headers = {"content-type": "application/json", "x-test-delay-ms": str(args.backend_ms),
+                   "x-test-chunks": "1"}
+        if rng.random() < 0.5:
+            headers["x-llm-class"] = "interactive"
+        body = json.dumps({"messages": [{"role": "user", "content": "x" * rng.randint(1, 800)}],
+                           "max_tokens": rng.randint(1, 300), "stream": rng.random() < 0.5})
+        abort = rng.uniform(0, 2 * args.backend_ms / 1000) \
+            if rng.random() < args.abort_share else None
+        t0 = time.monotonic()
+
+        async def call() -> int:
+            async with session.post(f"{stack.url}/v1/chat/completions", data=body,
+                                    headers=headers) as r:
+                await r.read()
+                return r.status
+
+        try:
+            status = await asyncio.wait_for(call(), abort or 60)
+        except (TimeoutError, aiohttp.ClientError):
+            w.aborted += 1
+            return
+        if status == 200:
+            w.ok += 1
+            w.latencies.append(time.monotonic() - t0)
+        else:
+            w.refused += 1
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        next_arrival = time.monotonic()
+        while time.monotonic() < end:
+            now = time.monotonic()
+            if now - current.t >= args.every:
+                g = await asyncio.to_thread(gauges, stack)
+                current = Window(now, rss_mb(pid), g["in_flight"], g["queued"])
+                windows.append(current)
+                print(f"  t={now - windows[0].t:6.0f}s rss={current.rss_mb:6.1f}MB "
+                      f"in_flight={g['in_flight']:3.0f} queued={g['queued']:4.0f} "
+                      f"last window: sent={windows[-2].sent} ok={windows[-2].ok} "
+                      f"429={windows[-2].refused} aborted={windows[-2].aborted} "
+                      f"p50={windows[-2].p(0.5)}", flush=True)
+            if now >= next_arrival:
+                task = asyncio.create_task(one(session, current))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                current.sent += 1
+                sent += 1
+                next_arrival += rng.expovariate(rate)
+            await asyncio.sleep(max(0.0, min(next_arrival - time.monotonic(), 0.05)))
+        await asyncio.gather(*tasks)
+    return sent
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=60.0)
+    ap.add_argument("--load", type=float, default=1.5, help="offered load / capacity")
+    ap.add_argument("--backend-ms", type=int, default=100)
+    ap.add_argument("--abort-share", type=float, default=0.2)
+    ap.add_argument("--every", type=float, default=30.0, help="seconds per sample")
+    ap.add_argument("--max-rss-growth-mb", type=float, default=50.0)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args(argv)
+
+    log_dir = Path(REPO / "bench" / "results" / "soak")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    policy = log_dir / "policy.yaml"
+    policy.write_text(SOAK_POLICY)
+    backend = [sys.executable, str(REPO / "tests" / "backend.py"), "--port", "{port}"]
+    windows: list[Window] = []
+    print(f"soak: {args.minutes:g} min at {args.load:g}x capacity "
+          f"({SLOTS} slots x {args.backend_ms} ms), {args.abort_share:.0%} aborts")
+    with Stack(backend_argv=backend, policy_path=policy, log_dir=log_dir) as stack:
+        sent = asyncio.run(drive(stack, args, windows))
+        deadline = time.monotonic() + 15
+        g = gauges(stack)
+        while (g["in_flight"] or g["queued"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            g = gauges(stack)
+        final_rss = rss_mb(stack.procs["sidecar"].popen.pid)
+
+    full = [w for w in windows[1:-1] if w.latencies] or windows
+    first, last = full[0], full[-1]
+    growth = final_rss - windows[1 if len(windows) > 1 else 0].rss_mb
+    p50_first, p50_last = first.p(0.5), last.p(0.5)
+    report = {
+        "sent": sent,
+        "ok": sum(w.ok for w in windows),
+        "refused_429": sum(w.refused for w in windows),
+        "aborted": sum(w.aborted for w in windows),
+        "counted_by_sidecar": g["finished"],
+        "in_flight_after": g["in_flight"],
+        "queued_after": g["queued"],
+        "rss_mb_first_sample": round(windows[1 if len(windows) > 1 else 0].rss_mb, 1),
+        "rss_mb_end": round(final_rss, 1),
+        "p50_s_first_window": p50_first,
+        "p50_s_last_window": p50_last,
+    }
+    print(json.dumps(report, indent=1))
+    problems = []
+    if g["in_flight"] or g["queued"]:
+        problems.append("slots or queue entries left behind")
+    if not sent - report["aborted"] <= g["finished"] <= sent:
+        problems.append("outcome counters do not add up")
+    if growth > args.max_rss_growth_mb:
+        problems.append(f"RSS grew by {growth:.1f} MB")
+    if p50_first and p50_last and p50_last > 2 * p50_first:
+        problems.append("p50 latency drifted above 2x")
+    print("soak: " + ("FAIL: " + "; ".join(problems) if problems else "PASS"))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
