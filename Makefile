@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: test demo bench bench-overhead soak soak-ci protos envoy-rds lint clean
+.PHONY: test demo bench bench-overhead soak soak-ci protos envoy-rds compose-envoy image lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,9 +34,17 @@ protos: $(STAMP)
 envoy-rds: $(STAMP)
 	$(BIN)/python envoy/make_rds.py
 
+# Regenerate deploy/compose/envoy.yaml from envoy/envoy.yaml (tests/test_deploy.py checks it).
+compose-envoy: $(STAMP)
+	$(BIN)/python deploy/compose/render.py
+
+# The sidecar image (needs a Docker engine; none runs on the dev machines).
+image:
+	docker build -t llm-extproc .
+
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff mypy types-PyYAML types-protobuf types-grpcio
-	$(BIN)/ruff check extproc bench tests
+	$(BIN)/ruff check extproc bench tests deploy envoy/make_rds.py
 	$(BIN)/mypy extproc
 
 clean:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -24,7 +24,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from extproc.admission import BucketStats
-from extproc.record import RequestRecord
+from extproc.errors import Outcome
+from extproc.record import NO_BUCKET, RequestRecord
 
 __all__ = ["Metrics", "serve_metrics"]
 
@@ -111,6 +112,15 @@ class Metrics:
             "Route metadata overrides refused (the file's policy applied instead).",
             registry=r,
         )
+
+    def declare(self, buckets: Iterable[str]) -> None:
+        """Create the outcome and reload series at zero, so that rates and increase() see the
+        first eviction or reload error instead of a series that appears at 1."""
+        for bucket in (*buckets, NO_BUCKET):
+            for outcome in Outcome:
+                self.requests.labels(bucket, str(outcome))
+        for result in ("ok", "error"):
+            self.policy_reloads.labels(result)
 
     def finish(self, rec: RequestRecord) -> None:
         """Record one finished request. Called exactly once per request, by the server."""

@@ -197,6 +197,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         (e.g. its tokenizer file does not load); then nothing changes."""
         count: TokenCounter = token_counter(policy.tokens)
         self._gate.reconfigure(policy)
+        self._metrics.declare(b.name for b in policy.buckets)
         self._policy, self._count = policy, count
         self._routes.clear()  # route overrides are validated against the policy
 

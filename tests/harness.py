@@ -32,11 +32,11 @@ def gauge(stack: Stack, name: str, bucket: str) -> float:
 
 
 def outcomes(stack: Stack) -> dict[tuple[str, str], float]:
-    """{(bucket, outcome): count} of finished requests."""
+    """{(bucket, outcome): count} of finished requests (series still at zero left out)."""
     return {
         (dict(labels)["bucket"], dict(labels)["outcome"]): v
         for (name, labels), v in scrape(stack).items()
-        if name == "llm_extproc_requests_total"
+        if name == "llm_extproc_requests_total" and v
     }
 
 

@@ -112,7 +112,7 @@ def finished(sidecar: Sidecar) -> dict[str, float]:
     out = {}
     for metric in sidecar.metrics.requests.collect():
         for sample in metric.samples:
-            if sample.name.endswith("_total"):
+            if sample.name.endswith("_total") and sample.value:
                 out[sample.labels["outcome"]] = sample.value
     return out
 
