@@ -17,6 +17,11 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m bench.demo
 
+# What the sidecar adds per request, against Envoy alone and a naive ext_proc (h2load needed).
+bench-overhead: $(STAMP)
+	@command -v h2load >/dev/null || { echo "needs h2load: apt-get install -y nghttp2-client"; exit 1; }
+	$(BIN)/python -m bench.overhead
+
 # One hour of mixed load at 1.5x capacity with aborts: leaks, slot balance, drift.
 soak: $(STAMP)
 	$(BIN)/python -m bench.soak --minutes 60

@@ -15,7 +15,6 @@ from importlib import resources
 from pathlib import Path
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.gate import Gate
@@ -100,7 +99,7 @@ class Sidecar:
             ]
         )
         self.service = ExtProcService(self.policy, gate, metrics)
-        pb_grpc.add_ExternalProcessorServicer_to_server(self.service, server)
+        server.add_generic_rpc_handlers((self.service.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if self.tls is not None:
             port = server.add_secure_port(self.listen, self.tls.server_credentials())

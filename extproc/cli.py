@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -50,6 +53,20 @@ async def _serve(args: argparse.Namespace) -> None:
     await stop.wait()
     logging.getLogger("extproc").info("stopping")
     await sidecar.stop(grace=args.grace)
+
+
+def _run(main: Coroutine[Any, Any, None], event_loop: str) -> None:
+    """Run on uvloop when asked, or when installed and not refused ("auto")."""
+    if event_loop in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if event_loop == "uvloop":
+                raise SystemExit("error: --event-loop uvloop needs uvloop installed") from None
+        else:
+            uvloop.run(main)
+            return
+    asyncio.run(main)
 
 
 def _render(args: argparse.Namespace) -> int:
@@ -101,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--tls-client-ca", help="PEM CA: require client certificates signed by it (mutual TLS)"
     )
+    serve.add_argument(
+        "--event-loop", choices=("auto", "asyncio", "uvloop"),
+        default=os.environ.get("LLM_EXTPROC_EVENT_LOOP", "auto"),
+        help="auto: uvloop when installed (default; env LLM_EXTPROC_EVENT_LOOP)",
+    )
     serve.add_argument("--log-level", default="INFO")
     serve.add_argument("--log-format", choices=("json", "text"), default="json")
 
@@ -137,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging(args.log_level, args.log_format)
     try:
-        asyncio.run(_serve(args))
+        _run(_serve(args), args.event_loop)
     except PolicyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -65,6 +66,14 @@ class _QueueCollector(Collector):
         yield from families.values()
 
 
+class _Children(NamedTuple):
+    requests: Counter
+    queue_wait: Histogram
+    slot_hold: Histogram
+    prompt_tokens: Histogram
+    max_tokens: Histogram
+
+
 class Metrics:
     """Every metric of one sidecar, in its own registry."""
 
@@ -107,6 +116,7 @@ class Metrics:
             "llm_extproc_policy_reloads", "Policy file reloads, by result (ok, error).",
             ["result"], registry=r,
         )
+        self._children: dict[tuple[str, str], _Children] = {}
         self.route_policy_errors = Counter(
             "llm_extproc_route_policy_errors",
             "Route metadata overrides refused (the file's policy applied instead).",
@@ -126,15 +136,24 @@ class Metrics:
         """Record one finished request. Called exactly once per request, by the server."""
         assert rec.outcome is not None
         bucket, outcome = rec.bucket, str(rec.outcome)
-        self.requests.labels(bucket, outcome).inc()
-        self.queue_wait.labels(bucket, outcome).observe(rec.queue_s)
+        children = self._children.get((bucket, outcome))
+        if children is None:  # resolve the labelled series once per (bucket, outcome)
+            children = self._children[(bucket, outcome)] = _Children(
+                self.requests.labels(bucket, outcome),
+                self.queue_wait.labels(bucket, outcome),
+                self.slot_hold.labels(bucket),
+                self.prompt_tokens.labels(bucket),
+                self.max_tokens.labels(bucket),
+            )
+        children.requests.inc()
+        children.queue_wait.observe(rec.queue_s)
         hold = rec.hold_s
         if hold is not None:
-            self.slot_hold.labels(bucket).observe(hold)
+            children.slot_hold.observe(hold)
         if rec.prompt_tokens is not None:
-            self.prompt_tokens.labels(bucket).observe(rec.prompt_tokens)
+            children.prompt_tokens.observe(rec.prompt_tokens)
         if rec.max_tokens is not None:
-            self.max_tokens.labels(bucket).observe(rec.max_tokens)
+            children.max_tokens.observe(rec.max_tokens)
         if rec.max_tokens_action in ("defaulted", "clamped"):
             self.max_tokens_adjusted.labels(bucket, rec.max_tokens_action).inc()
         if rec.shadow_outcome is not None:

@@ -40,9 +40,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from envoy.type.v3 import http_status_pb2
-from google.protobuf import duration_pb2, json_format, struct_pb2, text_format
+from google.protobuf import duration_pb2, json_format, text_format
 
+from extproc import wire
 from extproc.classify import Classification, TokenCounter, classify, token_counter
 from extproc.errors import Outcome, Rejection, RequestError, queue_rejection
 from extproc.gate import Gate, Refused, Slot, Waiter
@@ -71,7 +71,6 @@ _EOF = grpc.aio.EOF
 _Context = grpc.aio.ServicerContext[Any, Any]
 
 _HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-_BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse())
 _PASS_THROUGH = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(),
     mode_override=processing_mode_pb2.ProcessingMode(
@@ -92,17 +91,9 @@ def _continue_for(msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
     return pb.ProcessingResponse()
 
 
-def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    # raw_value, not value: Envoy sends and expects raw bytes (ENVOY_NOTES).
-    return base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-    )
-
-
-def _metadata(rec: RequestRecord) -> struct_pb2.Struct:
+def _metadata(rec: RequestRecord) -> bytes:
     """Dynamic metadata for Envoy's access log: %DYNAMIC_METADATA(llm_extproc:bucket)% etc."""
-    fields: dict[str, Any] = {
+    fields: dict[str, str | int] = {
         "bucket": rec.bucket,
         "outcome": str(rec.outcome),
         "queue_ms": round(rec.queue_s * 1000),
@@ -115,41 +106,32 @@ def _metadata(rec: RequestRecord) -> struct_pb2.Struct:
         fields["code"] = rec.code
     if rec.shadow_outcome is not None:
         fields["shadow_outcome"] = str(rec.shadow_outcome)
-    md = struct_pb2.Struct()
-    md.update({METADATA_NAMESPACE: fields})
-    return md
+    return wire.metadata_struct(METADATA_NAMESPACE, fields)
 
 
-def _immediate(rejection: Rejection, rec: RequestRecord) -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(
-        immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=rejection.status),
-            headers=pb.HeaderMutation(set_headers=[_header(k, v) for k, v in rejection.headers()]),
-            body=rejection.body,
-            details=f"llm_extproc_{rec.code}",
-        ),
-        dynamic_metadata=_metadata(rec),
+def _immediate(rejection: Rejection, rec: RequestRecord) -> bytes:
+    return wire.immediate(
+        rejection.status,
+        rejection.headers(),
+        rejection.body,
+        f"llm_extproc_{rec.code}",
+        _metadata(rec),
     )
 
 
-def _admit(cls: Classification, rec: RequestRecord) -> pb.ProcessingResponse:
-    set_headers = [
-        _header("x-llm-bucket", cls.bucket.name),
-        _header("x-llm-queue-ms", str(round(rec.queue_s * 1000))),
-        _header("x-llm-prompt-tokens", str(cls.prompt_tokens)),
+def _admit(cls: Classification, rec: RequestRecord) -> bytes:
+    headers = [
+        ("x-llm-bucket", cls.bucket.name),
+        ("x-llm-queue-ms", str(round(rec.queue_s * 1000))),
+        ("x-llm-prompt-tokens", str(cls.prompt_tokens)),
         # Echoed to the client by the route's response_headers_to_add (%REQ(x-llm-max-tokens)%),
         # which spares us a round trip on the response path.
-        _header("x-llm-max-tokens", str(cls.max_tokens)),
+        ("x-llm-max-tokens", str(cls.max_tokens)),
     ]
-    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers))
     if cls.new_body is not None:
-        common.body_mutation.body = cls.new_body
-        common.header_mutation.set_headers.append(
-            _header("content-length", str(len(cls.new_body)))
-        )
-    return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=common), dynamic_metadata=_metadata(rec)
-    )
+        headers.append(("content-length", str(len(cls.new_body))))
+    # Header values go out as raw_value bytes, with OVERWRITE_IF_EXISTS_OR_ADD (ENVOY_NOTES).
+    return wire.body_continue(headers, cls.new_body, _metadata(rec))
 
 
 def _timeout_override(seconds: float) -> pb.ProcessingResponse:
@@ -205,6 +187,20 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def policy(self) -> Policy:
         return self._policy
 
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The Process method, registered so that pre-encoded answers (bytes from
+        ``extproc.wire``) and messages can both be written to the stream."""
+        return grpc.method_handlers_generic_handler(
+            "envoy.service.ext_proc.v3.ExternalProcessor",
+            {
+                "Process": grpc.stream_stream_rpc_method_handler(
+                    self.Process,
+                    request_deserializer=pb.ProcessingRequest.FromString,
+                    response_serializer=wire.serialize,
+                )
+            },
+        )
+
     async def Process(self, request_iterator: object, context: _Context) -> None:
         msg = await context.read()
         if msg is _EOF:
@@ -221,7 +217,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
         st = _Stream(RequestRecord(headers.get("x-request-id", "")))
         try:
-            await self._handle(context, msg, headers, endpoint, st)
+            handling = self._handle(context, msg, headers, endpoint, st)
+            del msg, headers  # _handle drops them before it waits: a waiter keeps little
+            await handling
         except asyncio.CancelledError:
             raise  # the stream was cancelled: Envoy saw the client go
         except Exception:
@@ -277,6 +275,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             await self._admit_unchanged(context, rec)
             await self._hold(context, None)
             return
+        # A queued request may wait long, thousands at once: keep only the classification.
+        del msg, headers, body, parsed
         rec.bucket = cls.bucket.name
         rec.prompt_tokens = cls.prompt_tokens
         rec.max_tokens = cls.max_tokens
@@ -419,10 +419,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def _admit_unchanged(self, context: _Context, rec: RequestRecord) -> None:
         rec.outcome = Outcome.ADMITTED
         rec.decided_at = self._loop.time()
-        resp = pb.ProcessingResponse()
-        resp.CopyFrom(_BODY_CONTINUE)
-        resp.dynamic_metadata.CopyFrom(_metadata(rec))
-        await context.write(resp)
+        await context.write(wire.body_continue((), None, _metadata(rec)))
 
     def _note_shadow(self, rec: RequestRecord, outcome: Outcome, code: str) -> None:
         if rec.shadow_outcome is None:
