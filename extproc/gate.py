@@ -116,7 +116,7 @@ class Gate:
         self._waiters: dict[int, asyncio.Future[Slot]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
-        self._default_hold: dict[str, float] = {}
+        self._queue_timeout: dict[str, float] = {}
         self._closed = False
         self._drained: asyncio.Event | None = None  # set up by drained(), while shutting down
         self.reconfigure(policy)
@@ -128,12 +128,11 @@ class Gate:
         lets running requests finish. Buckets no longer in the policy keep draining."""
         self._retry = policy.retry_after
         for b in policy.buckets:
-            # Before any slot was released, assume a slot is held for the queue timeout.
-            self._default_hold[b.name] = b.queue_timeout_s
+            self._queue_timeout[b.name] = b.queue_timeout_s
             self.set_limits(b.name, b.max_concurrency, b.max_queue)
 
     def set_limits(self, bucket: str, capacity: int, max_queue: int) -> None:
-        self._default_hold.setdefault(bucket, 1.0)
+        self._queue_timeout.setdefault(bucket, 1.0)
         self._hand_over(self._core.set_limits(bucket, capacity, max_queue, self._loop.time()))
 
     # --- entering ----------------------------------------------------------------------------
@@ -190,7 +189,14 @@ class Gate:
 
     def _retry_after(self, bucket: str) -> float:
         ra = self._retry
-        estimate = self._core.drain_estimate_s(bucket, self._default_hold[bucket])
+        timeout = self._queue_timeout[bucket]
+        # Before any slot was released, assume a slot is held for the queue timeout. Cap the
+        # estimate at the queue timeout: every request now queued leaves within that time
+        # (admitted or evicted), so the queue a client would join has turned over by then.
+        # Without the cap, the estimate counts waiters that will be evicted rather than served,
+        # and under sustained overload sends clients away past their own deadlines
+        # (measured in docs/benchmarks.md).
+        estimate = min(self._core.drain_estimate_s(bucket, timeout), timeout)
         return retry_after_s(estimate, ra.min_s, ra.max_s, ra.jitter, self._rand())
 
     def _hand_over(self, tickets: list[Ticket]) -> None:

@@ -184,3 +184,29 @@ def test_close_refuses_waiters_and_newcomers_but_keeps_running_slots() -> None:
         assert stats(gate) == (0, 0)
 
     run(main())
+
+
+def test_retry_after_is_capped_at_the_queue_timeout() -> None:
+    """A long standing queue turns over within one queue timeout (everyone in it is admitted
+    or evicted by then), so Retry-After never sends clients further away than that."""
+
+    async def main() -> None:
+        policy = policy_from_mapping(
+            {"retry_after": {"min": "1s", "max": "60s", "jitter": 0.0},
+             "buckets": [{"name": "b", "max_concurrency": 1, "queue_timeout": "3s",
+                          "max_queue": 100}]}
+        )
+        gate = Gate(policy)
+        holder = gate.enter("b", 3)
+        waiters = [gate.enter("b", 3) for _ in range(100)]
+        with pytest.raises(Refused) as info:
+            gate.enter("b", 3)
+        # Uncapped: (100 + 1) x 3 s / 1 slot = 303 s, clamped to 60 s.
+        assert info.value.retry_after_s == 3.0
+        for w in waiters:
+            assert isinstance(w, Waiter)
+            w.cancel()
+        assert isinstance(holder, Slot)
+        holder.release()
+
+    run(main())
