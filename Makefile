@@ -17,6 +17,10 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m bench.demo
 
+# Admission strategies side by side on the simulator (about 15 min): bench/results/.
+bench: $(STAMP)
+	$(BIN)/python -m bench.compare
+
 # What the sidecar adds per request, against Envoy alone and a naive ext_proc (h2load needed).
 bench-overhead: $(STAMP)
 	@command -v h2load >/dev/null || { echo "needs h2load: apt-get install -y nghttp2-client"; exit 1; }
