@@ -79,6 +79,7 @@ from typing import Any
 import yaml
 
 from bench.stack import REPO, Proc, envoy_binary, free_port, wait_http, wait_tcp
+from extproc.envoy_config import PROCESSING_MODE
 
 __all__ = ["main"]
 
@@ -217,14 +218,7 @@ def _listener(name: str, port: int, cluster: str, *, ext_proc_disabled: bool) ->
         "@type": _EXT_PROC,
         "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
         "failure_mode_allow": False,
-        "processing_mode": {
-            "request_header_mode": "SEND",
-            "response_header_mode": "SKIP",
-            "request_body_mode": "BUFFERED",
-            "response_body_mode": "NONE",
-            "request_trailer_mode": "SKIP",
-            "response_trailer_mode": "SKIP",
-        },
+        "processing_mode": dict(PROCESSING_MODE),  # the shipped mode
         "message_timeout": "1s",
         "max_message_timeout": "600s",
         "allow_mode_override": True,

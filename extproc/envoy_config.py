@@ -35,7 +35,7 @@ from google.protobuf import json_format
 from extproc.policy import Policy
 from extproc.server import MESSAGE_TIMEOUT_MARGIN_S, METADATA_NAMESPACE
 
-__all__ = ["LLM_ROUTE_TIMEOUT_S", "render", "validate"]
+__all__ = ["LLM_ROUTE_TIMEOUT_S", "PROCESSING_MODE", "render", "to_rds", "validate"]
 
 LLM_ROUTE_TIMEOUT_S = 600  # long generations; the sidecar's queue wait counts against it too
 _STREAM_HEADROOM = 1024  # streams being parsed or answered, beyond queued + running
@@ -50,6 +50,18 @@ HEADER_MUTATION_TYPE = (
     "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
 )
 HTTP_OPTIONS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+
+# What the sidecar expects Envoy to send (ENVOY_NOTES: headers SEND, body BUFFERED, no
+# response path). The benchmarks build their ext_proc filters from this too.
+PROCESSING_MODE: dict[str, str] = {
+    "request_header_mode": "SEND",
+    "response_header_mode": "SKIP",
+    "request_body_mode": "BUFFERED",
+    "response_body_mode": "NONE",
+    "request_trailer_mode": "SKIP",
+    "response_trailer_mode": "SKIP",
+}
 
 
 def _seconds(s: float) -> str:
@@ -91,14 +103,7 @@ def render(
                 "@type": EXT_PROC_TYPE,
                 "grpc_service": {"envoy_grpc": {"cluster_name": "llm_extproc"}},
                 "failure_mode_allow": False,
-                "processing_mode": {
-                    "request_header_mode": "SEND",
-                    "response_header_mode": "SKIP",
-                    "request_body_mode": "BUFFERED",
-                    "response_body_mode": "NONE",
-                    "request_trailer_mode": "SKIP",
-                    "response_trailer_mode": "SKIP",
-                },
+                "processing_mode": dict(PROCESSING_MODE),
                 "message_timeout": "1s",
                 "max_message_timeout": _seconds(longest_wait + MESSAGE_TIMEOUT_MARGIN_S),
                 "allow_mode_override": True,
