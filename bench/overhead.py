@@ -89,7 +89,10 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # The ways through Envoy, in the order they are reported.
 FLOOR, NAIVE, SIDECAR, SIDECAR_RW = "floor", "naive", "sidecar", "sidecar+rw"
-WAYS = (FLOOR, NAIVE, SIDECAR, SIDECAR_RW)
+# The same sidecar on its other transport, grpc.aio (``serve --transport grpc``).
+SIDECAR_GRPC = "sidecar-grpc"
+WAYS = (FLOOR, NAIVE, SIDECAR_GRPC, SIDECAR, SIDECAR_RW)
+SERVERS = (NAIVE, SIDECAR_GRPC, SIDECAR)
 HELD = "held"
 
 # --------------------------------------------------------------------------------------------
@@ -300,20 +303,25 @@ class Ports:
     def pick() -> Ports:
         return Ports(
             admin=free_port(),
-            listeners={w: free_port() for w in (FLOOR, NAIVE, SIDECAR, HELD)},
-            grpc={s: free_port() for s in (NAIVE, SIDECAR, HELD)},
-            metrics={s: free_port() for s in (SIDECAR, HELD)},
+            listeners={w: free_port() for w in (FLOOR, NAIVE, SIDECAR_GRPC, SIDECAR, HELD)},
+            grpc={s: free_port() for s in (NAIVE, SIDECAR_GRPC, SIDECAR, HELD)},
+            metrics={s: free_port() for s in (SIDECAR_GRPC, SIDECAR, HELD)},
         )
 
 
 def envoy_config(ports: Ports) -> str:
-    clusters = {NAIVE: "naive_extproc", SIDECAR: "sidecar_extproc", HELD: "held_extproc"}
+    clusters = {
+        NAIVE: "naive_extproc",
+        SIDECAR_GRPC: "sidecar_grpc_extproc",
+        SIDECAR: "sidecar_extproc",
+        HELD: "held_extproc",
+    }
     listeners = [
         # The floor's filter names a real ext_proc cluster, but the route disables the filter.
         _listener(FLOOR, ports.listeners[FLOOR], clusters[NAIVE], ext_proc_disabled=True),
         *(
             _listener(w, ports.listeners[w], clusters[w], ext_proc_disabled=False)
-            for w in (NAIVE, SIDECAR, HELD)
+            for w in (NAIVE, SIDECAR_GRPC, SIDECAR, HELD)
         ),
     ]
     cfg = {
@@ -390,9 +398,10 @@ class Bench:
             self.log_dir,
             env=self.server_env,
         )
-        for name, text in (
-            (SIDECAR, SIDECAR_POLICY),
-            (HELD, HELD_POLICY.replace("{max_queue}", str(self.held_max_queue))),
+        for name, text, transport in (
+            (SIDECAR_GRPC, SIDECAR_POLICY, "grpc"),
+            (SIDECAR, SIDECAR_POLICY, "h2"),
+            (HELD, HELD_POLICY.replace("{max_queue}", str(self.held_max_queue)), "h2"),
         ):
             policy = self.log_dir / f"{name}-policy.yaml"
             policy.write_text(text)
@@ -409,12 +418,14 @@ class Bench:
                     f"127.0.0.1:{p.grpc[name]}",
                     "--metrics",
                     f"127.0.0.1:{p.metrics[name]}",
+                    "--transport",
+                    transport,
                 ],
                 self.log_dir,
                 env=self.server_env,
             )
         wait_tcp(p.grpc[NAIVE], proc=naive)
-        for name in (SIDECAR, HELD):
+        for name in (SIDECAR_GRPC, SIDECAR, HELD):
             wait_http(self.metrics_url(name), proc=self.procs[name])
             wait_tcp(p.grpc[name], proc=self.procs[name])
         cfg = self.log_dir / "envoy.yaml"
@@ -436,7 +447,7 @@ class Bench:
         wait_http(f"http://127.0.0.1:{p.admin}/ready", proc=envoy)
 
     def stop(self) -> None:
-        for name in ("envoy", SIDECAR, HELD, NAIVE):
+        for name in ("envoy", SIDECAR_GRPC, SIDECAR, HELD, NAIVE):
             proc = self.procs.get(name)
             if proc is not None:
                 proc.stop()
@@ -1189,12 +1200,14 @@ def pct(values: Sequence[float], q: float) -> float:
 
 
 def _server_of(way: str) -> str | None:
-    return {NAIVE: NAIVE, SIDECAR: SIDECAR, SIDECAR_RW: SIDECAR}.get(way)
+    return {NAIVE: NAIVE, SIDECAR_GRPC: SIDECAR_GRPC, SIDECAR: SIDECAR, SIDECAR_RW: SIDECAR}.get(
+        way
+    )
 
 
 def sanity_check(bench: Bench, bodies: dict[str, bytes]) -> None:
     """Each way answers 200; the sidecar really runs (it echoes the effective max_tokens)."""
-    expect = {FLOOR: None, NAIVE: None, SIDECAR: "128", SIDECAR_RW: "256"}
+    expect = {FLOOR: None, NAIVE: None, SIDECAR_GRPC: "128", SIDECAR: "128", SIDECAR_RW: "256"}
     for way in WAYS:
         listener = SIDECAR if way == SIDECAR_RW else way
         req = urllib.request.Request(
@@ -1231,7 +1244,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
             w: http_request(f"127.0.0.1:{port[w]}", CHAT_PATH, bodies[w], [CLASS_HEADER])
             for w in WAYS
         }
-        pids = {"envoy": bench.pid("envoy"), NAIVE: bench.pid(NAIVE), SIDECAR: bench.pid(SIDECAR)}
+        pids = {"envoy": bench.pid("envoy"), **{s: bench.pid(s) for s in SERVERS}}
         sanity_check(bench, bodies)
         with CpuMeter(pids) as idle:
             time.sleep(2.0)
@@ -1361,7 +1374,9 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
 def _summarise_open(way: str, s: Samples) -> dict[str, Any]:
     server = _server_of(way)
     ok = len(s.latency_s)
-    others = s.cpu_s["machine"] - s.cpu_s["envoy"] - s.cpu_s[NAIVE] - s.cpu_s[SIDECAR] - s.gen_cpu_s
+    others = (
+        s.cpu_s["machine"] - s.cpu_s["envoy"] - sum(s.cpu_s[x] for x in SERVERS) - s.gen_cpu_s
+    )
     return {
         "requests": s.requests,
         "ok": ok,
@@ -1392,6 +1407,9 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 _CATEGORIES = (
+    ("extproc/h2.py", "transport (extproc/h2.py)"),
+    ("hpack/", "transport (hpack)"),
+    ("uvloop/", "event loop"),
     ("extproc/", "ours (extproc/)"),
     ("grpc/", "grpc python"),
     ("asyncio/", "asyncio loop"),
@@ -1811,7 +1829,7 @@ def report(res: dict[str, Any]) -> str:
             "+ = minus the floor's)"
         )
         p(
-            f"{'way':<11} {'ok':>6} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} {'+p50':>6} "
+            f"{'way':<12} {'ok':>6} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} {'+p50':>6} "
             f"{'+p99':>6} {'srv us/req':>10} {'srv cores':>9} {'envoy us/req':>12} "
             f"{'lag p99 ms':>10} {'gen cores':>9} {'other cores':>11}"
         )
@@ -1819,14 +1837,14 @@ def report(res: dict[str, Any]) -> str:
         for w, r in ways.items():
             bad = r["requests"] - r["ok"]
             p(
-                f"{w:<11} {r['ok']:>6} {r['p50_ms']:>7.3f} {r['p99_ms']:>7.3f} {r['max_ms']:>7.2f} "
+                f"{w:<12} {r['ok']:>6} {r['p50_ms']:>7.3f} {r['p99_ms']:>7.3f} {r['max_ms']:>7.2f} "
                 f"{r['p50_ms'] - f['p50_ms']:>+6.2f} {r['p99_ms'] - f['p99_ms']:>+6.2f} "
                 f"{_f(r['server_cpu_us'], 0):>10} {_f(r['server_cores']):>9} "
                 f"{r['envoy_cpu_us']:>12.0f} {r['lag_p99_ms']:>10.2f} {r['generator_cores']:>9.2f} "
                 f"{r['other_cores']:>11.2f}" + (f"  {bad} FAILED {r['statuses']}" if bad else "")
             )
         n = ways[NAIVE]
-        for w in (SIDECAR, SIDECAR_RW):
+        for w in (SIDECAR_GRPC, SIDECAR, SIDECAR_RW):
             s = ways[w]
             a50 = _ratio(s["p50_ms"] - f["p50_ms"], n["p50_ms"] - f["p50_ms"])
             a99 = _ratio(s["p99_ms"] - f["p99_ms"], n["p99_ms"] - f["p99_ms"])
@@ -1844,13 +1862,13 @@ def report(res: dict[str, Any]) -> str:
             f"{cfg['closed_seconds']:g} s)"
         )
         p(
-            f"{'way':<11} {'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'srv us/req':>10} "
+            f"{'way':<12} {'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'srv us/req':>10} "
             f"{'srv cores':>9} {'envoy us/req':>12} {'envoy cores':>11} {'h2load cores':>12} "
             f"{'other cores':>11}"
         )
         for w, r in closed.items():
             p(
-                f"{w:<11} {r['rate']:>8,.0f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} "
+                f"{w:<12} {r['rate']:>8,.0f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} "
                 f"{_f(r['server_cpu_us'], 0):>10} {_f(r['server_cores']):>9} "
                 f"{r['envoy_cpu_us']:>12.0f} {r['envoy_cores']:>11.2f} {r['h2load_cores']:>12.2f} "
                 f"{r['other_cores']:>11.2f}"
@@ -1861,7 +1879,7 @@ def report(res: dict[str, Any]) -> str:
                 )
             )
         f, n = closed[FLOOR], closed[NAIVE]
-        for w in (NAIVE, SIDECAR, SIDECAR_RW):
+        for w in (NAIVE, SIDECAR_GRPC, SIDECAR, SIDECAR_RW):
             s = closed[w]
             p(
                 f"  {w}: {s['rate'] / f['rate']:.3f}x floor's rate, {s['rate'] / n['rate']:.2f}x "

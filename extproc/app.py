@@ -1,8 +1,12 @@
-"""Assembly: one policy, one gate, one metrics registry, one grpc.aio server.
+"""Assembly: one policy, one gate, one metrics registry, one gRPC server.
 
 ``Sidecar`` wires the stages together and owns the listeners. Everything runs on one asyncio
 event loop in one process, which is what keeps admission exact: the gate's state is touched by
 one thread only.
+
+Two gRPC transports run the same servicer: ``h2`` (default; ``extproc.h2``, HTTP/2 framing on
+the event loop's own sockets) and ``grpc`` (grpc.aio). Both serve ext_proc and the standard
+``grpc.health.v1`` service on the same port.
 """
 
 from __future__ import annotations
@@ -10,19 +14,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from extproc import h2, wire
 from extproc.gate import Gate
 from extproc.metrics import Metrics, serve_metrics
 from extproc.policy import Policy, load_policy, policy_from_yaml
 from extproc.server import ExtProcService
 
-__all__ = ["Sidecar", "TlsFiles", "default_policy", "split_host_port"]
+__all__ = ["TRANSPORTS", "Sidecar", "TlsFiles", "default_policy", "split_host_port"]
+
+TRANSPORTS = ("h2", "grpc")
+_PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+_EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 log = logging.getLogger("extproc")
 
@@ -47,6 +59,76 @@ class TlsFiles:
             require_client_auth=self.client_ca is not None,
         )
 
+    def ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.cert, self.key)
+        if self.client_ca is not None:
+            ctx.load_verify_locations(self.client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.set_alpn_protocols(["h2"])
+        return ctx
+
+
+class H2Health:
+    """grpc.health.v1 for the h2 transport: Check and Watch, with the two calls the sidecar
+    makes of grpc_health's servicer (``set``, ``enter_graceful_shutdown``)."""
+
+    def __init__(self) -> None:
+        self._status: dict[str, int] = {}
+        self._watchers: dict[str, set[asyncio.Queue[int]]] = {}
+        self._shutting_down = False
+
+    async def set(self, service: str, status: int) -> None:
+        if self._shutting_down:
+            return
+        self._set(service, status)
+
+    def _set(self, service: str, status: int) -> None:
+        self._status[service] = status
+        for q in self._watchers.get(service, ()):
+            q.put_nowait(status)
+
+    async def enter_graceful_shutdown(self) -> None:
+        self._shutting_down = True
+        for service in self._status:
+            self._set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def methods(self) -> dict[str, h2.Method]:
+        parse = health_pb2.HealthCheckRequest.FromString
+        return {
+            "/grpc.health.v1.Health/Check": h2.Method(self._check, parse, _serialize),
+            "/grpc.health.v1.Health/Watch": h2.Method(self._watch, parse, _serialize),
+        }
+
+    async def _check(self, call: h2.Call) -> None:
+        request = await call.read()
+        if request is h2.EOF:
+            return
+        status = self._status.get(request.service)
+        if status is None:
+            raise h2.CallAbort(h2.StatusCode.NOT_FOUND, "unknown service")
+        await call.write(health_pb2.HealthCheckResponse(status=status))
+
+    async def _watch(self, call: h2.Call) -> None:
+        request = await call.read()
+        if request is h2.EOF:
+            return
+        q: asyncio.Queue[int] = asyncio.Queue()
+        q.put_nowait(
+            self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+        )
+        watchers = self._watchers.setdefault(request.service, set())
+        watchers.add(q)
+        try:
+            while True:
+                await call.write(health_pb2.HealthCheckResponse(status=await q.get()))
+        finally:
+            watchers.discard(q)
+
+
+def _serialize(message: object) -> bytes:
+    return message.SerializeToString()  # type: ignore[attr-defined,no-any-return]
+
 
 def default_policy() -> Policy:
     text = resources.files("extproc").joinpath("default_policy.yaml").read_text("utf-8")
@@ -70,7 +152,11 @@ class Sidecar:
         policy_path: str | Path | None = None,
         watch_interval_s: float = 1.0,
         tls: TlsFiles | None = None,
+        transport: str = "h2",
     ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
+        self.transport = transport
         self.tls = tls
         self.policy = policy
         self.policy_path = Path(policy_path) if policy_path is not None else None
@@ -81,15 +167,61 @@ class Sidecar:
         self.metrics_listen = metrics_listen
         self.grpc_port: int | None = None
         self.metrics_port: int | None = None
-        self._server: grpc.aio.Server | None = None
+        self._server: grpc.aio.Server | h2.H2Server | None = None
         self._metrics_server: asyncio.Server | None = None
-        self._health = health.aio.HealthServicer()
+        self._health: health.aio.HealthServicer | H2Health = (
+            H2Health() if transport == "h2" else health.aio.HealthServicer()
+        )
         self.gate: Gate | None = None
         self.metrics: Metrics | None = None
 
     async def start(self) -> None:
         self.gate = gate = Gate(self.policy)
         self.metrics = metrics = Metrics(gate.statistics)
+        self.service = ExtProcService(self.policy, gate, metrics)
+        if self.transport == "h2":
+            self._server = await self._start_h2()
+        else:
+            self._server = await self._start_grpc()
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(_EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        if self.metrics_listen:
+            host, mport = split_host_port(self.metrics_listen)
+            self._metrics_server = await serve_metrics(host, mport, metrics, self.debug_queues)
+            self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
+        if self.policy_path is not None and self.watch_interval_s > 0:
+            self._watch_task = asyncio.ensure_future(self._watch())
+        log.info(
+            "serving ext_proc on %s (%s), metrics on %s; mode %s; buckets: %s",
+            self.listen,
+            self.transport,
+            self.metrics_listen or "-",
+            self.policy.mode,
+            gate,
+        )
+
+    async def _start_h2(self) -> h2.H2Server:
+        assert self.service is not None and isinstance(self._health, H2Health)
+        service = self.service
+
+        def process(call: h2.Call) -> Any:
+            return service.Process(None, call)
+
+        parse = ext_pb.ProcessingRequest.FromString
+        methods = {_PROCESS: h2.Method(process, parse, wire.serialize)}
+        methods.update(self._health.methods())
+        server = h2.H2Server(methods, max_message=MAX_GRPC_MESSAGE)
+        ctx = self.tls.ssl_context() if self.tls is not None else None
+        if self.listen.startswith("unix:"):
+            path = self.listen.removeprefix("unix:")
+            await server.listen_unix(path.removeprefix("//"), ctx)
+        else:
+            host, port = split_host_port(self.listen)
+            self.grpc_port = await server.listen(host, port, ctx)
+        return server
+
+    async def _start_grpc(self) -> grpc.aio.Server:
+        assert self.service is not None and isinstance(self._health, health.aio.HealthServicer)
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
@@ -98,7 +230,6 @@ class Sidecar:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        self.service = ExtProcService(self.policy, gate, metrics)
         server.add_generic_rpc_handlers((self.service.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if self.tls is not None:
@@ -110,24 +241,7 @@ class Sidecar:
                 raise OSError(f"cannot listen on {self.listen}")
             self.grpc_port = port
         await server.start()
-        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self._health.set(
-            "envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.SERVING
-        )
-        self._server = server
-        if self.metrics_listen:
-            host, mport = split_host_port(self.metrics_listen)
-            self._metrics_server = await serve_metrics(host, mport, metrics, self.debug_queues)
-            self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
-        if self.policy_path is not None and self.watch_interval_s > 0:
-            self._watch_task = asyncio.ensure_future(self._watch())
-        log.info(
-            "serving ext_proc on %s, metrics on %s; mode %s; buckets: %s",
-            self.listen,
-            self.metrics_listen or "-",
-            self.policy.mode,
-            gate,
-        )
+        return server
 
     # --- policy reload -------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from extproc.app import Sidecar, TlsFiles, default_policy
+from extproc.app import TRANSPORTS, Sidecar, TlsFiles, default_policy
 from extproc.logs import configure as configure_logging
 from extproc.policy import Policy, PolicyError, load_policy
 from extproc.server import MESSAGE_TIMEOUT_MARGIN_S
@@ -43,6 +43,7 @@ async def _serve(args: argparse.Namespace) -> None:
         policy_path=args.policy,
         watch_interval_s=args.watch_interval,
         tls=tls,
+        transport=args.transport,
     )
     await sidecar.start()
     stop = asyncio.Event()
@@ -122,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         "--event-loop", choices=("auto", "asyncio", "uvloop"),
         default=os.environ.get("LLM_EXTPROC_EVENT_LOOP", "auto"),
         help="auto: uvloop when installed (default; env LLM_EXTPROC_EVENT_LOOP)",
+    )
+    serve.add_argument(
+        "--transport", choices=TRANSPORTS,
+        default=os.environ.get("LLM_EXTPROC_TRANSPORT", "h2"),
+        help="h2: the sidecar's own HTTP/2 gRPC server (default); grpc: grpc.aio "
+        "(env LLM_EXTPROC_TRANSPORT)",
     )
     serve.add_argument("--log-level", default="INFO")
     serve.add_argument("--log-format", choices=("json", "text"), default="json")

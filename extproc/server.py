@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -68,7 +68,15 @@ _ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
 _ROUTE_CACHE_SIZE = 256
 
 _EOF = grpc.aio.EOF
-_Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class _Context(Protocol):
+    """What the servicer needs of a stream; grpc.aio's context and ``extproc.h2.Call`` both
+    have it. ``read`` returns ``grpc.aio.EOF`` once Envoy half-closed the stream."""
+
+    async def read(self) -> Any: ...
+
+    async def write(self, message: Any) -> None: ...
 
 _HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _PASS_THROUGH = pb.ProcessingResponse(

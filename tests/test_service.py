@@ -1,6 +1,8 @@
 """Tier 2: the gRPC service in-process, over a real loopback gRPC channel (no Envoy).
 
 These pin the exact messages we send Envoy; the end-to-end tests pin what Envoy does with them.
+Every test runs on both transports (``h2``, the default, and ``grpc``), with grpc-python's
+client, so the h2 transport is also checked against a second gRPC implementation.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.app import Sidecar
+from extproc.app import TRANSPORTS, Sidecar
 from extproc.policy import policy_from_yaml
 
 POLICY = policy_from_yaml(
@@ -57,10 +59,21 @@ CHAT = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
 
 Test = Callable[[Sidecar, pb_grpc.ExternalProcessorStub], Awaitable[None]]
 
+TRANSPORT = "h2"
+
+
+@pytest.fixture(autouse=True, params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    global TRANSPORT
+    TRANSPORT = request.param
+    return TRANSPORT  # type: ignore[no-any-return]
+
 
 def with_sidecar(test: Test) -> None:
     async def main() -> None:
-        sidecar = Sidecar(POLICY, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0")
+        sidecar = Sidecar(
+            POLICY, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", transport=TRANSPORT
+        )
         await sidecar.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}") as ch:
@@ -355,7 +368,7 @@ def test_health_and_metrics_endpoints() -> None:
 def test_unix_socket_listener(tmp_path: Path) -> None:
     async def main() -> None:
         path = tmp_path / "extproc.sock"
-        sidecar = Sidecar(POLICY, listen=f"unix:{path}", metrics_listen=None)
+        sidecar = Sidecar(POLICY, listen=f"unix:{path}", metrics_listen=None, transport=TRANSPORT)
         await sidecar.start()
         try:
             async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
@@ -369,3 +382,21 @@ def test_unix_socket_listener(tmp_path: Path) -> None:
             await sidecar.stop(0)
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_health_unknown_service_and_watch() -> None:
+    async def t(sidecar: Sidecar, stub: pb_grpc.ExternalProcessorStub) -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await health.Check(health_pb2.HealthCheckRequest(service="nope"))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
+            first = await watch.read()
+            assert first.status == health_pb2.HealthCheckResponse.SERVING
+            await sidecar._health.enter_graceful_shutdown()
+            second = await watch.read()
+            assert second.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            watch.cancel()
+
+    with_sidecar(t)
