@@ -331,6 +331,7 @@ class _Connection(asyncio.Protocol):
         self._recv_unacked = 0
         self._blocked: dict[int, Call] = {}  # calls with DATA waiting for window
         self._out: list[bytes] = []
+        self._batching = False  # while frames are read: what they make goes out in one write
         self._goaway_sent = False
         self.closed = False
 
@@ -352,6 +353,15 @@ class _Connection(asyncio.Protocol):
         self._write(_frame(WINDOW_UPDATE, 0, 0, _U32.pack(OUR_WINDOW - DEFAULT_WINDOW)))
 
     def data_received(self, data: bytes) -> None:
+        self._batching = True
+        try:
+            self._data_received(data)
+        finally:
+            self._batching = False
+            if self._out:
+                self._flush_out()
+
+    def _data_received(self, data: bytes) -> None:
         if self._buf:
             data = self._buf + data
             self._buf = b""
@@ -659,9 +669,10 @@ class _Connection(asyncio.Protocol):
     def send_message(self, call: Call, payload: bytes) -> None:
         n = len(payload)
         data = struct.pack(">BL", 0, n) + payload
+        head = b""
         if not call.headers_sent:
             call.headers_sent = True
-            self._write(_frame(HEADERS, END_HEADERS, call.id, _RESPONSE_HEADERS))
+            head = _frame(HEADERS, END_HEADERS, call.id, _RESPONSE_HEADERS)
         size = n + 5
         if (
             not call.pending
@@ -671,8 +682,10 @@ class _Connection(asyncio.Protocol):
         ):
             self.send_window -= size
             call.send_window -= size
-            self._write(_HEADER.pack(size >> 16, size & 0xFFFF, DATA, 0, call.id) + data)
+            self._write(head + _HEADER.pack(size >> 16, size & 0xFFFF, DATA, 0, call.id) + data)
             return
+        if head:
+            self._write(head)
         call.pending.append((data, False))
         self._blocked[call.id] = call
         self._flush_blocked()
@@ -703,9 +716,10 @@ class _Connection(asyncio.Protocol):
                     self._forget(call)
 
     def _write(self, data: bytes) -> None:
-        if not self._out:
-            self.loop.call_soon(self._flush_out)
-        self._out.append(data)
+        if self._batching:
+            self._out.append(data)
+        elif self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
 
     def _flush_out(self) -> None:
         out, self._out = self._out, []
