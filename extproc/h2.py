@@ -67,6 +67,9 @@ OUR_MAX_FRAME = 1 << 20
 OUR_WINDOW = MAX_WINDOW
 _TOP_UP = 1 << 30
 MAX_HEADER_BLOCK = 256 * 1024
+# Open calls per connection (announced, and enforced with REFUSED_STREAM). Every request Envoy
+# holds in a queue is one open call: far above any queue, and a bound on what one client costs.
+MAX_CONCURRENT_STREAMS = 200_000
 
 _HEADER = struct.Struct(">BHBBL")  # 24-bit length as (high byte, low 16 bits), type, flags, id
 _U32 = struct.Struct(">L")
@@ -341,7 +344,9 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
         self.server.connections.add(self)
         settings = struct.pack(
-            ">HLHLHL",
+            ">HLHLHLHL",
+            S_MAX_CONCURRENT_STREAMS,
+            MAX_CONCURRENT_STREAMS,
             S_INITIAL_WINDOW_SIZE,
             OUR_WINDOW,
             S_MAX_FRAME_SIZE,
@@ -353,6 +358,8 @@ class _Connection(asyncio.Protocol):
         self._write(_frame(WINDOW_UPDATE, 0, 0, _U32.pack(OUR_WINDOW - DEFAULT_WINDOW)))
 
     def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return  # failed: what still arrives is read and dropped until we close
         self._batching = True
         try:
             self._data_received(data)
@@ -380,10 +387,11 @@ class _Connection(asyncio.Protocol):
             unpack = _HEADER.unpack_from
             while n - pos >= 9:
                 hi, lo, ftype, flags, sid = unpack(data, pos)
-                end = pos + 9 + (hi << 16 | lo)
+                length = hi << 16 | lo
+                if length > OUR_MAX_FRAME:
+                    raise ConnectionError_(FRAME_SIZE_ERROR, "frame larger than announced")
+                end = pos + 9 + length
                 if end > n:
-                    if end - pos > OUR_MAX_FRAME + 9:
-                        raise ConnectionError_(FRAME_SIZE_ERROR, "frame larger than announced")
                     break
                 self._on_frame(ftype, flags, sid & 0x7FFFFFFF, data[pos + 9 : end])
                 pos = end
@@ -393,12 +401,10 @@ class _Connection(asyncio.Protocol):
                 self._buf = data[pos:]
         except ConnectionError_ as e:
             log.warning("closing an HTTP/2 connection: %s", e)
-            self._goaway(e.code, str(e))
-            self._close()
+            self._fail(e.code, str(e))
         except Exception:
             log.exception("HTTP/2 connection failed")
-            self._goaway(INTERNAL_ERROR, "internal error")
-            self._close()
+            self._fail(INTERNAL_ERROR, "internal error")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -516,7 +522,7 @@ class _Connection(asyncio.Protocol):
         if sid % 2 == 0:
             raise ConnectionError_(PROTOCOL_ERROR, "even stream id from a client")
         self._last_id = sid
-        if self._goaway_sent:
+        if self._goaway_sent or len(self.calls) >= MAX_CONCURRENT_STREAMS:
             self._write(_frame(RST_STREAM, 0, sid, _U32.pack(0x7)))  # REFUSED_STREAM
             return
         path = b""
@@ -737,6 +743,17 @@ class _Connection(asyncio.Protocol):
         self._flush_out()
         if self.transport is not None:
             self.transport.close()
+
+    def _fail(self, code: int, why: str) -> None:
+        """A connection error: cancel every call, GOAWAY, and close a moment later. Closing at
+        once, with the peer's bytes still unread, would make the kernel send a reset, which can
+        destroy the GOAWAY before the peer reads it."""
+        self._goaway(code, why)
+        self.closed = True
+        for call in list(self.calls.values()):
+            self._cancel(call)
+        self._flush_out()
+        self.loop.call_later(0.1, self._close)
 
     # --- server stop ---------------------------------------------------------------------------
 

@@ -365,3 +365,34 @@ def test_header_cache_is_exact_while_the_table_changes() -> None:
         assert list(conn._decoded) == [again]  # cached again after the table changed
 
     run(t)
+
+
+def test_streams_above_the_limit_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(h2, "MAX_CONCURRENT_STREAMS", 2)
+
+    async def t(server: H2Server, st: dict[str, Any]) -> None:
+        c = await Client.connect(st["port"])
+        for sid in (1, 3, 5):
+            c.open(sid, "/t.T/Hold")
+        frames = await c.until(lambda ft, fl, sid, p: ft == RST_STREAM)
+        assert frames[-1][2] == 5 and frames[-1][3] == struct.pack(">L", 0x7)  # REFUSED
+        assert sorted(next(iter(server.connections)).calls) == [1, 3]
+        c.close()
+
+    run(t)
+
+
+def test_frame_above_the_announced_size_ends_the_connection() -> None:
+    async def t(server: H2Server, st: dict[str, Any]) -> None:
+        c = await Client.connect(st["port"])
+        c.open(1, "/t.T/Echo")
+        c.send(frame(DATA, 0, 1, b"\0" * (h2.OUR_MAX_FRAME + 1)))
+        frames = await c.until(lambda ft, fl, sid, p: ft == GOAWAY)
+        assert struct.unpack(">LL", frames[-1][3][:8])[1] == 0x6  # FRAME_SIZE_ERROR
+        try:  # closed (reset, if our unread bytes were still in its socket)
+            assert await asyncio.wait_for(c.reader.read(), 5) == b""
+        except ConnectionResetError:
+            pass
+        c.close()
+
+    run(t)
