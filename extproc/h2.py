@@ -699,9 +699,9 @@ class _Connection(asyncio.Protocol):
     def _flush_blocked(self) -> None:
         """Send what the windows now allow, in the order the calls got blocked."""
         for sid, call in list(self._blocked.items()):
-            while call.pending and self.send_window > 0:
+            while call.pending:
                 data, is_frame = call.pending[0]
-                if is_frame:  # the trailers, queued behind data
+                if is_frame:  # the trailers, queued behind data: they need no window
                     call.pending.popleft()
                     self._write(data)
                     continue
