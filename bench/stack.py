@@ -261,8 +261,10 @@ class Stack:
         start_envoy: bool = True,
         ext_proc: bool = True,
         backend_circuit_breakers: Mapping[str, int] | None = None,
+        transport: str | None = None,
     ) -> None:
         self.backend_argv = list(backend_argv)
+        self.transport = transport  # the sidecar's --transport (None: its default)
         self.start_envoy = start_envoy
         self.ext_proc = ext_proc
         self.backend_circuit_breakers = backend_circuit_breakers
@@ -369,6 +371,8 @@ class Stack:
         ]
         if self.policy_path is not None:
             argv += ["--policy", str(self.policy_path)]
+        if self.transport is not None:
+            argv += ["--transport", self.transport]
         if self.tls is not None:
             argv += ["--tls-cert", str(self.tls["server.pem"]),
                      "--tls-key", str(self.tls["server.key"]),

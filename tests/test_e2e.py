@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 
 from bench.stack import Stack
+from extproc.app import TRANSPORTS
 from tests.harness import gauge, outcomes, scrape, start_stack, wait_idle
 
 POLICY = """
@@ -36,9 +37,10 @@ buckets:
 INTERACTIVE = {"x-llm-class": "interactive"}
 
 
-@pytest.fixture(scope="module")
-def stack(module_tmp: Path) -> Iterator[Stack]:
-    yield from start_stack(module_tmp, POLICY)
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def stack(module_tmp: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    # Every test here runs on both of the sidecar's gRPC transports, through the real Envoy.
+    yield from start_stack(module_tmp / request.param, POLICY, transport=request.param)
 
 
 @pytest.fixture(autouse=True)
