@@ -20,7 +20,10 @@ What it does not do, by design: server push, priorities (ignored), compressed me
 (refused with UNIMPLEMENTED), HTTP/1.1. Both transports run the same servicer; ``grpc`` (the
 grpc.aio server) stays available (``llm-extproc serve --transport grpc``).
 
-Writes are coalesced: bytes written during one event-loop turn go out in one ``write`` call.
+Writes: the frames that reading one batch of bytes produces (SETTINGS and PING acks, window
+updates, refusals) go out in one ``write``; a call's answer goes out at once, headers and
+message in one ``write``. Nothing is held back when the peer reads slowly (the transport
+buffers): answers are small and there is one per Envoy message.
 """
 
 from __future__ import annotations
@@ -168,7 +171,7 @@ def modifies_table(block: bytes) -> bool:
     return pos != n
 
 
-class ConnectionError_(Exception):
+class _ConnectionFailure(Exception):
     """A protocol error that ends the connection (GOAWAY with ``code``)."""
 
     def __init__(self, code: int, why: str) -> None:
@@ -180,10 +183,12 @@ class Call:
     """One gRPC call (one HTTP/2 stream): the context object handed to a method."""
 
     __slots__ = (
-        "_buf",
         "_conn",
         "_deserialize",
+        "_have",
         "_messages",
+        "_need",
+        "_parts",
         "_reader",
         "_serialize",
         "closed",
@@ -210,7 +215,9 @@ class Call:
         self.send_window = send_window
         self._deserialize = deserialize
         self._serialize = serialize
-        self._buf = b""
+        self._parts: list[bytes] = []  # an incomplete message: its pieces so far
+        self._have = 0
+        self._need = 0
         self._messages: deque[Any] = deque()
         self._reader: asyncio.Future[Any] | None = None
         self.eof = False  # the client half-closed
@@ -256,8 +263,18 @@ class Call:
             self._messages.append(message)
 
     def on_data(self, data: bytes, max_message: int) -> None:
-        buf = self._buf + data if self._buf else data
+        if self._parts:
+            # A message spread over many DATA frames (a large body comes in 16 KiB frames):
+            # collect the pieces, join them once when the message is complete.
+            self._parts.append(data)
+            self._have += len(data)
+            if self._have < self._need:
+                return
+            data = b"".join(self._parts)
+            self._parts = []
+        buf = data
         pos, n = 0, len(buf)
+        need = 5
         while n - pos >= 5:
             compressed = buf[pos]
             length = _U32.unpack_from(buf, pos + 1)[0]
@@ -270,6 +287,7 @@ class Call:
                 raise CallAbort(StatusCode.UNIMPLEMENTED, "compressed messages not supported")
             end = pos + 5 + length
             if end > n:
+                need = 5 + length
                 break
             try:
                 message = self._deserialize(buf[pos + 5 : end])
@@ -277,7 +295,11 @@ class Call:
                 raise CallAbort(StatusCode.INTERNAL, f"cannot parse the message: {e}") from e
             self._deliver(message)
             pos = end
-        self._buf = buf[pos:] if pos < n else b""
+        if pos < n:
+            rest = buf[pos:]
+            self._parts = [rest]
+            self._have = len(rest)
+            self._need = need
 
     def on_end_stream(self) -> None:
         self.eof = True
@@ -315,7 +337,10 @@ class _Connection(asyncio.Protocol):
         self.server = server
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None
-        self._buf = b""
+        # An incomplete frame (or preface): its pieces, their length, the length it needs.
+        self._parts: list[bytes] = []
+        self._have = 0
+        self._need = 0
         self._preface = False
         self._decoder = hpack.Decoder()
         self._decoder.max_header_list_size = MAX_HEADER_BLOCK
@@ -369,42 +394,55 @@ class _Connection(asyncio.Protocol):
                 self._flush_out()
 
     def _data_received(self, data: bytes) -> None:
-        if self._buf:
-            data = self._buf + data
-            self._buf = b""
+        if self._parts:
+            # Part of a frame is waiting: collect until the whole frame is here (joined once,
+            # not re-copied on every read).
+            self._parts.append(data)
+            self._have += len(data)
+            if self._have < self._need:
+                return
+            data = b"".join(self._parts)
+            self._parts = []
         try:
             if not self._preface:
                 if len(data) < len(PREFACE):
                     if not PREFACE.startswith(data):
-                        raise ConnectionError_(PROTOCOL_ERROR, "not an HTTP/2 client preface")
-                    self._buf = data
+                        raise _ConnectionFailure(PROTOCOL_ERROR, "not an HTTP/2 client preface")
+                    self._keep(data, len(PREFACE))
                     return
                 if not data.startswith(PREFACE):
-                    raise ConnectionError_(PROTOCOL_ERROR, "not an HTTP/2 client preface")
+                    raise _ConnectionFailure(PROTOCOL_ERROR, "not an HTTP/2 client preface")
                 self._preface = True
                 data = data[len(PREFACE) :]
             pos, n = 0, len(data)
             unpack = _HEADER.unpack_from
+            need = 9
             while n - pos >= 9:
                 hi, lo, ftype, flags, sid = unpack(data, pos)
                 length = hi << 16 | lo
                 if length > OUR_MAX_FRAME:
-                    raise ConnectionError_(FRAME_SIZE_ERROR, "frame larger than announced")
+                    raise _ConnectionFailure(FRAME_SIZE_ERROR, "frame larger than announced")
                 end = pos + 9 + length
                 if end > n:
+                    need = 9 + length
                     break
                 self._on_frame(ftype, flags, sid & 0x7FFFFFFF, data[pos + 9 : end])
                 pos = end
                 if self.closed:
                     return
             if pos < n:
-                self._buf = data[pos:]
-        except ConnectionError_ as e:
+                self._keep(data[pos:], need)
+        except _ConnectionFailure as e:
             log.warning("closing an HTTP/2 connection: %s", e)
             self._fail(e.code, str(e))
         except Exception:
             log.exception("HTTP/2 connection failed")
             self._fail(INTERNAL_ERROR, "internal error")
+
+    def _keep(self, rest: bytes, need: int) -> None:
+        self._parts = [rest]
+        self._have = len(rest)
+        self._need = need
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -415,27 +453,21 @@ class _Connection(asyncio.Protocol):
         self._blocked.clear()
         self.server.call_ended()
 
-    def pause_writing(self) -> None:  # the peer reads slowly; our writes are small and bounded
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     # --- frames in -----------------------------------------------------------------------------
 
     def _on_frame(self, ftype: int, flags: int, sid: int, payload: bytes) -> None:
         if self._headers_for and ftype != CONTINUATION:
-            raise ConnectionError_(PROTOCOL_ERROR, "expected CONTINUATION")
+            raise _ConnectionFailure(PROTOCOL_ERROR, "expected CONTINUATION")
         if ftype == DATA:
             self._on_data(flags, sid, payload)
         elif ftype == HEADERS:
             self._on_headers(flags, sid, payload)
         elif ftype == CONTINUATION:
             if sid != self._headers_for or not sid:
-                raise ConnectionError_(PROTOCOL_ERROR, "unexpected CONTINUATION")
+                raise _ConnectionFailure(PROTOCOL_ERROR, "unexpected CONTINUATION")
             self._headers_block += payload
             if len(self._headers_block) > MAX_HEADER_BLOCK:
-                raise ConnectionError_(PROTOCOL_ERROR, "header block too large")
+                raise _ConnectionFailure(PROTOCOL_ERROR, "header block too large")
             if flags & END_HEADERS:
                 self._headers_for = 0
                 block, self._headers_block = self._headers_block, b""
@@ -449,12 +481,12 @@ class _Connection(asyncio.Protocol):
                 self.server.call_ended()
         elif ftype == SETTINGS:
             if sid:
-                raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS on a stream")
+                raise _ConnectionFailure(PROTOCOL_ERROR, "SETTINGS on a stream")
             if not flags & ACK:
                 self._on_settings(payload)
         elif ftype == PING:
             if len(payload) != 8:
-                raise ConnectionError_(FRAME_SIZE_ERROR, "PING of the wrong size")
+                raise _ConnectionFailure(FRAME_SIZE_ERROR, "PING of the wrong size")
             if not flags & ACK:
                 self._write(_frame(PING, ACK, 0, payload))
         elif ftype == WINDOW_UPDATE:
@@ -462,12 +494,12 @@ class _Connection(asyncio.Protocol):
         elif ftype == GOAWAY:
             pass  # the peer opens no more streams; those open finish as usual
         elif ftype == PUSH_PROMISE:
-            raise ConnectionError_(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
+            raise _ConnectionFailure(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
         # PRIORITY and unknown frame types are ignored (RFC 9113 section 5.5).
 
     def _on_data(self, flags: int, sid: int, payload: bytes) -> None:
         if not sid:
-            raise ConnectionError_(PROTOCOL_ERROR, "DATA on stream 0")
+            raise _ConnectionFailure(PROTOCOL_ERROR, "DATA on stream 0")
         size = len(payload)
         self._recv_unacked += size
         if self._recv_unacked >= _TOP_UP:
@@ -478,7 +510,7 @@ class _Connection(asyncio.Protocol):
             return  # a stream we have finished (or reset); its bytes still count above
         if flags & PADDED:
             if not payload or payload[0] >= size:
-                raise ConnectionError_(PROTOCOL_ERROR, "bad padding")
+                raise _ConnectionFailure(PROTOCOL_ERROR, "bad padding")
             payload = payload[1 : size - payload[0]]
         call.recv_unacked += size
         if call.recv_unacked >= _TOP_UP:
@@ -495,11 +527,11 @@ class _Connection(asyncio.Protocol):
 
     def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
         if not sid:
-            raise ConnectionError_(PROTOCOL_ERROR, "HEADERS on stream 0")
+            raise _ConnectionFailure(PROTOCOL_ERROR, "HEADERS on stream 0")
         if flags & PADDED:
             pad = payload[0] if payload else 256
             if pad >= len(payload):
-                raise ConnectionError_(PROTOCOL_ERROR, "bad padding")
+                raise _ConnectionFailure(PROTOCOL_ERROR, "bad padding")
             payload = payload[1 : len(payload) - pad]
         if flags & PRIORITY_FLAG:
             payload = payload[5:]
@@ -520,7 +552,7 @@ class _Connection(asyncio.Protocol):
                 call.on_end_stream()
             return
         if sid % 2 == 0:
-            raise ConnectionError_(PROTOCOL_ERROR, "even stream id from a client")
+            raise _ConnectionFailure(PROTOCOL_ERROR, "even stream id from a client")
         self._last_id = sid
         if self._goaway_sent or len(self.calls) >= MAX_CONCURRENT_STREAMS:
             self._write(_frame(RST_STREAM, 0, sid, _U32.pack(0x7)))  # REFUSED_STREAM
@@ -568,7 +600,7 @@ class _Connection(asyncio.Protocol):
             try:
                 headers = cast(list[tuple[bytes, bytes]], self._decoder.decode(block, raw=True))
             except hpack.HPACKError as e:
-                raise ConnectionError_(COMPRESSION_ERROR, f"HPACK: {e}") from e
+                raise _ConnectionFailure(COMPRESSION_ERROR, f"HPACK: {e}") from e
             if modifies_table(block) or len(self._decoded) >= 64:
                 self._decoded.clear()
             else:
@@ -577,19 +609,19 @@ class _Connection(asyncio.Protocol):
 
     def _on_settings(self, payload: bytes) -> None:
         if len(payload) % 6:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS of the wrong size")
+            raise _ConnectionFailure(FRAME_SIZE_ERROR, "SETTINGS of the wrong size")
         for i in range(0, len(payload), 6):
             ident, value = struct.unpack_from(">HL", payload, i)
             if ident == S_INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
-                    raise ConnectionError_(FLOW_CONTROL_ERROR, "initial window too large")
+                    raise _ConnectionFailure(FLOW_CONTROL_ERROR, "initial window too large")
                 delta = value - self._peer_initial_window
                 self._peer_initial_window = value
                 for call in self.calls.values():
                     call.send_window += delta
             elif ident == S_MAX_FRAME_SIZE:
                 if not DEFAULT_FRAME <= value <= 16777215:
-                    raise ConnectionError_(PROTOCOL_ERROR, "bad SETTINGS_MAX_FRAME_SIZE")
+                    raise _ConnectionFailure(PROTOCOL_ERROR, "bad SETTINGS_MAX_FRAME_SIZE")
                 self._peer_max_frame = value
             # HEADER_TABLE_SIZE: our header blocks never use the dynamic table. The others
             # concern streams we would open (none) or limits we stay far below.
@@ -598,14 +630,14 @@ class _Connection(asyncio.Protocol):
 
     def _on_window_update(self, sid: int, payload: bytes) -> None:
         if len(payload) != 4:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "WINDOW_UPDATE of the wrong size")
+            raise _ConnectionFailure(FRAME_SIZE_ERROR, "WINDOW_UPDATE of the wrong size")
         increment = _U32.unpack(payload)[0] & 0x7FFFFFFF
         if not sid:
             if not increment:
-                raise ConnectionError_(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+                raise _ConnectionFailure(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
             self.send_window += increment
             if self.send_window > MAX_WINDOW:
-                raise ConnectionError_(FLOW_CONTROL_ERROR, "connection window overflow")
+                raise _ConnectionFailure(FLOW_CONTROL_ERROR, "connection window overflow")
             self._flush_blocked()
             return
         call = self.calls.get(sid)

@@ -1,5 +1,8 @@
 """Stage 4, the gRPC shell: Envoy's ext_proc stream in, CONTINUE or an immediate answer out.
 
+The servicer needs two things of a stream, ``await read()`` and ``await write(msg)``; it runs
+on either gRPC transport (``extproc.h2``, the default, or grpc.aio; see ``extproc.app``).
+
 Life of one request (Envoy 1.40, request headers SEND, request body BUFFERED, response SKIP;
 see ../shared/ENVOY_NOTES.md):
 

@@ -130,7 +130,7 @@ async def echo(call: h2.Call) -> None:
 Started = Callable[[H2Server, dict[str, Any]], Awaitable[None]]
 
 
-def run(test: Started, extra: dict[str, Method] | None = None) -> None:
+def run(test: Started, extra: dict[str, Method] | None = None, max_message: int = 1000) -> None:
     async def main() -> None:
         state: dict[str, Any] = {"cancelled": 0, "started": asyncio.Event()}
 
@@ -153,7 +153,7 @@ def run(test: Started, extra: dict[str, Method] | None = None) -> None:
             "/t.T/Big": Method(big, ident, ident),
             **(extra or {}),
         }
-        server = H2Server(methods, max_message=1000)
+        server = H2Server(methods, max_message=max_message)
         state["port"] = await server.listen("127.0.0.1", 0)
         try:
             await asyncio.wait_for(test(server, state), 10)
@@ -396,3 +396,27 @@ def test_frame_above_the_announced_size_ends_the_connection() -> None:
         c.close()
 
     run(t)
+
+
+def test_large_message_in_many_frames_and_reads() -> None:
+    """A 600 KB message in 16 KiB DATA frames (what Envoy sends for a big body), written in
+    7,000-byte pieces so that frames and the message both arrive split."""
+    body = bytes(range(256)) * 2400
+
+    async def t(server: H2Server, st: dict[str, Any]) -> None:
+        # The answer is as large: open our windows for it.
+        c = await Client.connect(st["port"], struct.pack(">HL", 4, 1 << 30))
+        c.send(frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", 1 << 30)))
+        c.open(1, "/t.T/Echo")
+        msg = grpc_msg(body)
+        wire = b"".join(
+            frame(DATA, END_STREAM if i + 16384 >= len(msg) else 0, 1, msg[i : i + 16384])
+            for i in range(0, len(msg), 16384)
+        )
+        for i in range(0, len(wire), 7000):
+            c.send(wire[i : i + 7000])
+        _, data, trailers = await c.response(1)
+        assert data == msg and trailers["grpc-status"] == "0"
+        c.close()
+
+    run(t, max_message=1 << 20)
