@@ -85,6 +85,22 @@ def token_counter(tokens: TokenPolicy) -> TokenCounter:
     return estimate
 
 
+_WHITESPACE = b" \t\r\n"
+
+
+def _append_max_tokens(req: ParsedRequest, value: int) -> bytes | None:
+    """The body with ``"max_tokens":value`` appended before its closing brace, when the body has
+    no max_tokens key at all (not even null: that would make a duplicate) and no BOM. Keeps the
+    client's bytes as they are and costs a fraction of re-serialising. None: not applicable."""
+    raw = req.raw
+    if "max_tokens" in req.body or not raw or raw.startswith(b"\xef\xbb\xbf"):
+        return None
+    end = len(raw.rstrip(_WHITESPACE))
+    if raw[end - 1 : end] != b"}":
+        return None
+    return raw[: end - 1] + (b"," if req.body else b"") + b'"max_tokens":%d}' % value
+
+
 def _rewrite(original: dict[str, Any], keys: tuple[str, ...], value: int) -> bytes:
     body = dict(original)  # shallow copy: the parsed request stays as the client sent it
     for key in keys or ("max_tokens",):
@@ -154,7 +170,12 @@ def classify(
     needs_rewrite = action is not MaxTokensAction.KEPT or any(
         req.body.get(k) != max_tokens for k in req.max_tokens_keys
     )
-    new_body = _rewrite(req.body, req.max_tokens_keys, max_tokens) if needs_rewrite else None
+    new_body = None
+    if needs_rewrite:
+        if action is MaxTokensAction.DEFAULTED:
+            new_body = _append_max_tokens(req, max_tokens)
+        if new_body is None:
+            new_body = _rewrite(req.body, req.max_tokens_keys, max_tokens)
 
     if route is not None and route.bucket is not None:
         bucket = policy.bucket(route.bucket)

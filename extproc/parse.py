@@ -70,6 +70,8 @@ class ParsedRequest:
     model: str | None = None
     # The decoded body, kept so the rewrite stage need not parse again.
     body: dict[str, Any] = field(compare=False, repr=False, default_factory=dict)
+    # The bytes as received (the rewrite appends to them when it only adds a key).
+    raw: bytes = field(compare=False, repr=False, default=b"")
 
 
 def _reject_constant(name: str) -> float:
@@ -290,4 +292,5 @@ def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
         stream=bool(stream),
         model=model,
         body=body,
+        raw=raw,
     )

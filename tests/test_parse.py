@@ -205,6 +205,18 @@ def test_null_max_tokens_counts_as_absent() -> None:
     cls = run(CHAT, chat(max_tokens=None))
     assert cls.max_tokens_action is MaxTokensAction.DEFAULTED
     assert cls.new_body is not None and json.loads(cls.new_body)["max_tokens"] == 64
+    # Replaced, not appended: a second "max_tokens" would be refused by our own parser.
+    assert parse_body(CHAT, cls.new_body).requested_max_tokens == 64
+
+
+def test_defaulted_max_tokens_is_appended_to_the_clients_bytes() -> None:
+    raw = b'{"messages": [{"role": "user", "content": "h\\u00e9"}], "temperature": 1.50}\n '
+    cls = run(CHAT, raw)
+    assert cls.new_body == raw.rstrip()[:-1] + b',"max_tokens":64}'
+    # With a BOM the body is re-serialised instead (and loses the BOM).
+    cls = run(CHAT, b"\xef\xbb\xbf" + raw)
+    assert cls.new_body is not None and not cls.new_body.startswith(b"\xef")
+    assert json.loads(cls.new_body)["max_tokens"] == 64
 
 
 def test_excess_is_clamped_keeping_every_other_field() -> None:

@@ -91,6 +91,8 @@ def test_rewrite_keeps_every_other_field(
         assert all(body.get(k) in (None, cls.max_tokens) for k in MAX_TOKENS_KEYS)
         return
     sent = json.loads(cls.new_body)
+    # What the backend gets parses with our own strict parser: no duplicate key slipped in.
+    assert parse_body(Endpoint.CHAT, cls.new_body).requested_max_tokens == cls.max_tokens
     for key, value in body.items():
         if key in MAX_TOKENS_KEYS:
             assert sent[key] == cls.max_tokens
