@@ -3,9 +3,10 @@
 Why the sidecar keeps ``request_header_mode: SEND`` (one more gRPC message per request, the
 largest cost left on the request path): with the headers message skipped, Envoy does not hold
 the request while the body is with the ext_proc server. It sends the headers upstream at once,
-so the backend starts (and may answer) before admission has decided, and header mutations in
-the body answer come too late. Checked here: the backend sees the request while the ext_proc
-server is still sitting on the body message.
+so the backend starts before admission has decided (a backend that answers without reading
+the body answers before it), and header mutations in the body answer come too late. Checked
+here: the backend has the request's headers while the ext_proc server still sits on the body
+message.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from bench.stack import Proc, envoy_binary, free_port, render_envoy_config, wait_http
 from extproc import h2, wire
 
-HOLD_S = 1.0
+HOLD_S = 0.5  # below the shipped message_timeout (1 s)
 
 
 async def _run(tmp: Path) -> dict[str, Any]:
@@ -38,19 +39,22 @@ async def _run(tmp: Path) -> dict[str, Any]:
                     for k, v in msg.attributes["envoy.filters.http.ext_proc"].fields.items()
                 }
                 seen["body_at"] = time.monotonic()
-                try:
-                    await asyncio.sleep(HOLD_S)  # admission "deciding"
-                except asyncio.CancelledError:
-                    seen["ext_proc_end"] = "cancelled"
-                    raise
-                seen["ext_proc_end"] = "answered"
+                await asyncio.sleep(HOLD_S)  # admission "deciding"
+                seen["answered_at"] = time.monotonic()
                 await call.write(pb.ProcessingResponse(request_body=pb.BodyResponse()))
             else:
                 await call.write(pb.ProcessingResponse(request_headers=pb.HeadersResponse()))
 
     async def backend(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await r.readuntil(b"\r\n\r\n")
+        head = (await r.readuntil(b"\r\n\r\n")).lower()
         seen["backend_at"] = time.monotonic()
+        # Then read the body, as a real backend would (it comes once ext_proc lets it go).
+        if b"transfer-encoding: chunked" in head:
+            await r.readuntil(b"0\r\n\r\n")
+        else:
+            length = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+            await r.readexactly(length)
+        seen["backend_body_at"] = time.monotonic()
         w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
         await w.drain()
         w.close()
@@ -94,8 +98,6 @@ async def _run(tmp: Path) -> dict[str, Any]:
         )
         await w.drain()
         seen["client_status"] = (await asyncio.wait_for(r.readline(), 10)).decode().strip()
-        seen["client_at"] = time.monotonic()
-        await asyncio.sleep(HOLD_S + 0.3)  # let the ext_proc call finish
         w.close()
     finally:
         envoy.stop()
@@ -111,9 +113,8 @@ def test_skipping_request_headers_lets_the_request_through_before_the_answer() -
     # request_attributes still come, on the body message.
     assert seen["attributes"]["request.path"] == "/v1/chat/completions"
     assert seen["attributes"]["request.id"]
-    # The backend was reached, and the client answered, while the ext_proc server still held
-    # the body message; Envoy then dropped the ext_proc stream (the answer never mattered).
     assert seen["client_status"] == "HTTP/1.1 200 OK"
-    assert seen["backend_at"] - seen["body_at"] < HOLD_S / 2
-    assert seen["client_at"] - seen["body_at"] < HOLD_S / 2
-    assert seen["ext_proc_end"] == "cancelled"
+    # The backend had the request (its headers) while the ext_proc server still held the body
+    # message; only the body waited for the answer.
+    assert seen["backend_at"] < seen["answered_at"] - HOLD_S / 2
+    assert seen["backend_body_at"] >= seen["answered_at"]
