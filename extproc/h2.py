@@ -83,11 +83,11 @@ def _frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> byte
     return _HEADER.pack(n >> 16, n & 0xFFFF, ftype, flags, stream_id) + payload
 
 
-def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
+def _hpack_int(value: int, prefix_bits: int) -> bytes:
     limit = (1 << prefix_bits) - 1
     if value < limit:
-        return bytes((first | value,))
-    out = bytearray((first | limit,))
+        return bytes((value,))
+    out = bytearray((limit,))
     value -= limit
     while value >= 128:
         out.append(value & 0x7F | 0x80)
@@ -122,16 +122,6 @@ def _status_block(code: StatusCode, message: str) -> bytes:
     return block
 
 
-def _skip_int(block: bytes, pos: int, prefix_bits: int) -> int:
-    """Position after an HPACK integer whose first byte is at ``pos``."""
-    if block[pos] & ((1 << prefix_bits) - 1) != (1 << prefix_bits) - 1:
-        return pos + 1
-    pos += 1
-    while block[pos] & 0x80:
-        pos += 1
-    return pos + 1
-
-
 def _read_int(block: bytes, pos: int, prefix_bits: int) -> tuple[int, int]:
     limit = (1 << prefix_bits) - 1
     value = block[pos] & limit
@@ -156,7 +146,7 @@ def modifies_table(block: bytes) -> bool:
         while pos < n:
             b = block[pos]
             if b & 0x80:  # indexed field
-                pos = _skip_int(block, pos, 7)
+                pos = _read_int(block, pos, 7)[1]
             elif b & 0xE0 == 0x00 or b & 0xF0 == 0x10:  # literal without / never indexed
                 index, pos = _read_int(block, pos, 4)
                 if index == 0:
@@ -169,6 +159,34 @@ def modifies_table(block: bytes) -> bool:
     except IndexError:
         return True
     return pos != n
+
+
+class _Pieces:
+    """The start of something incomplete (a frame, a gRPC message) and the pieces that follow,
+    joined once when ``need`` bytes are there, instead of re-copied on every read (a large
+    body arrives in many 16 KiB frames)."""
+
+    __slots__ = ("have", "need", "parts")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.have = 0
+        self.need = 0
+
+    def keep(self, start: bytes, need: int) -> None:
+        self.parts = [start]
+        self.have = len(start)
+        self.need = need
+
+    def add(self, data: bytes) -> bytes | None:
+        """All the bytes so far once ``need`` of them are there (and forget them), else None."""
+        self.parts.append(data)
+        self.have += len(data)
+        if self.have < self.need:
+            return None
+        joined = b"".join(self.parts)
+        self.parts = []
+        return joined
 
 
 class _ConnectionFailure(Exception):
@@ -185,10 +203,8 @@ class Call:
     __slots__ = (
         "_conn",
         "_deserialize",
-        "_have",
         "_messages",
-        "_need",
-        "_parts",
+        "_partial",
         "_reader",
         "_serialize",
         "closed",
@@ -215,9 +231,7 @@ class Call:
         self.send_window = send_window
         self._deserialize = deserialize
         self._serialize = serialize
-        self._parts: list[bytes] = []  # an incomplete message: its pieces so far
-        self._have = 0
-        self._need = 0
+        self._partial = _Pieces()  # an incomplete message
         self._messages: deque[Any] = deque()
         self._reader: asyncio.Future[Any] | None = None
         self.eof = False  # the client half-closed
@@ -263,15 +277,11 @@ class Call:
             self._messages.append(message)
 
     def on_data(self, data: bytes, max_message: int) -> None:
-        if self._parts:
-            # A message spread over many DATA frames (a large body comes in 16 KiB frames):
-            # collect the pieces, join them once when the message is complete.
-            self._parts.append(data)
-            self._have += len(data)
-            if self._have < self._need:
+        if self._partial.parts:
+            joined = self._partial.add(data)
+            if joined is None:
                 return
-            data = b"".join(self._parts)
-            self._parts = []
+            data = joined
         buf = data
         pos, n = 0, len(buf)
         need = 5
@@ -296,10 +306,7 @@ class Call:
             self._deliver(message)
             pos = end
         if pos < n:
-            rest = buf[pos:]
-            self._parts = [rest]
-            self._have = len(rest)
-            self._need = need
+            self._partial.keep(buf[pos:], need)
 
     def on_end_stream(self) -> None:
         self.eof = True
@@ -337,10 +344,7 @@ class _Connection(asyncio.Protocol):
         self.server = server
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None
-        # An incomplete frame (or preface): its pieces, their length, the length it needs.
-        self._parts: list[bytes] = []
-        self._have = 0
-        self._need = 0
+        self._partial = _Pieces()  # an incomplete frame (or preface)
         self._preface = False
         self._decoder = hpack.Decoder()
         self._decoder.max_header_list_size = MAX_HEADER_BLOCK
@@ -394,21 +398,17 @@ class _Connection(asyncio.Protocol):
                 self._flush_out()
 
     def _data_received(self, data: bytes) -> None:
-        if self._parts:
-            # Part of a frame is waiting: collect until the whole frame is here (joined once,
-            # not re-copied on every read).
-            self._parts.append(data)
-            self._have += len(data)
-            if self._have < self._need:
+        if self._partial.parts:
+            joined = self._partial.add(data)
+            if joined is None:
                 return
-            data = b"".join(self._parts)
-            self._parts = []
+            data = joined
         try:
             if not self._preface:
                 if len(data) < len(PREFACE):
                     if not PREFACE.startswith(data):
                         raise _ConnectionFailure(PROTOCOL_ERROR, "not an HTTP/2 client preface")
-                    self._keep(data, len(PREFACE))
+                    self._partial.keep(data, len(PREFACE))
                     return
                 if not data.startswith(PREFACE):
                     raise _ConnectionFailure(PROTOCOL_ERROR, "not an HTTP/2 client preface")
@@ -431,18 +431,13 @@ class _Connection(asyncio.Protocol):
                 if self.closed:
                     return
             if pos < n:
-                self._keep(data[pos:], need)
+                self._partial.keep(data[pos:], need)
         except _ConnectionFailure as e:
             log.warning("closing an HTTP/2 connection: %s", e)
             self._fail(e.code, str(e))
         except Exception:
             log.exception("HTTP/2 connection failed")
             self._fail(INTERNAL_ERROR, "internal error")
-
-    def _keep(self, rest: bytes, need: int) -> None:
-        self._parts = [rest]
-        self._have = len(rest)
-        self._need = need
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
