@@ -14,7 +14,7 @@ Three ways to put an LLM server under load, each run against a *fresh* simulator
     operator would: ``max_connections = max_requests = C`` (HTTP/1.1 upstream: one request per
     connection, so C requests run at once) and ``max_pending_requests = P``, a modest FIFO in
     Envoy; beyond it Envoy answers 503 (``x-envoy-overloaded``). Built by transforming
-    ``envoy/envoy.yaml`` in code (:func:`bench.stack.render_envoy_config` with ``ext_proc=False``).
+    ``envoy/envoy.yaml`` in code (:func:`testing.envoy.render_envoy_config`, ``ext_proc=False``).
 ``sidecar``
     Envoy + llm-extproc with a generated policy: an ``interactive`` bucket (header
     ``x-llm-class: interactive``) and a catch-all ``batch`` bucket whose slots add up to the same
@@ -111,9 +111,9 @@ from bench.loadgen import (
     request_payload,
     run_load,
 )
-from bench.stack import REPO, Stack
 from bench.vllm_sim import PROFILES, EngineConfig, Scheduler
 from bench.workload import ClassSpec, PlannedRequest, build_schedule, default_classes
+from testing.stack import REPO, Stack
 
 __all__ = [
     "STRATEGIES",

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from bench.stack import Stack
+from testing.stack import Stack
 
 __all__ = ["main"]
 

@@ -137,7 +137,7 @@ class LoadConfig:
     seed: int = 0
     max_retries: int = 0  # 2 = the OpenAI SDK default
     stats_url: str | None = None  # the simulator's /sim/stats, for wasted-work accounting
-    traces_dir: str | None = None  # default: <repo>/../shared/data/traces
+    traces_dir: str | None = None  # default: <repo>/data/traces
     model: str = DEFAULT_MODEL
     prompt_tokens_header: bool = False  # also send x-sim-prompt-tokens
     max_run_s: float | None = None  # hard cap on the whole run; default derived from timeouts

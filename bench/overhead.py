@@ -49,7 +49,7 @@ venv) and an in-process cost breakdown of the request path's stages.
 
 Targets (issue 7) are printed as PASS or MISS; the benchmark is not tuned to hide a
 miss. Method and figures: docs/performance.md. Everything started here is stopped at the end
-(``bench.stack.Proc`` kills process groups).
+(``testing.stack.Proc`` kills process groups).
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ from typing import Any
 
 import yaml
 
-from bench.stack import REPO, Proc, envoy_binary, free_port, wait_http, wait_tcp
-from extproc.envoy_config import PROCESSING_MODE
+from extproc.config.envoy import PROCESSING_MODE
+from testing.stack import REPO, Proc, envoy_binary, free_port, wait_http, wait_tcp
 
 __all__ = ["main"]
 
@@ -1001,8 +1001,8 @@ def gate_costs(n: int, ops: int) -> dict[str, dict[str, float]]:
     head waiter's ``admitted()`` returns it), cancel (a waiter in the middle leaves), evict (a
     waiter with a 0 s deadline: the gate's real timer fires on the event loop and
     ``admitted()`` raises Refused; includes one turn of the loop)."""
-    from extproc.gate import Gate, Refused, Waiter
-    from extproc.policy import policy_from_yaml
+    from extproc.admission.gate import Gate, Refused, Waiter
+    from extproc.config.policy import policy_from_yaml
 
     policy = policy_from_yaml(HELD_POLICY.replace("{max_queue}", str(n + 10)), "<bench>")
     clock = time.perf_counter_ns
@@ -1073,7 +1073,7 @@ def _remove_middle(waiters: deque[Any], item: Any) -> None:
 
 def core_costs(n: int, ops: int) -> dict[str, dict[str, float]]:
     """The same four operations on the pure core, ``extproc.admission.Admission``."""
-    from extproc.admission import Admission, Verdict
+    from extproc.admission.core import Admission, Verdict
 
     clock = time.perf_counter_ns
     core = Admission({"held": (1, n + 10)})
@@ -1374,9 +1374,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
 def _summarise_open(way: str, s: Samples) -> dict[str, Any]:
     server = _server_of(way)
     ok = len(s.latency_s)
-    others = (
-        s.cpu_s["machine"] - s.cpu_s["envoy"] - sum(s.cpu_s[x] for x in SERVERS) - s.gen_cpu_s
-    )
+    others = s.cpu_s["machine"] - s.cpu_s["envoy"] - sum(s.cpu_s[x] for x in SERVERS) - s.gen_cpu_s
     return {
         "requests": s.requests,
         "ok": ok,
@@ -1567,9 +1565,9 @@ def stage_costs() -> dict[str, float | str]:
     measure("json.loads (what the naive server does)", lambda: json.loads(kept))
     measure("json.loads(object_pairs_hook=dict)", lambda: json.loads(kept, object_pairs_hook=dict))
     try:
-        from extproc.classify import classify, token_counter
-        from extproc.parse import Endpoint, parse_body
-        from extproc.policy import policy_from_yaml
+        from extproc.config.policy import policy_from_yaml
+        from extproc.request.classify import classify, token_counter
+        from extproc.request.parse import Endpoint, parse_body
 
         policy = policy_from_yaml(SIDECAR_POLICY, "<bench>")
         count = token_counter(policy.tokens)
@@ -1678,7 +1676,7 @@ def stage_costs() -> dict[str, float | str]:
     measure("protobuf: serialise a prebuilt CONTINUE", cached.SerializeToString)
 
     try:
-        from extproc.metrics import Metrics
+        from extproc.ops.metrics import Metrics
         from extproc.record import RequestRecord
 
         metrics = Metrics(dict)
@@ -1686,7 +1684,7 @@ def stage_costs() -> dict[str, float | str]:
         rec.bucket, rec.prompt_tokens, rec.max_tokens = "interactive", 262, 128
         rec.max_tokens_action = "kept"
         rec.arrived_at, rec.decided_at, rec.ended_at = 1.0, 1.0, 1.01
-        from extproc.errors import Outcome
+        from extproc.outcome import Outcome
 
         rec.outcome = Outcome.ADMITTED
         measure("Metrics.finish (one admitted request)", lambda: metrics.finish(rec))

@@ -2,7 +2,7 @@
 
 ``python -m bench.soak --minutes 60`` (``make soak``; CI runs ``--minutes 5``).
 
-Stack: the echo backend (tests/backend.py: every request takes a fixed ``--backend-ms``), the
+Stack: the echo backend (testing/backend.py: every request takes a fixed ``--backend-ms``), the
 sidecar with SOAK_POLICY (interactive 8 slots, batch 4 slots), the real Envoy. Capacity is
 therefore known: slots / service time. Clients arrive open-loop (Poisson) at ``--load`` times
 that capacity, half interactive, half batch, a share streamed, and ``--abort-share`` of them give
@@ -31,7 +31,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.stack import REPO, Stack
+from testing.stack import REPO, Stack
 
 SOAK_POLICY = """
 buckets:
@@ -99,19 +99,29 @@ async def drive(stack: Stack, args: argparse.Namespace, windows: list[Window]) -
 
     async def one(session: aiohttp.ClientSession, w: Window) -> None:
         # One chunk when streamed, so every request takes backend_ms and capacity is known.
-        headers = {"content-type": "application/json", "x-test-delay-ms": str(args.backend_ms),
-                   "x-test-chunks": "1"}
+        headers = {
+            "content-type": "application/json",
+            "x-test-delay-ms": str(args.backend_ms),
+            "x-test-chunks": "1",
+        }
         if rng.random() < 0.5:
             headers["x-llm-class"] = "interactive"
-        body = json.dumps({"messages": [{"role": "user", "content": "x" * rng.randint(1, 800)}],
-                           "max_tokens": rng.randint(1, 300), "stream": rng.random() < 0.5})
-        abort = rng.uniform(0, 2 * args.backend_ms / 1000) \
-            if rng.random() < args.abort_share else None
+        body = json.dumps(
+            {
+                "messages": [{"role": "user", "content": "x" * rng.randint(1, 800)}],
+                "max_tokens": rng.randint(1, 300),
+                "stream": rng.random() < 0.5,
+            }
+        )
+        abort = (
+            rng.uniform(0, 2 * args.backend_ms / 1000) if rng.random() < args.abort_share else None
+        )
         t0 = time.monotonic()
 
         async def call() -> int:
-            async with session.post(f"{stack.url}/v1/chat/completions", data=body,
-                                    headers=headers) as r:
+            async with session.post(
+                f"{stack.url}/v1/chat/completions", data=body, headers=headers
+            ) as r:
                 await r.read()
                 return r.status
 
@@ -134,11 +144,14 @@ async def drive(stack: Stack, args: argparse.Namespace, windows: list[Window]) -
                 g = await asyncio.to_thread(gauges, stack)
                 current = Window(now, rss_mb(pid), g["in_flight"], g["queued"])
                 windows.append(current)
-                print(f"  t={now - windows[0].t:6.0f}s rss={current.rss_mb:6.1f}MB "
-                      f"in_flight={g['in_flight']:3.0f} queued={g['queued']:4.0f} "
-                      f"last window: sent={windows[-2].sent} ok={windows[-2].ok} "
-                      f"429={windows[-2].refused} aborted={windows[-2].aborted} "
-                      f"p50={windows[-2].p(0.5)}", flush=True)
+                print(
+                    f"  t={now - windows[0].t:6.0f}s rss={current.rss_mb:6.1f}MB "
+                    f"in_flight={g['in_flight']:3.0f} queued={g['queued']:4.0f} "
+                    f"last window: sent={windows[-2].sent} ok={windows[-2].ok} "
+                    f"429={windows[-2].refused} aborted={windows[-2].aborted} "
+                    f"p50={windows[-2].p(0.5)}",
+                    flush=True,
+                )
             if now >= next_arrival:
                 task = asyncio.create_task(one(session, current))
                 tasks.add(task)
@@ -152,8 +165,9 @@ async def drive(stack: Stack, args: argparse.Namespace, windows: list[Window]) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--minutes", type=float, default=60.0)
     ap.add_argument("--load", type=float, default=1.5, help="offered load / capacity")
     ap.add_argument("--backend-ms", type=int, default=100)
@@ -167,10 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     policy = log_dir / "policy.yaml"
     policy.write_text(SOAK_POLICY)
-    backend = [sys.executable, str(REPO / "tests" / "backend.py"), "--port", "{port}"]
+    backend = [sys.executable, str(REPO / "testing" / "backend.py"), "--port", "{port}"]
     windows: list[Window] = []
-    print(f"soak: {args.minutes:g} min at {args.load:g}x capacity "
-          f"({SLOTS} slots x {args.backend_ms} ms), {args.abort_share:.0%} aborts")
+    print(
+        f"soak: {args.minutes:g} min at {args.load:g}x capacity "
+        f"({SLOTS} slots x {args.backend_ms} ms), {args.abort_share:.0%} aborts"
+    )
     with Stack(backend_argv=backend, policy_path=policy, log_dir=log_dir) as stack:
         sent = asyncio.run(drive(stack, args, windows))
         deadline = time.monotonic() + 15

@@ -66,11 +66,13 @@ async def run_storm(
         }
         if rng.random() < 0.5:
             headers["x-llm-class"] = "interactive"
-        body = json.dumps({
-            "messages": [{"role": "user", "content": "x" * rng.randint(1, 400)}],
-            "max_tokens": rng.randint(1, 200),
-            "stream": stream,
-        }).encode()
+        body = json.dumps(
+            {
+                "messages": [{"role": "user", "content": "x" * rng.randint(1, 400)}],
+                "max_tokens": rng.randint(1, 200),
+                "stream": stream,
+            }
+        ).encode()
         abort_after = rng.uniform(0.0, max_abort_delay_s) if rng.random() < abort_share else None
         async with sem:
             if time.monotonic() > deadline:
@@ -78,8 +80,9 @@ async def run_storm(
             result.sent += 1
 
             async def call() -> int:
-                async with session.post(f"{url}/v1/chat/completions", data=body,
-                                        headers=headers) as r:
+                async with session.post(
+                    f"{url}/v1/chat/completions", data=body, headers=headers
+                ) as r:
                     await r.read()
                     return r.status
 
@@ -109,8 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
-    result = asyncio.run(run_storm(args.url, args.n, abort_share=args.abort_share,
-                                   concurrency=args.concurrency, seed=args.seed))
+    result = asyncio.run(
+        run_storm(
+            args.url,
+            args.n,
+            abort_share=args.abort_share,
+            concurrency=args.concurrency,
+            seed=args.seed,
+        )
+    )
     print(json.dumps(result.as_dict(), indent=1))
     return 0
 

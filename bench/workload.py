@@ -19,7 +19,7 @@ request cap, does not change the other requests):
   if the run is longer than the scaled trace.
 
 Traces are the Azure LLM inference traces (CSV columns ``arrived_at,num_prefill_tokens,
-num_decode_tokens``) found in ``<repo>/../shared/data/traces`` by default.
+num_decode_tokens``) shipped in ``data/traces/`` (CC-BY-4.0, attribution in its README).
 """
 
 from __future__ import annotations
@@ -33,9 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
-DEFAULT_TRACES_DIR: Final = (
-    Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "traces"
-)
+DEFAULT_TRACES_DIR: Final = Path(__file__).resolve().parent.parent / "data" / "traces"
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from extproc.envoy_config import to_rds  # noqa: E402
+from extproc.config.envoy import to_rds  # noqa: E402
 
 BOOTSTRAP_HEAD = """\
 # Generated from envoy/envoy.yaml by `make envoy-rds` (tests/test_render.py checks it is

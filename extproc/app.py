@@ -24,11 +24,13 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from extproc import h2, wire
-from extproc.gate import Gate
-from extproc.metrics import Metrics, serve_metrics
-from extproc.policy import Policy, load_policy, policy_from_yaml
-from extproc.server import ExtProcService
+from extproc.admission.gate import Gate
+from extproc.config.policy import Policy, load_policy, policy_from_yaml
+from extproc.ops.metrics import Metrics, serve_metrics
+from extproc.request import respond as wire
+from extproc.service import ExtProcService
+from extproc.transport import h2
+from extproc.transport.health import H2Health
 
 __all__ = ["TRANSPORTS", "Sidecar", "TlsFiles", "default_policy", "split_host_port"]
 
@@ -69,69 +71,8 @@ class TlsFiles:
         return ctx
 
 
-class H2Health:
-    """grpc.health.v1 for the h2 transport: Check and Watch, with the two calls the sidecar
-    makes of grpc_health's servicer (``set``, ``enter_graceful_shutdown``)."""
-
-    def __init__(self) -> None:
-        self._status: dict[str, int] = {}
-        self._watchers: dict[str, set[asyncio.Queue[int]]] = {}
-        self._shutting_down = False
-
-    async def set(self, service: str, status: int) -> None:
-        if self._shutting_down:
-            return
-        self._set(service, status)
-
-    def _set(self, service: str, status: int) -> None:
-        self._status[service] = status
-        for q in self._watchers.get(service, ()):
-            q.put_nowait(status)
-
-    async def enter_graceful_shutdown(self) -> None:
-        self._shutting_down = True
-        for service in self._status:
-            self._set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    def methods(self) -> dict[str, h2.Method]:
-        parse = health_pb2.HealthCheckRequest.FromString
-        return {
-            "/grpc.health.v1.Health/Check": h2.Method(self._check, parse, _serialize),
-            "/grpc.health.v1.Health/Watch": h2.Method(self._watch, parse, _serialize),
-        }
-
-    async def _check(self, call: h2.Call) -> None:
-        request = await call.read()
-        if request is h2.EOF:
-            return
-        status = self._status.get(request.service)
-        if status is None:
-            raise h2.CallAbort(h2.StatusCode.NOT_FOUND, "unknown service")
-        await call.write(health_pb2.HealthCheckResponse(status=status))
-
-    async def _watch(self, call: h2.Call) -> None:
-        request = await call.read()
-        if request is h2.EOF:
-            return
-        q: asyncio.Queue[int] = asyncio.Queue()
-        q.put_nowait(
-            self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-        )
-        watchers = self._watchers.setdefault(request.service, set())
-        watchers.add(q)
-        try:
-            while True:
-                await call.write(health_pb2.HealthCheckResponse(status=await q.get()))
-        finally:
-            watchers.discard(q)
-
-
-def _serialize(message: object) -> bytes:
-    return message.SerializeToString()  # type: ignore[attr-defined,no-any-return]
-
-
 def default_policy() -> Policy:
-    text = resources.files("extproc").joinpath("default_policy.yaml").read_text("utf-8")
+    text = resources.files("extproc.config").joinpath("default_policy.yaml").read_text("utf-8")
     return policy_from_yaml(text, "<embedded default policy>")
 
 

@@ -15,9 +15,9 @@ from typing import Any
 import yaml
 
 from extproc.app import TRANSPORTS, Sidecar, TlsFiles, default_policy
-from extproc.logs import configure as configure_logging
-from extproc.policy import Policy, PolicyError, load_policy
-from extproc.server import MESSAGE_TIMEOUT_MARGIN_S
+from extproc.config.policy import Policy, PolicyError, load_policy
+from extproc.ops.logs import configure as configure_logging
+from extproc.service import MESSAGE_TIMEOUT_MARGIN_S
 
 __all__ = ["main"]
 
@@ -71,8 +71,8 @@ def _run(main: Coroutine[Any, Any, None], event_loop: str) -> None:
 
 
 def _render(args: argparse.Namespace) -> int:
-    from extproc.envoy_config import render, validate
-    from extproc.policy import parse_duration
+    from extproc.config.envoy import render, validate
+    from extproc.config.policy import parse_duration
 
     try:
         policy = _policy(args.policy)
@@ -107,11 +107,15 @@ def main(argv: list[str] | None = None) -> int:
         "--metrics", default="127.0.0.1:9464", help="metrics HOST:PORT ('' to disable)"
     )
     serve.add_argument(
-        "--grace", type=float, default=30.0,
+        "--grace",
+        type=float,
+        default=30.0,
         help="on SIGTERM, seconds admitted requests may take to finish",
     )
     serve.add_argument(
-        "--watch-interval", type=float, default=1.0,
+        "--watch-interval",
+        type=float,
+        default=1.0,
         help="seconds between checks of the policy file for changes (0: only on SIGHUP)",
     )
     serve.add_argument("--tls-cert", help="PEM certificate: serve gRPC over TLS")
@@ -120,12 +124,14 @@ def main(argv: list[str] | None = None) -> int:
         "--tls-client-ca", help="PEM CA: require client certificates signed by it (mutual TLS)"
     )
     serve.add_argument(
-        "--event-loop", choices=("auto", "asyncio", "uvloop"),
+        "--event-loop",
+        choices=("auto", "asyncio", "uvloop"),
         default=os.environ.get("LLM_EXTPROC_EVENT_LOOP", "auto"),
         help="auto: uvloop when installed (default; env LLM_EXTPROC_EVENT_LOOP)",
     )
     serve.add_argument(
-        "--transport", choices=TRANSPORTS,
+        "--transport",
+        choices=TRANSPORTS,
         default=os.environ.get("LLM_EXTPROC_TRANSPORT", "h2"),
         help="h2: the sidecar's own HTTP/2 gRPC server (default); grpc: grpc.aio "
         "(env LLM_EXTPROC_TRANSPORT)",
@@ -143,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     render.add_argument("--extproc-address", default="127.0.0.1")
     render.add_argument("--extproc-port", type=int, default=50051)
     render.add_argument(
-        "--route-queue-timeout", default="0s",
+        "--route-queue-timeout",
+        default="0s",
         help="longest queue_timeout set in route metadata, if above the policy's",
     )
 

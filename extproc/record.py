@@ -7,7 +7,7 @@ request's outcome is counted or logged.
 
 from __future__ import annotations
 
-from extproc.errors import Outcome
+from extproc.outcome import Outcome
 
 __all__ = ["NO_BUCKET", "RequestRecord"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.stack import Stack
+from testing.stack import Stack
 
 
 @pytest.fixture(scope="module")

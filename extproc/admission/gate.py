@@ -1,0 +1,249 @@
+"""The asyncio shell around the admission core: futures for waiters and one eviction timer.
+
+Who owns a slot
+---------------
+``Gate.enter`` returns a ``Slot`` (admitted now), a ``Waiter`` (queued), or raises ``Refused``
+(queue full). ``await waiter.admitted()`` returns the ``Slot`` or raises ``Refused`` (evicted at
+its deadline). The caller owns a ``Slot`` and must ``release()`` it in a ``finally``; ``release``
+is idempotent, so the slot goes back exactly once whatever ends the stream.
+
+Cancellation: if the task awaiting ``admitted()`` is cancelled (the client left), the ticket
+leaves the queue at once. If the slot was handed over in the same instant, before the task could
+resume, the slot is given straight back and the next waiter is woken (the
+``fut.done() and not fut.cancelled()`` case of asyncio.locks).
+
+Eviction is active: one ``loop.call_at`` timer is armed for the earliest deadline across all
+buckets; when it fires, every waiter whose deadline has passed gets ``Refused`` at once, not
+when it would have reached the head of its queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from extproc.admission.core import Admission, BucketStats, Ticket, Verdict
+from extproc.config.policy import Policy
+from extproc.outcome import Outcome, queue_code
+
+__all__ = ["Gate", "Refused", "Slot", "Waiter", "retry_after_s"]
+
+
+def retry_after_s(estimate_s: float, min_s: float, max_s: float, jitter: float, u: float) -> float:
+    """Retry-After in seconds: the drain estimate times a random factor in [1, 1 + jitter]
+    (``u`` uniform in [0, 1)), clamped to [min_s, max_s]."""
+    return min(max_s, max(min_s, estimate_s * (1.0 + jitter * u)))
+
+
+class Refused(Exception):
+    """Queue full or evicted; carries what the 429 needs."""
+
+    def __init__(
+        self, outcome: Outcome, bucket: str, retry_after_s: float, queued: int, waited_s: float
+    ) -> None:
+        super().__init__(f"{outcome} in {bucket}")
+        self.outcome = outcome
+        self.code = queue_code(outcome)
+        self.bucket = bucket
+        self.retry_after_s = retry_after_s
+        self.queued = queued
+        self.waited_s = waited_s
+
+
+class Slot:
+    """One held slot. ``release()`` gives it back once; later calls do nothing."""
+
+    __slots__ = ("_gate", "_released", "admitted_at", "ticket")
+
+    def __init__(self, gate: Gate, ticket: Ticket, admitted_at: float) -> None:
+        self._gate = gate
+        self.ticket = ticket
+        self.admitted_at = admitted_at
+        self._released = False
+
+    @property
+    def queue_s(self) -> float:
+        return self.admitted_at - self.ticket.enqueued_at
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._gate._release(self.ticket)
+
+
+@dataclass(slots=True)
+class Waiter:
+    gate: Gate
+    ticket: Ticket
+    future: asyncio.Future[Slot]
+
+    async def admitted(self) -> Slot:
+        try:
+            return await self.future
+        except asyncio.CancelledError:
+            fut = self.future
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                fut.result().release()  # handed a slot just as we were cancelled
+            else:
+                self.gate._cancel(self.ticket)
+            raise
+        finally:
+            self.gate._waiters.pop(self.ticket.id, None)
+
+    def cancel(self) -> None:
+        """Leave the queue without awaiting (the stream ended before we awaited)."""
+        fut = self.future
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            fut.result().release()
+        else:
+            fut.cancel()
+            self.gate._cancel(self.ticket)
+        self.gate._waiters.pop(self.ticket.id, None)
+
+
+class Gate:
+    def __init__(
+        self,
+        policy: Policy,
+        loop: asyncio.AbstractEventLoop | None = None,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._rand = rand
+        self._core = Admission({})
+        self._waiters: dict[int, asyncio.Future[Slot]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._queue_timeout: dict[str, float] = {}
+        self._closed = False
+        self._drained: asyncio.Event | None = None  # set up by drained(), while shutting down
+        self.reconfigure(policy)
+
+    # --- configuration -----------------------------------------------------------------------
+
+    def reconfigure(self, policy: Policy) -> None:
+        """Apply a (re)loaded policy. Raised capacity admits waiters at once; lowered capacity
+        lets running requests finish. Buckets no longer in the policy keep draining."""
+        self._retry = policy.retry_after
+        for b in policy.buckets:
+            self._queue_timeout[b.name] = b.queue_timeout_s
+            self.set_limits(b.name, b.max_concurrency, b.max_queue)
+
+    def set_limits(self, bucket: str, capacity: int, max_queue: int) -> None:
+        self._queue_timeout.setdefault(bucket, 1.0)
+        self._hand_over(self._core.set_limits(bucket, capacity, max_queue, self._loop.time()))
+
+    # --- entering ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Shutting down: refuse everyone waiting and every newcomer (503 + Retry-After);
+        requests holding a slot run to the end."""
+        self._closed = True
+        now = self._loop.time()
+        for ticket_id, fut in list(self._waiters.items()):
+            waiter_ticket = self._core.ticket(ticket_id)
+            self._core.cancel(ticket_id, now)
+            if not fut.done() and waiter_ticket is not None:
+                fut.set_exception(self._shutting_down(waiter_ticket.bucket))
+
+    async def drained(self) -> None:
+        """Return once no request holds a slot."""
+        while any(s.in_flight for s in self.statistics().values()):
+            self._drained = asyncio.Event()
+            await self._drained.wait()
+
+    def _shutting_down(self, bucket: str) -> Refused:
+        return Refused(Outcome.REJECTED_SHUTTING_DOWN, bucket, self._retry.min_s, 0, 0.0)
+
+    def enter(self, bucket: str, timeout_s: float) -> Slot | Waiter:
+        if self._closed:
+            raise self._shutting_down(bucket)
+        now = self._loop.time()
+        decision = self._core.enqueue(bucket, now, timeout_s)
+        if decision.verdict is Verdict.ADMITTED:
+            return Slot(self, decision.ticket, now)
+        if decision.verdict is Verdict.QUEUE_FULL:
+            raise Refused(
+                Outcome.REJECTED_QUEUE_FULL,
+                bucket,
+                self._retry_after(bucket),
+                self._core.queued(bucket),
+                0.0,
+            )
+        fut: asyncio.Future[Slot] = self._loop.create_future()
+        self._waiters[decision.ticket.id] = fut
+        self._arm()
+        return Waiter(self, decision.ticket, fut)
+
+    # --- views -------------------------------------------------------------------------------
+
+    def statistics(self) -> dict[str, BucketStats]:
+        return self._core.statistics()
+
+    def __repr__(self) -> str:
+        return repr(self._core)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _retry_after(self, bucket: str) -> float:
+        ra = self._retry
+        timeout = self._queue_timeout[bucket]
+        # Before any slot was released, assume a slot is held for the queue timeout. Cap the
+        # estimate at the queue timeout: every request now queued leaves within that time
+        # (admitted or evicted), so the queue a client would join has turned over by then.
+        # Without the cap, the estimate counts waiters that will be evicted rather than served,
+        # and under sustained overload sends clients away past their own deadlines
+        # (measured in docs/benchmarks.md).
+        estimate = min(self._core.drain_estimate_s(bucket, timeout), timeout)
+        return retry_after_s(estimate, ra.min_s, ra.max_s, ra.jitter, self._rand())
+
+    def _hand_over(self, tickets: list[Ticket]) -> None:
+        now = self._loop.time()
+        for ticket in tickets:
+            fut = self._waiters.get(ticket.id)
+            if fut is None or fut.done():
+                # Its task was cancelled in this same instant: pass the slot on.
+                self._hand_over(self._core.release(ticket.id, now))
+            else:
+                fut.set_result(Slot(self, ticket, now))
+
+    def _release(self, ticket: Ticket) -> None:
+        self._hand_over(self._core.release(ticket.id, self._loop.time()))
+        if self._drained is not None:
+            self._drained.set()  # drained() checks again
+
+    def _cancel(self, ticket: Ticket) -> None:
+        self._hand_over(self._core.cancel(ticket.id, self._loop.time()))
+
+    def _arm(self) -> None:
+        deadline = self._core.next_deadline()
+        if deadline == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = deadline
+        if deadline is not None:
+            self._timer = self._loop.call_at(deadline, self._on_timer, deadline)
+
+    def _on_timer(self, scheduled: float) -> None:
+        self._timer = None
+        self._timer_at = None
+        # asyncio may run a timer up to one clock tick early; never evict before the deadline
+        # and never spin on an early wake-up.
+        now = max(self._loop.time(), scheduled)
+        for ticket in self._core.expire(now):
+            fut = self._waiters.pop(ticket.id, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(
+                    Refused(
+                        Outcome.EVICTED_TIMEOUT,
+                        ticket.bucket,
+                        self._retry_after(ticket.bucket),
+                        self._core.queued(ticket.bucket),
+                        now - ticket.enqueued_at,
+                    )
+                )
+        self._arm()

@@ -1,0 +1,211 @@
+"""Prometheus metrics, recorded in one place: ``Metrics.finish`` when a request's stream ends.
+
+Label values come from bounded sets only: bucket names from the policy (plus ``none``),
+outcomes from ``Outcome``, max_tokens actions. Never anything a client sends.
+
+Gauges of the queues (depth, in flight, capacity) are not updated on the request path at all:
+a custom collector reads ``Gate.statistics()`` when Prometheus scrapes. Every server instance
+has its own ``CollectorRegistry``, so tests can run several side by side.
+
+The metrics endpoint is a tiny asyncio HTTP server on the sidecar's own event loop, so a scrape
+reads the admission state on the thread that changes it (no locks, no torn reads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+from extproc.admission.core import BucketStats
+from extproc.outcome import Outcome
+from extproc.record import NO_BUCKET, RequestRecord
+
+__all__ = ["Metrics", "serve_metrics"]
+
+# The *_created series double the output and tell an operator nothing here.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_HOLD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class _QueueCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, BucketStats]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        families = {
+            "queue_depth": GaugeMetricFamily(
+                "llm_extproc_queue_depth", "Requests waiting for a slot.", labels=["bucket"]
+            ),
+            "in_flight": GaugeMetricFamily(
+                "llm_extproc_in_flight", "Requests holding a slot.", labels=["bucket"]
+            ),
+            "capacity": GaugeMetricFamily(
+                "llm_extproc_capacity", "Slots (max_concurrency) of the bucket.", labels=["bucket"]
+            ),
+            "max_queue": GaugeMetricFamily(
+                "llm_extproc_queue_limit",
+                "Longest queue (max_queue) of the bucket.",
+                labels=["bucket"],
+            ),
+        }
+        for name, s in self._stats().items():
+            families["queue_depth"].add_metric([name], s.queued)
+            families["in_flight"].add_metric([name], s.in_flight)
+            families["capacity"].add_metric([name], s.capacity)
+            families["max_queue"].add_metric([name], s.max_queue)
+        yield from families.values()
+
+
+class _Children(NamedTuple):
+    requests: Counter
+    queue_wait: Histogram
+    slot_hold: Histogram
+    prompt_tokens: Histogram
+    max_tokens: Histogram
+
+
+class Metrics:
+    """Every metric of one sidecar, in its own registry."""
+
+    def __init__(self, stats: Callable[[], dict[str, BucketStats]]) -> None:
+        r = self.registry = CollectorRegistry()
+        r.register(_QueueCollector(stats))
+        self.requests = Counter(
+            "llm_extproc_requests",
+            "LLM requests finished, by bucket and outcome.",
+            ["bucket", "outcome"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "llm_extproc_queue_wait_seconds",
+            "Time from arrival of the body to admission or refusal, by bucket and outcome.",
+            ["bucket", "outcome"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.slot_hold = Histogram(
+            "llm_extproc_slot_hold_seconds",
+            "Time an admitted request held its slot (until the last byte of the response).",
+            ["bucket"],
+            buckets=_HOLD_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Histogram(
+            "llm_extproc_prompt_tokens",
+            "Estimated prompt tokens of classified requests.",
+            ["bucket"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.max_tokens = Histogram(
+            "llm_extproc_max_tokens",
+            "Effective max_tokens of classified requests.",
+            ["bucket"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.max_tokens_adjusted = Counter(
+            "llm_extproc_max_tokens_adjusted",
+            "Requests whose max_tokens the sidecar set (defaulted) or lowered (clamped).",
+            ["bucket", "action"],
+            registry=r,
+        )
+        self.shadow = Counter(
+            "llm_extproc_shadow_outcomes",
+            "Shadow mode: what enforcement would have done to requests that were admitted.",
+            ["bucket", "outcome"],
+            registry=r,
+        )
+        self.policy_reloads = Counter(
+            "llm_extproc_policy_reloads",
+            "Policy file reloads, by result (ok, error).",
+            ["result"],
+            registry=r,
+        )
+        self._children: dict[tuple[str, str], _Children] = {}
+        self.route_policy_errors = Counter(
+            "llm_extproc_route_policy_errors",
+            "Route metadata overrides refused (the file's policy applied instead).",
+            registry=r,
+        )
+
+    def declare(self, buckets: Iterable[str]) -> None:
+        """Create the outcome and reload series at zero, so that rates and increase() see the
+        first eviction or reload error instead of a series that appears at 1."""
+        for bucket in (*buckets, NO_BUCKET):
+            for outcome in Outcome:
+                self.requests.labels(bucket, str(outcome))
+        for result in ("ok", "error"):
+            self.policy_reloads.labels(result)
+
+    def finish(self, rec: RequestRecord) -> None:
+        """Record one finished request. Called exactly once per request, by the server."""
+        assert rec.outcome is not None
+        bucket, outcome = rec.bucket, str(rec.outcome)
+        children = self._children.get((bucket, outcome))
+        if children is None:  # resolve the labelled series once per (bucket, outcome)
+            children = self._children[(bucket, outcome)] = _Children(
+                self.requests.labels(bucket, outcome),
+                self.queue_wait.labels(bucket, outcome),
+                self.slot_hold.labels(bucket),
+                self.prompt_tokens.labels(bucket),
+                self.max_tokens.labels(bucket),
+            )
+        children.requests.inc()
+        children.queue_wait.observe(rec.queue_s)
+        hold = rec.hold_s
+        if hold is not None:
+            children.slot_hold.observe(hold)
+        if rec.prompt_tokens is not None:
+            children.prompt_tokens.observe(rec.prompt_tokens)
+        if rec.max_tokens is not None:
+            children.max_tokens.observe(rec.max_tokens)
+        if rec.max_tokens_action in ("defaulted", "clamped"):
+            self.max_tokens_adjusted.labels(bucket, rec.max_tokens_action).inc()
+        if rec.shadow_outcome is not None:
+            self.shadow.labels(bucket, str(rec.shadow_outcome)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+async def serve_metrics(
+    host: str, port: int, metrics: Metrics, debug: Callable[[], object]
+) -> asyncio.Server:
+    """``GET /metrics`` (Prometheus text) and ``GET /debug/queues`` (JSON) over HTTP/1.0."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+                parts = head.split(b" ", 2)
+                path = parts[1].decode("latin-1") if len(parts) > 1 else ""
+                path = path.split("?", 1)[0]
+                if path == "/metrics":
+                    status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, metrics.render()
+                elif path == "/debug/queues":
+                    status, ctype = "200 OK", "application/json"
+                    body = json.dumps(debug(), indent=1).encode()
+                else:
+                    status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
+                writer.write(
+                    f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\n"
+                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                    + body
+                )
+                await writer.drain()
+            finally:
+                writer.close()
+
+    return await asyncio.start_server(handle, host, port)

@@ -1,0 +1,197 @@
+"""Stage 2: count the prompt, bound the lengths, choose the bucket, rewrite the body.
+
+Order matters and is fixed:
+1. estimate prompt tokens; above ``limits.max_prompt_tokens`` -> 413 ``prompt_too_long``;
+2. effective ``max_tokens``: the client's value, or ``limits.default_max_tokens`` when absent;
+   above ``limits.max_output_tokens`` it is clamped (``on_excess: clamp``) or refused with 400
+   ``max_tokens_too_large`` (``on_excess: reject``);
+3. the bucket named by the route's metadata, else the first bucket whose match holds for
+   (headers, prompt tokens, effective max_tokens);
+Route metadata (``RouteOverride``) may also replace the limits of steps 1-2 and the queue
+timeout for its route.
+4. the body is re-serialised only when max_tokens changed. Each max_tokens key the client sent
+   is set to the effective value; when it sent none, ``max_tokens`` is added (vLLM reads it on
+   both endpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from extproc.config.policy import BucketPolicy, Limits, OnExcess, Policy, RouteOverride, TokenPolicy
+from extproc.outcome import RequestError
+from extproc.request.parse import ParsedRequest
+
+__all__ = [
+    "Classification",
+    "MaxTokensAction",
+    "TokenCounter",
+    "classify",
+    "effective_limits",
+    "token_counter",
+]
+
+# Counts the tokens of a batch of strings.
+TokenCounter = Callable[[tuple[str, ...]], int]
+
+
+class MaxTokensAction(StrEnum):
+    KEPT = "kept"
+    DEFAULTED = "defaulted"
+    CLAMPED = "clamped"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Classification:
+    bucket: BucketPolicy
+    prompt_tokens: int
+    max_tokens: int
+    max_tokens_action: MaxTokensAction
+    # The body to send upstream when it changed, else None (forward the original bytes).
+    new_body: bytes | None
+    # The bucket's, or the route's when route metadata overrides it.
+    queue_timeout_s: float
+
+
+def token_counter(tokens: TokenPolicy) -> TokenCounter:
+    """Build the prompt-text counter once, at policy load."""
+    if tokens.tokenizer:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise RuntimeError(
+                "tokens.tokenizer is set but the 'tokenizers' package is missing: "
+                "pip install 'llm-extproc[tokenizer]'"
+            ) from e
+        tok = Tokenizer.from_file(tokens.tokenizer)
+
+        def exact(texts: tuple[str, ...]) -> int:
+            if not texts:
+                return 0
+            return sum(len(e.ids) for e in tok.encode_batch(list(texts), add_special_tokens=False))
+
+        return exact
+
+    cpt = tokens.chars_per_token
+
+    def estimate(texts: tuple[str, ...]) -> int:
+        return math.ceil(sum(map(len, texts)) / cpt)
+
+    return estimate
+
+
+_WHITESPACE = b" \t\r\n"
+
+
+def _append_max_tokens(req: ParsedRequest, value: int) -> bytes | None:
+    """The body with ``"max_tokens":value`` appended before its closing brace, when the body has
+    no max_tokens key at all (not even null: that would make a duplicate) and no BOM. Keeps the
+    client's bytes as they are and costs a fraction of re-serialising. None: not applicable."""
+    raw = req.raw
+    if "max_tokens" in req.body or not raw or raw.startswith(b"\xef\xbb\xbf"):
+        return None
+    end = len(raw.rstrip(_WHITESPACE))
+    if raw[end - 1 : end] != b"}":
+        return None
+    return raw[: end - 1] + (b"," if req.body else b"") + b'"max_tokens":%d}' % value
+
+
+def _rewrite(original: dict[str, Any], keys: tuple[str, ...], value: int) -> bytes:
+    body = dict(original)  # shallow copy: the parsed request stays as the client sent it
+    for key in keys or ("max_tokens",):
+        body[key] = value
+    try:
+        text = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates from \ud800-style escapes: keep them escaped
+        return json.dumps(body, separators=(",", ":")).encode("ascii")
+
+
+def effective_limits(limits: Limits, route: RouteOverride | None) -> Limits:
+    if route is None:
+        return limits
+    max_output = route.max_output_tokens or limits.max_output_tokens
+    return Limits(
+        max_prompt_tokens=route.max_prompt_tokens or limits.max_prompt_tokens,
+        max_output_tokens=max_output,
+        default_max_tokens=min(max_output, route.default_max_tokens or limits.default_max_tokens),
+        on_excess=limits.on_excess,
+    )
+
+
+def classify(
+    policy: Policy,
+    count: TokenCounter,
+    headers: Mapping[str, str],
+    req: ParsedRequest,
+    route: RouteOverride | None = None,
+) -> Classification:
+    tp = policy.tokens
+    prompt_tokens = (
+        count(req.texts)
+        + req.token_ids
+        + req.non_text_parts * tp.non_text_part_tokens
+        + req.messages * tp.message_overhead_tokens
+    )
+    limits = effective_limits(policy.limits, route)
+    if prompt_tokens > limits.max_prompt_tokens:
+        raise RequestError(
+            413,
+            "prompt_too_long",
+            f"The prompt is about {prompt_tokens} tokens; this endpoint accepts at most "
+            f"{limits.max_prompt_tokens}.",
+            "messages" if req.messages else "prompt",
+        )
+
+    requested = req.requested_max_tokens
+    if requested is None:
+        max_tokens, action = limits.default_max_tokens, MaxTokensAction.DEFAULTED
+    elif requested > limits.max_output_tokens:
+        if limits.on_excess is OnExcess.REJECT:
+            key = req.max_tokens_keys[-1] if req.max_tokens_keys else "max_tokens"
+            raise RequestError(
+                400,
+                "max_tokens_too_large",
+                f"'{key}' is {requested}; this endpoint allows at most {limits.max_output_tokens}.",
+                key,
+            )
+        max_tokens, action = limits.max_output_tokens, MaxTokensAction.CLAMPED
+    else:
+        max_tokens, action = requested, MaxTokensAction.KEPT
+
+    # Both keys present with different values also needs a rewrite, so the backend cannot
+    # read the other one.
+    needs_rewrite = action is not MaxTokensAction.KEPT or any(
+        req.body.get(k) != max_tokens for k in req.max_tokens_keys
+    )
+    new_body = None
+    if needs_rewrite:
+        if action is MaxTokensAction.DEFAULTED:
+            new_body = _append_max_tokens(req, max_tokens)
+        if new_body is None:
+            new_body = _rewrite(req.body, req.max_tokens_keys, max_tokens)
+
+    if route is not None and route.bucket is not None:
+        bucket = policy.bucket(route.bucket)
+    else:
+        for bucket in policy.buckets:
+            if bucket.match.matches(headers, prompt_tokens, max_tokens):
+                break
+        else:  # pragma: no cover - the policy guarantees a catch-all bucket
+            raise AssertionError("policy has no catch-all bucket")
+    timeout = bucket.queue_timeout_s
+    if route is not None and route.queue_timeout_s is not None:
+        timeout = route.queue_timeout_s
+    return Classification(
+        bucket=bucket,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        max_tokens_action=action,
+        new_body=new_body,
+        queue_timeout_s=timeout,
+    )

@@ -1,0 +1,298 @@
+"""Stage 1: parse an OpenAI-style request body into the few facts admission needs.
+
+``parse_body`` takes the raw bytes Envoy buffered and returns a ``ParsedRequest`` or raises
+``RequestError`` with the status and an error code that names the problem and the field. It never
+raises anything else on any input (tests/test_parse_props.py drives it with arbitrary bytes).
+
+What it accepts, on purpose strict where laxness would let a request slip past the limits:
+- UTF-8 JSON (a UTF-8 byte-order mark is tolerated) holding one object; NaN/Infinity literals and
+  duplicate keys are refused (a duplicate ``max_tokens`` could mean one value to us and another
+  to the backend);
+- chat: ``messages``, a non-empty list of objects whose ``content`` is a string, null, or a list of
+  content parts; ``text`` parts are counted as text, any other part type costs a fixed number of
+  tokens (``tokens.non_text_part_tokens``) and is passed on for the backend to judge;
+- completions: ``prompt``, a string, a list of strings, a list of token ids, or a list of lists of
+  token ids (token ids count exactly);
+- ``max_tokens`` / ``max_completion_tokens``: an integer from 1 to 2**31 - 1, or null
+  (= absent);
+- ``stream``: a boolean or null.
+
+Prompt text is gathered as a tuple of strings; counting it is the next stage's job
+(``extproc.classify``), so the tokenizer choice stays out of parsing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from extproc.outcome import RequestError
+
+__all__ = ["Endpoint", "ParsedRequest", "check_content_headers", "endpoint_for_path", "parse_body"]
+
+
+class Endpoint(StrEnum):
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+
+
+_ENDPOINTS = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.COMPLETIONS}
+MAX_TOKENS_KEYS = ("max_tokens", "max_completion_tokens")
+# Above this a max_tokens is not a request but a bug (no model has such a context); refuse it
+# rather than clamp it, so the client hears about it. Values in range but above the policy's
+# max_output_tokens are clamped or refused as the policy says.
+MAX_TOKENS_CEILING = 2**31 - 1
+
+
+def endpoint_for_path(method: str, path: str) -> Endpoint | None:
+    """The LLM endpoint a request targets, or None for anything we pass through untouched."""
+    if method != "POST":
+        return None
+    return _ENDPOINTS.get(path.split("?", 1)[0])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParsedRequest:
+    endpoint: Endpoint
+    # Prompt text to count: message contents, tool definitions, prompt strings.
+    texts: tuple[str, ...]
+    # Tokens known exactly (token-id prompts).
+    token_ids: int = 0
+    messages: int = 0
+    non_text_parts: int = 0
+    # The client's max_tokens: max_completion_tokens when present, else max_tokens, else None.
+    requested_max_tokens: int | None = None
+    # Which of max_tokens / max_completion_tokens the body holds (with a non-null value).
+    max_tokens_keys: tuple[str, ...] = ()
+    stream: bool = False
+    model: str | None = None
+    # The decoded body, kept so the rewrite stage need not parse again.
+    body: dict[str, Any] = field(compare=False, repr=False, default_factory=dict)
+    # The bytes as received (the rewrite appends to them when it only adds a key).
+    raw: bytes = field(compare=False, repr=False, default=b"")
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise RequestError(
+                    400, "duplicate_key", f"The request body repeats the key {key!r}.", key
+                )
+            seen.add(key)
+    return obj
+
+
+_JSON_TYPES = {"application/json"}
+
+
+def check_content_headers(content_type: str | None, content_encoding: str | None) -> None:
+    """Refuse bodies we cannot read before looking at them (415)."""
+    if content_encoding and content_encoding.strip().lower() not in ("identity", ""):
+        raise RequestError(
+            415,
+            "unsupported_content_encoding",
+            f"Content-Encoding {content_encoding.strip()!r} is not supported; send the JSON "
+            "body uncompressed.",
+        )
+    if content_type:
+        media = content_type.split(";", 1)[0].strip().lower()
+        if media not in _JSON_TYPES and not media.endswith("+json"):
+            raise RequestError(
+                415,
+                "unsupported_media_type",
+                f"Content-Type {media!r} is not supported; send application/json.",
+            )
+
+
+def _type_name(value: object) -> str:
+    if value is None:
+        return "null"
+    return {
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        str: "string",
+        list: "array",
+        dict: "object",
+    }.get(type(value), type(value).__name__)
+
+
+def _bad_type(param: str, expected: str, value: object) -> RequestError:
+    return RequestError(
+        400, "invalid_type", f"'{param}' must be {expected}, not {_type_name(value)}.", param
+    )
+
+
+def _max_tokens(body: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+    present: list[str] = []
+    values: dict[str, int] = {}
+    for key in MAX_TOKENS_KEYS:
+        value = body.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _bad_type(key, "an integer", value)
+        if not 1 <= value <= MAX_TOKENS_CEILING:
+            raise RequestError(
+                400,
+                "invalid_value",
+                f"'{key}' must be between 1 and {MAX_TOKENS_CEILING}, got {value}.",
+                key,
+            )
+        present.append(key)
+        values[key] = value
+    requested = values.get("max_completion_tokens", values.get("max_tokens"))
+    return requested, tuple(present)
+
+
+def _content_texts(content: object, where: str, texts: list[str]) -> int:
+    """Append the text of one message's content; return its count of non-text parts."""
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        texts.append(content)
+        return 0
+    if not isinstance(content, list):
+        raise _bad_type(where, "a string, an array of content parts, or null", content)
+    non_text = 0
+    for j, part in enumerate(content):
+        pwhere = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise _bad_type(pwhere, "an object", part)
+        kind = part.get("type")
+        if not isinstance(kind, str):
+            raise _bad_type(f"{pwhere}.type", "a string", kind)
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise _bad_type(f"{pwhere}.text", "a string", text)
+            texts.append(text)
+        else:
+            non_text += 1
+    return non_text
+
+
+def _chat(body: dict[str, Any], texts: list[str]) -> tuple[int, int]:
+    messages = body.get("messages")
+    if messages is None:
+        raise RequestError(400, "missing_field", "'messages' is required.", "messages")
+    if not isinstance(messages, list):
+        raise _bad_type("messages", "an array", messages)
+    if not messages:
+        raise RequestError(400, "invalid_value", "'messages' must not be empty.", "messages")
+    non_text = 0
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise _bad_type(where, "an object", message)
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise _bad_type(f"{where}.role", "a string", role)
+        non_text += _content_texts(message.get("content"), f"{where}.content", texts)
+        name = message.get("name")
+        if isinstance(name, str):
+            texts.append(name)
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None:
+            if not isinstance(tool_calls, list):
+                raise _bad_type(f"{where}.tool_calls", "an array", tool_calls)
+            texts.append(json.dumps(tool_calls, separators=(",", ":"), ensure_ascii=False))
+    for key in ("tools", "functions"):
+        value = body.get(key)
+        if value is not None:
+            if not isinstance(value, list):
+                raise _bad_type(key, "an array", value)
+            texts.append(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+    return len(messages), non_text
+
+
+def _is_token_id(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _completions(body: dict[str, Any], texts: list[str]) -> int:
+    """Gather a completions prompt; return the count of exact token ids."""
+    if "prompt" not in body or body["prompt"] is None:
+        raise RequestError(400, "missing_field", "'prompt' is required.", "prompt")
+    prompt = body["prompt"]
+    expected = "a string, an array of strings, or an array of token ids"
+    if isinstance(prompt, str):
+        texts.append(prompt)
+        return 0
+    if not isinstance(prompt, list):
+        raise _bad_type("prompt", expected, prompt)
+    if all(isinstance(p, str) for p in prompt):
+        texts.extend(prompt)
+        return 0
+    if all(_is_token_id(p) for p in prompt):
+        return len(prompt)
+    if all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt):
+        return sum(len(p) for p in prompt)
+    raise RequestError(400, "invalid_type", f"'prompt' must be {expected}.", "prompt")
+
+
+def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
+    if not raw:
+        raise RequestError(400, "empty_body", "The request body is empty; send a JSON object.")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(
+            400, "invalid_encoding", f"The request body is not valid UTF-8 (byte {e.start})."
+        ) from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    try:
+        body = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise RequestError(
+            400, "invalid_json", f"The request body is not valid JSON: {e.msg} at byte {e.pos}."
+        ) from None
+    except RecursionError:
+        raise RequestError(400, "invalid_json", "The request body is nested too deeply.") from None
+    except ValueError as e:  # NaN/Infinity, integers too long to convert
+        raise RequestError(
+            400, "invalid_json", f"The request body is not valid JSON: {e}."
+        ) from None
+    if not isinstance(body, dict):
+        raise RequestError(
+            400, "invalid_body", f"The request body must be a JSON object, not {_type_name(body)}."
+        )
+    requested, keys = _max_tokens(body)
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _bad_type("stream", "a boolean", stream)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad_type("model", "a string", model)
+    texts: list[str] = []
+    messages = non_text = token_ids = 0
+    try:
+        if endpoint is Endpoint.CHAT:
+            messages, non_text = _chat(body, texts)
+        else:
+            token_ids = _completions(body, texts)
+    except RecursionError:  # json.dumps of deeply nested tools
+        raise RequestError(400, "invalid_json", "The request body is nested too deeply.") from None
+    return ParsedRequest(
+        endpoint=endpoint,
+        texts=tuple(texts),
+        token_ids=token_ids,
+        messages=messages,
+        non_text_parts=non_text,
+        requested_max_tokens=requested,
+        max_tokens_keys=keys,
+        stream=bool(stream),
+        model=model,
+        body=body,
+        raw=raw,
+    )

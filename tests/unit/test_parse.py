@@ -1,0 +1,359 @@
+"""Parsing and classification, table-driven, including every class of bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from extproc.config.policy import policy_from_yaml
+from extproc.outcome import RequestError
+from extproc.request.classify import MaxTokensAction, classify, token_counter
+from extproc.request.parse import Endpoint, check_content_headers, endpoint_for_path, parse_body
+
+POLICY = policy_from_yaml(
+    """
+limits: {max_prompt_tokens: 1000, default_max_tokens: 64, max_output_tokens: 512}
+buckets:
+  - name: interactive
+    match: {headers: {x-llm-class: interactive}, max_prompt_tokens: 200, max_tokens: 128}
+    max_concurrency: 2
+    queue_timeout: 1s
+    max_queue: 5
+  - name: short
+    match: {max_prompt_tokens: 100}
+    max_concurrency: 2
+    queue_timeout: 1s
+    max_queue: 5
+  - name: batch
+    max_concurrency: 1
+    queue_timeout: 10s
+    max_queue: 5
+"""
+)
+COUNT = token_counter(POLICY.tokens)
+CHAT = Endpoint.CHAT
+COMP = Endpoint.COMPLETIONS
+
+
+def chat(**fields: object) -> bytes:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], **fields}
+    return json.dumps(body).encode()
+
+
+def run(endpoint: Endpoint, raw: bytes, headers: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    return classify(POLICY, COUNT, headers or {}, parse_body(endpoint, raw))
+
+
+@pytest.mark.parametrize(
+    "method,path,expected",
+    [
+        ("POST", "/v1/chat/completions", CHAT),
+        ("POST", "/v1/completions", COMP),
+        ("POST", "/v1/completions?x=1", COMP),
+        ("GET", "/v1/chat/completions", None),
+        ("POST", "/v1/models", None),
+        ("POST", "/v1/chat/completions/extra", None),
+        ("GET", "/health", None),
+    ],
+)
+def test_endpoints(method: str, path: str, expected: Endpoint | None) -> None:
+    assert endpoint_for_path(method, path) == expected
+
+
+# Every bad input: (endpoint, body, status, code, param)
+BAD = [
+    (CHAT, b"", 400, "empty_body", None),
+    (CHAT, b"{", 400, "invalid_json", None),
+    (CHAT, b'{"messages": [}', 400, "invalid_json", None),
+    (CHAT, b"\xff\xfe{}", 400, "invalid_encoding", None),
+    (CHAT, b'{"a": "\xc3"}', 400, "invalid_encoding", None),
+    (CHAT, b"[1,2]", 400, "invalid_body", None),
+    (CHAT, b'"text"', 400, "invalid_body", None),
+    (CHAT, b"null", 400, "invalid_body", None),
+    (CHAT, b'{"max_tokens": NaN, "messages": []}', 400, "invalid_json", None),
+    (CHAT, b'{"max_tokens": Infinity}', 400, "invalid_json", None),
+    (
+        CHAT,
+        b'{"max_tokens": 1, "max_tokens": 99999, "messages": [{"role":"user"}]}',
+        400,
+        "duplicate_key",
+        "max_tokens",
+    ),
+    (CHAT, b"[" * 100_000 + b"]" * 100_000, 400, "invalid_json", None),
+    (CHAT, b'{"max_tokens": ' + b"9" * 5000 + b"}", 400, "invalid_json", None),
+    (CHAT, b'{"model": "m"}', 400, "missing_field", "messages"),
+    (CHAT, b'{"messages": "hi"}', 400, "invalid_type", "messages"),
+    (CHAT, b'{"messages": []}', 400, "invalid_value", "messages"),
+    (CHAT, b'{"messages": [1]}', 400, "invalid_type", "messages[0]"),
+    (CHAT, b'{"messages": [{"content": "x"}]}', 400, "invalid_type", "messages[0].role"),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": 5}]}',
+        400,
+        "invalid_type",
+        "messages[0].content",
+    ),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": [{"text": "x"}]}]}',
+        400,
+        "invalid_type",
+        "messages[0].content[0].type",
+    ),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}',
+        400,
+        "invalid_type",
+        "messages[0].content[0].text",
+    ),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": ["x"]}]}',
+        400,
+        "invalid_type",
+        "messages[0].content[0]",
+    ),
+    (CHAT, chat(max_tokens="100"), 400, "invalid_type", "max_tokens"),
+    (CHAT, chat(max_tokens=10.5), 400, "invalid_type", "max_tokens"),
+    (CHAT, chat(max_tokens=100.0), 400, "invalid_type", "max_tokens"),
+    (CHAT, chat(max_tokens=True), 400, "invalid_type", "max_tokens"),
+    (CHAT, chat(max_tokens=[1]), 400, "invalid_type", "max_tokens"),
+    (CHAT, chat(max_tokens=0), 400, "invalid_value", "max_tokens"),
+    (CHAT, chat(max_tokens=-5), 400, "invalid_value", "max_tokens"),
+    (CHAT, chat(max_completion_tokens=-1), 400, "invalid_value", "max_completion_tokens"),
+    (CHAT, chat(max_tokens=2**31), 400, "invalid_value", "max_tokens"),
+    (CHAT, chat(max_tokens=10**30), 400, "invalid_value", "max_tokens"),
+    (CHAT, chat(stream="yes"), 400, "invalid_type", "stream"),
+    (CHAT, chat(model=7), 400, "invalid_type", "model"),
+    (CHAT, chat(tools={"a": 1}), 400, "invalid_type", "tools"),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "tool_calls": 1}]}',
+        400,
+        "invalid_type",
+        "messages[0].tool_calls",
+    ),
+    (COMP, b'{"model": "m"}', 400, "missing_field", "prompt"),
+    (COMP, b'{"prompt": null}', 400, "missing_field", "prompt"),
+    (COMP, b'{"prompt": 5}', 400, "invalid_type", "prompt"),
+    (COMP, b'{"prompt": ["a", 1]}', 400, "invalid_type", "prompt"),
+    (COMP, b'{"prompt": [1, -2]}', 400, "invalid_type", "prompt"),
+    (COMP, b'{"prompt": [[1], ["a"]]}', 400, "invalid_type", "prompt"),
+    (
+        CHAT,
+        json.dumps({"messages": [{"role": "user", "content": "x" * 4004}]}).encode(),
+        413,
+        "prompt_too_long",
+        "messages",
+    ),
+    (COMP, json.dumps({"prompt": list(range(1001))}).encode(), 413, "prompt_too_long", "prompt"),
+]
+
+
+@pytest.mark.parametrize("endpoint,raw,status,code,param", BAD)
+def test_bad_input_gets_a_precise_error(
+    endpoint: Endpoint, raw: bytes, status: int, code: str, param: str | None
+) -> None:
+    with pytest.raises(RequestError) as info:
+        run(endpoint, raw)
+    e = info.value
+    assert (e.status, e.code, e.param) == (status, code, param)
+    body = json.loads(e.rejection().body)
+    assert body["error"]["code"] == code
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "ctype,cenc,code",
+    [
+        ("text/plain", None, "unsupported_media_type"),
+        ("application/x-www-form-urlencoded", None, "unsupported_media_type"),
+        ("application/json", "gzip", "unsupported_content_encoding"),
+        (None, "br", "unsupported_content_encoding"),
+    ],
+)
+def test_unreadable_content_headers(ctype: str | None, cenc: str | None, code: str) -> None:
+    with pytest.raises(RequestError) as info:
+        check_content_headers(ctype, cenc)
+    assert (info.value.status, info.value.code) == (415, code)
+
+
+@pytest.mark.parametrize(
+    "ctype,cenc",
+    [
+        (None, None),
+        ("application/json", None),
+        ("application/json; charset=utf-8", "identity"),
+        ("Application/JSON", None),
+        ("application/vnd.api+json", None),
+    ],
+)
+def test_readable_content_headers(ctype: str | None, cenc: str | None) -> None:
+    check_content_headers(ctype, cenc)
+
+
+def test_prompt_estimate_counts_text_parts_tools_and_fixed_costs() -> None:
+    body = {
+        "messages": [
+            {"role": "system", "content": "a" * 40},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "b" * 40},
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": "data:image/png;base64," + "A" * 5000},
+                    },
+                    {"type": "input_audio", "input_audio": {"data": "x"}},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            },
+        ],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+    }
+    parsed = parse_body(CHAT, json.dumps(body).encode())
+    assert parsed.messages == 3 and parsed.non_text_parts == 2
+    text_chars = sum(map(len, parsed.texts))
+    tools_json = json.dumps(body["tools"], separators=(",", ":"))
+    calls_json = json.dumps(body["messages"][2]["tool_calls"], separators=(",", ":"))
+    assert text_chars == 40 + 40 + len(tools_json) + len(calls_json)
+    policy = policy_from_yaml(
+        "limits: {max_prompt_tokens: 100000}\n"
+        "buckets: [{name: a, max_concurrency: 1, queue_timeout: 1s}]"
+    )
+    cls = classify(policy, token_counter(policy.tokens), {}, parsed)
+    # ceil(chars / 4) + 2 non-text parts * 512 + 3 messages * 3
+    assert cls.prompt_tokens == -(-text_chars // 4) + 2 * 512 + 3 * 3
+
+
+def test_completions_prompts() -> None:
+    assert parse_body(COMP, b'{"prompt": "abcd"}').texts == ("abcd",)
+    assert parse_body(COMP, b'{"prompt": ["ab", "cd"]}').texts == ("ab", "cd")
+    assert parse_body(COMP, b'{"prompt": [1, 2, 3]}').token_ids == 3
+    assert parse_body(COMP, b'{"prompt": [[1, 2], [3]]}').token_ids == 3
+    assert parse_body(COMP, b'{"prompt": []}').token_ids == 0
+
+
+def test_missing_max_tokens_is_defaulted_and_body_rewritten() -> None:
+    cls = run(CHAT, chat())
+    assert (cls.max_tokens, cls.max_tokens_action) == (64, MaxTokensAction.DEFAULTED)
+    assert cls.new_body is not None
+    assert json.loads(cls.new_body) == {**json.loads(chat()), "max_tokens": 64}
+
+
+def test_null_max_tokens_counts_as_absent() -> None:
+    cls = run(CHAT, chat(max_tokens=None))
+    assert cls.max_tokens_action is MaxTokensAction.DEFAULTED
+    assert cls.new_body is not None and json.loads(cls.new_body)["max_tokens"] == 64
+    # Replaced, not appended: a second "max_tokens" would be refused by our own parser.
+    assert parse_body(CHAT, cls.new_body).requested_max_tokens == 64
+
+
+def test_defaulted_max_tokens_is_appended_to_the_clients_bytes() -> None:
+    raw = b'{"messages": [{"role": "user", "content": "h\\u00e9"}], "temperature": 1.50}\n '
+    cls = run(CHAT, raw)
+    assert cls.new_body == raw.rstrip()[:-1] + b',"max_tokens":64}'
+    # With a BOM the body is re-serialised instead (and loses the BOM).
+    cls = run(CHAT, b"\xef\xbb\xbf" + raw)
+    assert cls.new_body is not None and not cls.new_body.startswith(b"\xef")
+    assert json.loads(cls.new_body)["max_tokens"] == 64
+
+
+def test_excess_is_clamped_keeping_every_other_field() -> None:
+    raw = chat(
+        max_tokens=2**31 - 1, temperature=0.7, extra={"nested": [1, 2.5, "é", None]}, stream=True
+    )
+    cls = run(CHAT, raw)
+    assert (cls.max_tokens, cls.max_tokens_action) == (512, MaxTokensAction.CLAMPED)
+    assert cls.new_body is not None
+    assert json.loads(cls.new_body) == {**json.loads(raw), "max_tokens": 512}
+
+
+def test_max_completion_tokens_wins_and_both_keys_are_bounded() -> None:
+    cls = run(CHAT, chat(max_tokens=5000, max_completion_tokens=100))
+    assert cls.max_tokens == 100
+    assert cls.new_body is not None
+    body = json.loads(cls.new_body)
+    assert body["max_tokens"] == 100 and body["max_completion_tokens"] == 100
+    cls = run(CHAT, chat(max_completion_tokens=9999))
+    assert cls.new_body is not None
+    body = json.loads(cls.new_body)
+    assert body["max_completion_tokens"] == 512 and "max_tokens" not in body
+
+
+def test_body_within_limits_is_not_rewritten() -> None:
+    cls = run(CHAT, chat(max_tokens=100))
+    assert cls.new_body is None and cls.max_tokens_action is MaxTokensAction.KEPT
+
+
+def test_reject_mode_refuses_excess() -> None:
+    policy = policy_from_yaml(
+        "limits: {max_output_tokens: 10, default_max_tokens: 5, on_excess: reject}\n"
+        "buckets: [{name: a, max_concurrency: 1, queue_timeout: 1s}]"
+    )
+    with pytest.raises(RequestError) as info:
+        classify(policy, token_counter(policy.tokens), {}, parse_body(CHAT, chat(max_tokens=11)))
+    assert (info.value.status, info.value.code, info.value.param) == (
+        400,
+        "max_tokens_too_large",
+        "max_tokens",
+    )
+
+
+def test_unicode_survives_rewrite() -> None:
+    raw = '{"messages":[{"role":"user","content":"héllo \\ud83d\\ude00 \\ud800 日本"}]}'.encode()
+    cls = run(CHAT, raw)
+    assert cls.new_body is not None
+    assert json.loads(cls.new_body)["messages"] == json.loads(raw)["messages"]
+
+
+def test_bom_is_tolerated() -> None:
+    assert run(CHAT, b"\xef\xbb\xbf" + chat(max_tokens=10)).max_tokens == 10
+
+
+@pytest.mark.parametrize(
+    "headers,body,bucket",
+    [
+        ({"x-llm-class": "interactive"}, chat(max_tokens=100), "interactive"),
+        ({"x-llm-class": "interactive"}, chat(max_tokens=129), "short"),  # max_tokens too big
+        (
+            {"x-llm-class": "interactive"},
+            json.dumps({"messages": [{"role": "user", "content": "x" * 900}]}).encode(),
+            "batch",
+        ),
+        ({"x-llm-class": "Interactive"}, chat(max_tokens=100), "short"),  # exact values
+        ({}, chat(max_tokens=500), "short"),
+        ({}, json.dumps({"messages": [{"role": "user", "content": "x" * 800}]}).encode(), "batch"),
+    ],
+)
+def test_first_matching_bucket_wins(headers: dict[str, str], body: bytes, bucket: str) -> None:
+    assert run(CHAT, body, headers).bucket.name == bucket
+
+
+def test_exact_counts_with_a_local_tokenizer_json(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    policy = policy_from_yaml(
+        f"tokens: {{tokenizer: '{path}', message_overhead_tokens: 0}}\n"
+        "buckets: [{name: a, max_concurrency: 1, queue_timeout: 1s}]"
+    )
+    count = token_counter(policy.tokens)
+    assert count(("hello world hello", "zzz")) == 4
+    assert count(()) == 0
+    raw = json.dumps({"messages": [{"role": "user", "content": "hello world"}]}).encode()
+    assert classify(policy, count, {}, parse_body(CHAT, raw)).prompt_tokens == 2

@@ -1,0 +1,243 @@
+"""Policy loading: the schema, defaults, and precise errors (file, key, why)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from extproc.app import default_policy
+from extproc.config.policy import OnExcess, PolicyError, parse_duration, policy_from_yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+MINIMAL = """
+buckets:
+  - {name: all, max_concurrency: 4, queue_timeout: 5s, max_queue: 10}
+"""
+
+
+@pytest.mark.parametrize(
+    "text,seconds",
+    [
+        ("250ms", 0.25),
+        ("5s", 5.0),
+        ("1.5s", 1.5),
+        ("2m", 120.0),
+        ("1h", 3600.0),
+        (3, 3.0),
+        ("0s", 0.0),
+        (".5s", 0.5),
+    ],
+)
+def test_durations(text: object, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["5", "5x", "-1s", "s", "", True, None, [1], "1e400s"])
+def test_bad_durations(text: object) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+def test_defaults_fill_in() -> None:
+    p = policy_from_yaml(MINIMAL)
+    assert p.tokens.chars_per_token == 4.0
+    assert p.limits.max_prompt_tokens == 32768
+    assert p.limits.default_max_tokens == 256
+    assert p.limits.max_output_tokens == 1024
+    assert p.limits.on_excess is OnExcess.CLAMP
+    assert (p.retry_after.min_s, p.retry_after.max_s) == (1.0, 60.0)
+    (b,) = p.buckets
+    assert (b.name, b.max_concurrency, b.queue_timeout_s, b.max_queue) == ("all", 4, 5.0, 10)
+    assert b.match.is_catch_all
+
+
+def test_embedded_default_matches_the_documented_example() -> None:
+    p = default_policy()
+    assert [b.name for b in p.buckets] == ["priority", "interactive", "batch"]
+    assert p.trusted_headers == ("x-llm-tier",)
+    priority = p.bucket("priority")
+    assert priority.trusted and priority.match.headers == (("x-llm-tier", "priority"),)
+    inter = p.bucket("interactive")
+    assert inter.match.headers == (("x-llm-class", "interactive"),)
+    assert (inter.match.max_prompt_tokens, inter.match.max_tokens) == (2000, 128)
+    assert (inter.max_concurrency, inter.queue_timeout_s, inter.max_queue) == (48, 5.0, 500)
+    batch = p.bucket("batch")
+    assert (batch.max_concurrency, batch.queue_timeout_s, batch.max_queue) == (16, 120.0, 5000)
+
+
+def test_on_excess_reject_and_header_names_lowercased() -> None:
+    p = policy_from_yaml(
+        """
+limits: {on_excess: reject}
+buckets:
+  - {name: a, match: {headers: {X-Team: blue}}, max_concurrency: 1, queue_timeout: 1s, max_queue: 0}
+  - {name: b, max_concurrency: 1, queue_timeout: 1s, max_queue: 0}
+"""
+    )
+    assert p.limits.on_excess is OnExcess.REJECT
+    assert p.buckets[0].match.headers == (("x-team", "blue"),)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("buckets: []", "buckets: at least one bucket is required"),
+        ("{}", "buckets: at least one bucket is required"),
+        ("[1, 2]", "<top>: expected a mapping, got list"),
+        (
+            "bucket: []",
+            "bucket: unknown key (known keys: tokens, limits, retry_after, buckets, "
+            "mode, trusted_headers)",
+        ),
+        (
+            "buckets: [{name: a, max_concurrency: 1, queue_timeout: 5x, max_queue: 1}]",
+            "buckets[0].queue_timeout: bad duration '5x'",
+        ),
+        (
+            "buckets: [{name: a, max_concurrency: -1, queue_timeout: 5s, max_queue: 1}]",
+            "buckets[0].max_concurrency: -1 is out of range",
+        ),
+        (
+            "buckets: [{name: a, max_concurrency: '4', queue_timeout: 5s, max_queue: 1}]",
+            "buckets[0].max_concurrency: expected an integer, got str '4'",
+        ),
+        (
+            "buckets: [{name: a, max_concurrency: 0, queue_timeout: 5s, max_queue: 1}]",
+            "buckets[0].max_concurrency: must be at least 1",
+        ),
+        (
+            "buckets: [{name: a, max_concurrency: 1, max_queue: 1}]",
+            "buckets[0].queue_timeout: required",
+        ),
+        (
+            "buckets: [{name: A B, max_concurrency: 1, queue_timeout: 1s, max_queue: 1}]",
+            "buckets[0].name: 'A B' must be",
+        ),
+        (
+            "buckets: [{name: a, matsh: {}, max_concurrency: 1, queue_timeout: 1s, max_queue: 1}]",
+            "buckets[0].matsh: unknown key",
+        ),
+        (
+            "buckets: [{name: a, match: {headers: {x: 1}}, max_concurrency: 1, queue_timeout: 1s}]",
+            "buckets[0].match.headers.x: expected a string, got int 1",
+        ),
+        (
+            "buckets:\n- {name: a, max_concurrency: 1, queue_timeout: 1s}\n"
+            "- {name: b, max_concurrency: 1, queue_timeout: 1s}",
+            "buckets[0]: bucket 'a' matches every request",
+        ),
+        (
+            "buckets:\n- {name: a, match: {max_tokens: 5}, max_concurrency: 1, queue_timeout: 1s}",
+            "buckets[0]: the last bucket must have no `match`",
+        ),
+        (
+            "buckets:\n- {name: a, match: {max_tokens: 5}, max_concurrency: 1, queue_timeout: 1s}\n"
+            "- {name: a, max_concurrency: 1, queue_timeout: 1s}",
+            "buckets[1].name: bucket 'a' is defined twice",
+        ),
+        (
+            "limits: {on_excess: drop}\n" + MINIMAL,
+            "limits.on_excess: expected one of clamp, reject",
+        ),
+        (
+            "limits: {default_max_tokens: 2000, max_output_tokens: 1000}\n" + MINIMAL,
+            "limits.default_max_tokens: 2000 is above limits.max_output_tokens (1000)",
+        ),
+        ("tokens: {chars_per_token: 0}\n" + MINIMAL, "tokens.chars_per_token: must be greater"),
+        (
+            "tokens: {chars_per_token: .nan}\n" + MINIMAL,
+            "tokens.chars_per_token: expected a finite",
+        ),
+        ("retry_after: {min: 500ms}\n" + MINIMAL, "retry_after.min: must be at least 1s"),
+        ("retry_after: {min: 10s, max: 5s}\n" + MINIMAL, "retry_after.max: must not be below"),
+        (
+            "buckets: [{name: a, max_concurrency: 1, queue_timeout: 1s, max_queue: true}]",
+            "buckets[0].max_queue: expected an integer, got bool True",
+        ),
+        ("buckets: {name: a}", "buckets: expected a list, got dict"),
+        ("buckets: [\n", "not valid YAML"),
+        (
+            "trusted_headers: [x-tier]\nbuckets:\n"
+            "- {name: a, trusted: true, match: {headers: {x-class: a}}, max_concurrency: 1,"
+            " queue_timeout: 1s}\n- {name: b, max_concurrency: 1, queue_timeout: 1s}",
+            "buckets[0].match.headers: bucket 'a' is trusted, so it may match only on headers "
+            "listed in trusted_headers (not: x-class)",
+        ),
+        ("mode: strict\n" + MINIMAL, "mode: expected one of enforce, shadow"),
+        (
+            "tokens: {tokenizer: /nonexistent/tokenizer.json}\n" + MINIMAL,
+            "tokens.tokenizer: no such file '/nonexistent/tokenizer.json'",
+        ),
+    ],
+)
+def test_errors_name_the_key_and_why(text: str, message: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        policy_from_yaml(text, "p.yaml")
+    assert str(info.value).startswith("p.yaml: ")
+    assert message in str(info.value)
+
+
+def test_check_command(tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(MINIMAL)
+    out = subprocess.run(
+        [sys.executable, "-m", "extproc", "check", "--policy", str(good)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "name: all" in out.stdout and "queue_timeout: 5s" in out.stdout
+    assert "max_message_timeout must be at least 6s" in out.stdout
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("buckets: [{name: a, max_concurrency: 1, queue_timeout: soon}]")
+    out = subprocess.run(
+        [sys.executable, "-m", "extproc", "check", "--policy", str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert out.stderr.strip() == (
+        f"error: {bad}: buckets[0].queue_timeout: bad duration 'soon': "
+        "expected a number with ms, s, m or h"
+    )
+
+
+def test_round_trip_of_check_output() -> None:
+    """What `check` prints is itself a valid policy that resolves to the same thing."""
+    import yaml
+
+    p = default_policy()
+    again = policy_from_yaml(yaml.safe_dump(p.to_dict()))
+    assert again == p
+
+
+def test_route_overrides_are_validated_against_the_schema_and_policy() -> None:
+    from extproc.config.policy import RouteOverride, route_override_from_mapping
+
+    p = default_policy()
+    ok = route_override_from_mapping(
+        {"bucket": "batch", "max_concurrency": 4.0, "queue_timeout": "2s", "max_output_tokens": 64},
+        p,
+    )
+    assert ok == RouteOverride(
+        bucket="batch", max_concurrency=4, queue_timeout_s=2.0, max_output_tokens=64
+    )
+    for data, message in [
+        ({"bucket": "nope"}, "bucket: 'nope' is not a bucket of the policy"),
+        ({"buckett": "batch"}, "buckett: unknown key"),
+        ({"max_concurrency": 3}, "set `bucket` too"),
+        ({"bucket": "batch", "max_concurrency": 0}, "max_concurrency: must be at least 1"),
+        ({"queue_timeout": "soon"}, "queue_timeout: bad duration"),
+        ({"max_output_tokens": -1}, "max_output_tokens: -1 is out of range"),
+    ]:
+        with pytest.raises(PolicyError, match=message):
+            route_override_from_mapping(data, p)
