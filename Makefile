@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
-test: $(STAMP)
+# Lint first (seconds), then the three test tiers.
+test: lint
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
@@ -34,7 +35,7 @@ soak: $(STAMP)
 soak-ci: $(STAMP)
 	$(BIN)/python -m bench.soak --minutes 5 --every 30
 
-# Regenerate the policy stubs from protos/ (tests/test_generated.py checks they are current).
+# Regenerate the policy stubs from protos/ (tests/unit/test_generated.py checks they are current).
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=extproc/_proto \
 		--pyi_out=extproc/_proto protos/llm_extproc/v1/policy.proto
@@ -51,10 +52,12 @@ compose-envoy: $(STAMP)
 image:
 	docker build -t llm-extproc .
 
+# ruff and mypy come pinned with the test extra (pyproject.toml).
+LINTED := extproc testing bench tests deploy envoy/make_rds.py
 lint: $(STAMP)
-	$(BIN)/python -m pip install -q ruff mypy types-PyYAML types-protobuf types-grpcio
-	$(BIN)/ruff check extproc bench tests deploy envoy/make_rds.py
-	$(BIN)/mypy extproc
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/mypy --strict extproc
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

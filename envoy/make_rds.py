@@ -1,7 +1,7 @@
 """Regenerate envoy/envoy-rds.yaml and envoy/routes/routes.yaml from envoy/envoy.yaml.
 
 Run `make envoy-rds` (or `python envoy/make_rds.py`) after changing envoy/envoy.yaml;
-tests/test_render.py fails while they differ.
+tests/deploy/test_render.py fails while they differ.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ sys.path.insert(0, str(HERE.parent))
 from extproc.config.envoy import to_rds  # noqa: E402
 
 BOOTSTRAP_HEAD = """\
-# Generated from envoy/envoy.yaml by `make envoy-rds` (tests/test_render.py checks it is
+# Generated from envoy/envoy.yaml by `make envoy-rds` (tests/deploy/test_render.py checks it is
 # current): the same Envoy, with routes loaded from envoy/routes/routes.yaml (file-based RDS,
 # watched). Run from the repository root: envoy -c envoy/envoy-rds.yaml
 """

@@ -4,9 +4,9 @@
 event loop in one process, which is what keeps admission exact: the gate's state is touched by
 one thread only.
 
-Two gRPC transports run the same servicer: ``h2`` (default; ``extproc.h2``, HTTP/2 framing on
-the event loop's own sockets) and ``grpc`` (grpc.aio). Both serve ext_proc and the standard
-``grpc.health.v1`` service on the same port.
+Two gRPC transports run the same servicer: ``h2`` (default; ``extproc.transport.h2``, HTTP/2
+framing on the event loop's own sockets) and ``grpc`` (grpc.aio). Both serve ext_proc and the
+standard ``grpc.health.v1`` service on the same port.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.admission.gate import Gate
 from extproc.config.policy import Policy, load_policy, policy_from_yaml
+from extproc.contract import EXT_PROC_SERVICE, PROCESS_METHOD
 from extproc.ops.metrics import Metrics, serve_metrics
-from extproc.request import respond as wire
+from extproc.request import respond
 from extproc.service import ExtProcService
 from extproc.transport import h2
 from extproc.transport.health import H2Health
@@ -35,8 +36,6 @@ from extproc.transport.health import H2Health
 __all__ = ["TRANSPORTS", "Sidecar", "TlsFiles", "default_policy", "split_host_port"]
 
 TRANSPORTS = ("h2", "grpc")
-_PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
-_EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 log = logging.getLogger("extproc")
 
@@ -125,7 +124,7 @@ class Sidecar:
         else:
             self._server = await self._start_grpc()
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self._health.set(_EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         if self.metrics_listen:
             host, mport = split_host_port(self.metrics_listen)
             self._metrics_server = await serve_metrics(host, mport, metrics, self.debug_queues)
@@ -149,7 +148,7 @@ class Sidecar:
             return service.Process(None, call)
 
         parse = ext_pb.ProcessingRequest.FromString
-        methods = {_PROCESS: h2.Method(process, parse, wire.serialize)}
+        methods = {PROCESS_METHOD: h2.Method(process, parse, respond.serialize)}
         methods.update(self._health.methods())
         server = h2.H2Server(methods, max_message=MAX_GRPC_MESSAGE)
         ctx = self.tls.ssl_context() if self.tls is not None else None

@@ -16,8 +16,8 @@ import yaml
 
 from extproc.app import TRANSPORTS, Sidecar, TlsFiles, default_policy
 from extproc.config.policy import Policy, PolicyError, load_policy
+from extproc.contract import MESSAGE_TIMEOUT_MARGIN_S
 from extproc.ops.logs import configure as configure_logging
-from extproc.service import MESSAGE_TIMEOUT_MARGIN_S
 
 __all__ = ["main"]
 

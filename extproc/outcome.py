@@ -1,19 +1,34 @@
-"""Outcomes and the one table that turns them into HTTP answers.
+"""Outcomes, and the one table that says what each means.
 
-Every admitted-path request ends in exactly one ``Outcome``, recorded once by the server when its
-stream ends (see ``extproc.server``). Errors found in a request carry the status they deserve
-(``RequestError``); queue outcomes get their status here. Bodies are OpenAI-style:
-``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``.
+Every admitted-path request ends in exactly one ``Outcome``, assigned by
+``RequestRecord.decide`` and counted once when its stream ends (``extproc.service``). The table
+``OUTCOMES`` gives, for each outcome, the HTTP status the sidecar answers with, the OpenAI-style
+error type and code, the message template, the level of the request's log line and its metric
+label; nothing else in the package maps an outcome to any of these.
+
+Errors found in a request are ``RequestError``: each carries its ``Outcome`` (400/415 problems
+are ``REJECTED_INVALID``, an oversize prompt ``REJECTED_TOO_LARGE``) and its own code and
+message; its status comes from the table unless the error names another (415). Queue outcomes
+(full, evicted, shutting down) are answered by ``queue_rejection`` from the table's templates.
+Bodies are ``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["Outcome", "Rejection", "RequestError", "queue_code", "queue_rejection"]
+__all__ = [
+    "OUTCOMES",
+    "Outcome",
+    "OutcomeInfo",
+    "Rejection",
+    "RequestError",
+    "queue_rejection",
+]
 
 
 class Outcome(StrEnum):
@@ -30,25 +45,123 @@ class Outcome(StrEnum):
     CANCELLED_BEFORE_BODY = "cancelled_before_body"
 
 
-class RequestError(Exception):
-    """A problem with the client's request, with the status it deserves."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutcomeInfo:
+    """What an outcome means outside the sidecar."""
 
-    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+    # The sidecar's own answer; None when the backend answers or nobody is left to answer.
+    status: int | None
+    error_type: str | None
+    # The error code; None where the request's error carries its own (``RequestError.code``).
+    code: str | None
+    # Message of a queue refusal, formatted with bucket, queued, waited, limit and retry.
+    message: str | None
+    # Level of the request's log line in ``extproc.requests``.
+    log_level: int
+    # The ``outcome`` label of llm_extproc_requests_total and llm_extproc_queue_wait_seconds.
+    label: str
+
+
+_INVALID = "invalid_request_error"
+_RATE = "rate_limit_error"
+_INFO, _DEBUG = logging.INFO, logging.DEBUG
+
+# The one table. Refusals and evictions are logged at INFO, everything else at DEBUG.
+OUTCOMES: dict[Outcome, OutcomeInfo] = {
+    Outcome.ADMITTED: OutcomeInfo(
+        status=None, error_type=None, code=None, message=None, log_level=_DEBUG, label="admitted"
+    ),
+    Outcome.REJECTED_INVALID: OutcomeInfo(
+        status=400,
+        error_type=_INVALID,
+        code=None,
+        message=None,
+        log_level=_INFO,
+        label="rejected_invalid",
+    ),
+    Outcome.REJECTED_TOO_LARGE: OutcomeInfo(
+        status=413,
+        error_type=_INVALID,
+        code=None,
+        message=None,
+        log_level=_INFO,
+        label="rejected_too_large",
+    ),
+    Outcome.REJECTED_QUEUE_FULL: OutcomeInfo(
+        status=429,
+        error_type=_RATE,
+        code="queue_full",
+        message="The {bucket} queue is full ({queued} waiting). Retry after {retry:.0f}s.",
+        log_level=_INFO,
+        label="rejected_queue_full",
+    ),
+    Outcome.EVICTED_TIMEOUT: OutcomeInfo(
+        status=429,
+        error_type=_RATE,
+        code="queue_timeout",
+        message="Waited {waited:.1f}s in the {bucket} queue without a free slot "
+        "(limit {limit:g}s). Retry after {retry:.0f}s.",
+        log_level=_INFO,
+        label="evicted_timeout",
+    ),
+    Outcome.REJECTED_SHUTTING_DOWN: OutcomeInfo(
+        status=503,
+        error_type="service_unavailable_error",
+        code="shutting_down",
+        message="The admission sidecar is shutting down. Retry after {retry:.0f}s.",
+        log_level=_DEBUG,
+        label="rejected_shutting_down",
+    ),
+    Outcome.CANCELLED_WHILE_QUEUED: OutcomeInfo(
+        status=None,
+        error_type=None,
+        code=None,
+        message=None,
+        log_level=_DEBUG,
+        label="cancelled_while_queued",
+    ),
+    Outcome.CANCELLED_BEFORE_BODY: OutcomeInfo(
+        status=None,
+        error_type=None,
+        code=None,
+        message=None,
+        log_level=_DEBUG,
+        label="cancelled_before_body",
+    ),
+}
+
+
+class RequestError(Exception):
+    """A problem with the client's request: its outcome, code, message and the field at fault.
+
+    The status is the outcome's (400 for ``REJECTED_INVALID``, 413 for ``REJECTED_TOO_LARGE``)
+    unless ``status`` names another one of the same outcome (415 for a body that is not JSON).
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        param: str | None = None,
+        *,
+        outcome: Outcome = Outcome.REJECTED_INVALID,
+        status: int | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status = status
+        info = OUTCOMES[outcome]
+        if info.error_type != _INVALID:
+            raise ValueError(f"{outcome} is not an outcome of a bad request")
+        self.outcome = outcome
+        self.status = status if status is not None else info.status
         self.code = code
         self.message = message
         self.param = param
 
-    @property
-    def outcome(self) -> Outcome:
-        return Outcome.REJECTED_TOO_LARGE if self.status == 413 else Outcome.REJECTED_INVALID
-
     def rejection(self) -> Rejection:
         return Rejection(
-            status=self.status,
+            status=self.status or 400,
             code=self.code,
-            body=_error_body(self.message, "invalid_request_error", self.code, self.param),
+            body=_error_body(self.message, _INVALID, self.code, self.param),
         )
 
 
@@ -74,34 +187,6 @@ def _error_body(message: str, type_: str, code: str, param: str | None = None) -
     return json.dumps({"error": err}, separators=(",", ":")).encode()
 
 
-# The one table from a queue outcome to its answer: status, error type, code, message.
-_QUEUE_ANSWERS = {
-    Outcome.REJECTED_QUEUE_FULL: (
-        429,
-        "rate_limit_error",
-        "queue_full",
-        "The {bucket} queue is full ({queued} waiting). Retry after {retry:.0f}s.",
-    ),
-    Outcome.EVICTED_TIMEOUT: (
-        429,
-        "rate_limit_error",
-        "queue_timeout",
-        "Waited {waited:.1f}s in the {bucket} queue without a free slot (limit {limit:g}s). "
-        "Retry after {retry:.0f}s.",
-    ),
-    Outcome.REJECTED_SHUTTING_DOWN: (
-        503,
-        "service_unavailable_error",
-        "shutting_down",
-        "The admission sidecar is shutting down. Retry after {retry:.0f}s.",
-    ),
-}
-
-
-def queue_code(outcome: Outcome) -> str:
-    return _QUEUE_ANSWERS[outcome][2]
-
-
 def queue_rejection(
     outcome: Outcome,
     *,
@@ -111,8 +196,11 @@ def queue_rejection(
     waited_s: float = 0.0,
     limit_s: float = 0.0,
 ) -> Rejection:
-    status, type_, code, template = _QUEUE_ANSWERS[outcome]
-    message = template.format(
+    """The answer to a queue outcome (full, evicted, shutting down), from the table."""
+    info = OUTCOMES[outcome]
+    if info.status is None or info.code is None or info.message is None:
+        raise ValueError(f"{outcome} is not answered by a queue refusal")
+    message = info.message.format(
         bucket=bucket,
         queued=queued,
         waited=waited_s,
@@ -120,8 +208,8 @@ def queue_rejection(
         retry=max(1, math.ceil(retry_after_s)),
     )
     return Rejection(
-        status=status,
-        code=code,
-        body=_error_body(message, type_, code),
+        status=info.status,
+        code=info.code,
+        body=_error_body(message, info.error_type or _RATE, info.code),
         retry_after_s=retry_after_s,
     )

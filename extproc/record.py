@@ -1,8 +1,9 @@
 """What one admitted-path request went through, gathered along its stream.
 
-The server fills a ``RequestRecord`` as the stream advances and hands it, once, to
-``Metrics.finish`` and ``log_finished`` when the stream ends. That is the only place a
-request's outcome is counted or logged.
+The servicer fills a ``RequestRecord`` as the stream advances; ``decide`` is the one place a
+request's ``Outcome`` is assigned (when the sidecar answers or admits, or, for a client that
+left first, when the stream ends). The record goes once to ``Metrics.finish`` and
+``log_finished`` when the stream ends: the only place a request is counted or logged.
 """
 
 from __future__ import annotations
@@ -40,12 +41,21 @@ class RequestRecord:
         self.shadow_outcome: Outcome | None = None
         self.code: str | None = None  # error code of a refusal
         self.arrived_at: float | None = None  # body received
-        self.decided_at: float | None = None  # admitted or refused
+        self.decided_at: float | None = None  # admitted, refused, or found gone
         self.ended_at: float | None = None  # stream ended
         self.prompt_tokens: int | None = None
         self.max_tokens: int | None = None
         self.max_tokens_action: str | None = None
         self.stream = False
+
+    def decide(self, outcome: Outcome, now: float, code: str | None = None) -> None:
+        """The request's outcome, decided at ``now``; a request is decided once."""
+        if self.outcome is not None:
+            raise RuntimeError(f"request already decided: {self.outcome}, then {outcome}")
+        self.outcome = outcome
+        self.decided_at = now
+        if code is not None:
+            self.code = code
 
     @property
     def queue_s(self) -> float:

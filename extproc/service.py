@@ -1,34 +1,34 @@
-"""Stage 4, the gRPC shell: Envoy's ext_proc stream in, CONTINUE or an immediate answer out.
+"""The servicer: Envoy's ext_proc stream in, CONTINUE or an immediate answer out.
 
-The servicer needs two things of a stream, ``await read()`` and ``await write(msg)``; it runs
-on either gRPC transport (``extproc.h2``, the default, or grpc.aio; see ``extproc.app``).
+It only wires the stages of ``extproc.request`` and ``extproc.admission`` together. It needs
+two things of a stream, ``await read()`` and ``await write(msg)``, so it runs on either gRPC
+transport (``extproc.transport.h2``, the default, or grpc.aio; see ``extproc.app``).
 
-Life of one request (Envoy 1.40, request headers SEND, request body BUFFERED, response SKIP;
-see ../shared/ENVOY_NOTES.md):
+Life of one request (Envoy 1.40 with ``extproc.contract.PROCESSING_MODE``: request headers
+SEND, request body BUFFERED, nothing of the response; docs/envoy.md):
 
 1. ``request_headers``. Not a POST to /v1/chat/completions or /v1/completions: answer CONTINUE
-   with a mode override that skips the body, then answer CONTINUE to anything else until the
-   stream ends. Nothing is queued or counted. Otherwise refuse unreadable encodings (415) or a
-   missing body (400) at once, else CONTINUE and wait for the body. Route metadata overrides
-   (namespace ``llm_extproc``) arrive on this message as the ``xds.route_metadata`` attribute.
-2. ``request_body`` (end_of_stream). Parse (``extproc.parse``), bound and classify
-   (``extproc.classify``); a bad request gets its 4xx as an ImmediateResponse.
-3. Admission (``extproc.gate``). Admitted at once, or queued: then we first send
+   with a mode override that skips the body, then CONTINUE to anything else until the stream
+   ends; nothing is queued or counted. Otherwise refuse unreadable encodings (415) or a
+   missing body (400) at once, else CONTINUE and wait for the body. The route's metadata
+   (``extproc.request.routes``) arrives on this message.
+2. ``request_body`` (end_of_stream). Parse (``request.parse``), bound and classify
+   (``request.classify``); a bad request gets its 4xx as an ImmediateResponse.
+3. Admission (``admission.gate``). Admitted at once, or queued: then first send
    ``override_message_timeout`` so Envoy's short message timeout does not fire while we wait,
    and keep reading the stream so that a client who leaves is dropped from the queue at once.
    Queue full or evicted at the deadline: ImmediateResponse 429 with Retry-After.
-4. Admitted: answer the body message with CONTINUE, the rewritten body (if max_tokens changed)
-   and its content-length, headers for the backend, and dynamic metadata for the access log.
+4. Admitted: answer the body message (``request.respond.admitted``).
 5. Hold: keep reading until Envoy ends the stream (it does so when the HTTP stream is done,
    after the last byte of the response) or cancels it (client gone). Then the slot goes back.
 
 Shadow mode (``mode: shadow``): the same decisions are taken and counted, but every request is
-let through unchanged and at once; what enforcement would have done is recorded as the
-request's ``shadow_outcome``. A request that would have queued keeps a virtual place in its
-bucket's queue, so would-be evictions and queue-full refusals are counted as under enforcement.
+let through unchanged and at once; what enforcement would have done is the request's
+``shadow_outcome``. A request that would have queued keeps a virtual place in its bucket's
+queue, so would-be evictions and queue-full refusals are counted as under enforcement.
 
-The slot is released in one ``finally`` and the request's single ``Outcome`` is recorded in the
-same place, whatever ended the stream.
+The slot is released in one ``finally``, where the request is also counted and logged, once,
+whatever ended the stream. Its ``Outcome`` is assigned by ``RequestRecord.decide`` only.
 """
 
 from __future__ import annotations
@@ -39,48 +39,30 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import grpc
-from envoy.config.core.v3 import base_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from google.protobuf import duration_pb2, json_format, text_format
 
 from extproc.admission.gate import Gate, Refused, Slot, Waiter
-from extproc.config.policy import (
-    Mode,
-    Policy,
-    PolicyError,
-    RouteOverride,
-    route_override_from_mapping,
-)
+from extproc.config.policy import Mode, Policy
+from extproc.contract import EXT_PROC_SERVICE, MESSAGE_TIMEOUT_MARGIN_S
 from extproc.ops.logs import log_finished
 from extproc.ops.metrics import Metrics
 from extproc.outcome import Outcome, Rejection, RequestError, queue_rejection
 from extproc.record import RequestRecord
-from extproc.request import respond as wire
+from extproc.request import respond
 from extproc.request.classify import Classification, TokenCounter, classify, token_counter
 from extproc.request.parse import Endpoint, check_content_headers, endpoint_for_path, parse_body
+from extproc.request.routes import Route, RouteCache
 
-__all__ = ["MESSAGE_TIMEOUT_MARGIN_S", "METADATA_NAMESPACE", "ExtProcService"]
+__all__ = ["ExtProcService"]
 
-log = logging.getLogger("extproc.server")
-
-# The message-timeout override sent while queued is the queue timeout plus this margin, so our
-# own eviction (a 429 with Retry-After) always fires before Envoy's 504. Envoy's
-# max_message_timeout must be at least the longest queue_timeout plus this margin.
-MESSAGE_TIMEOUT_MARGIN_S = 1.0
-
-# Route metadata namespace read from Envoy, and the dynamic metadata namespace we write.
-METADATA_NAMESPACE = "llm_extproc"
-_ROUTE_ATTRIBUTE = "xds.route_metadata"
-_ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
-_ROUTE_CACHE_SIZE = 256
+log = logging.getLogger("extproc.service")
 
 _EOF = grpc.aio.EOF
 
 
 class _Context(Protocol):
-    """What the servicer needs of a stream; grpc.aio's context and ``extproc.h2.Call`` both
+    """What the servicer needs of a stream; grpc.aio's context and ``transport.h2.Call`` both
     have it. ``read`` returns ``grpc.aio.EOF`` once Envoy half-closed the stream."""
 
     async def read(self) -> Any: ...
@@ -88,81 +70,18 @@ class _Context(Protocol):
     async def write(self, message: Any) -> None: ...
 
 
-_HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-_PASS_THROUGH = pb.ProcessingResponse(
-    request_headers=pb.HeadersResponse(),
-    mode_override=processing_mode_pb2.ProcessingMode(
-        request_body_mode=processing_mode_pb2.ProcessingMode.NONE
-    ),
-)
-
-
-def _continue_for(msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
-    """A plain CONTINUE answering whatever message Envoy sent."""
-    kind = msg.WhichOneof("request")
-    if kind in ("request_headers", "response_headers"):
-        return pb.ProcessingResponse(**{kind: pb.HeadersResponse()})
-    if kind in ("request_body", "response_body"):
-        return pb.ProcessingResponse(**{kind: pb.BodyResponse()})
-    if kind in ("request_trailers", "response_trailers"):
-        return pb.ProcessingResponse(**{kind: pb.TrailersResponse()})
-    return pb.ProcessingResponse()
-
-
-def _metadata(rec: RequestRecord) -> bytes:
-    """Dynamic metadata for Envoy's access log: %DYNAMIC_METADATA(llm_extproc:bucket)% etc."""
-    fields: dict[str, str | int] = {
-        "bucket": rec.bucket,
-        "outcome": str(rec.outcome),
-        "queue_ms": round(rec.queue_s * 1000),
-    }
-    if rec.prompt_tokens is not None:
-        fields["prompt_tokens"] = rec.prompt_tokens
-    if rec.max_tokens is not None:
-        fields["max_tokens"] = rec.max_tokens
-    if rec.code is not None:
-        fields["code"] = rec.code
-    if rec.shadow_outcome is not None:
-        fields["shadow_outcome"] = str(rec.shadow_outcome)
-    return wire.metadata_struct(METADATA_NAMESPACE, fields)
-
-
-def _immediate(rejection: Rejection, rec: RequestRecord) -> bytes:
-    return wire.immediate(
-        rejection.status,
-        rejection.headers(),
-        rejection.body,
-        f"llm_extproc_{rec.code}",
-        _metadata(rec),
-    )
-
-
-def _admit(cls: Classification, rec: RequestRecord) -> bytes:
-    headers = [
-        ("x-llm-bucket", cls.bucket.name),
-        ("x-llm-queue-ms", str(round(rec.queue_s * 1000))),
-        ("x-llm-prompt-tokens", str(cls.prompt_tokens)),
-        # Echoed to the client by the route's response_headers_to_add (%REQ(x-llm-max-tokens)%),
-        # which spares us a round trip on the response path.
-        ("x-llm-max-tokens", str(cls.max_tokens)),
-    ]
-    if cls.new_body is not None:
-        headers.append(("content-length", str(len(cls.new_body))))
-    # Header values go out as raw_value bytes, with OVERWRITE_IF_EXISTS_OR_ADD (ENVOY_NOTES).
-    return wire.body_continue(headers, cls.new_body, _metadata(rec))
-
-
-def _timeout_override(seconds: float) -> pb.ProcessingResponse:
-    d = duration_pb2.Duration()
-    d.FromNanoseconds(round(seconds * 1e9))
-    return pb.ProcessingResponse(override_message_timeout=d)
-
-
 def _headers_of(msg: pb.HttpHeaders) -> dict[str, str]:
     out: dict[str, str] = {}
     for h in msg.headers.headers:
         out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
     return out
+
+
+def _note_classification(rec: RequestRecord, cls: Classification) -> None:
+    rec.bucket = cls.bucket.name
+    rec.prompt_tokens = cls.prompt_tokens
+    rec.max_tokens = cls.max_tokens
+    rec.max_tokens_action = str(cls.max_tokens_action)
 
 
 class _Stream:
@@ -177,19 +96,12 @@ class _Stream:
         self.shadow_task: asyncio.Task[None] | None = None
 
 
-class _Invalid:
-    """A route's metadata that failed validation (cached, so it is logged once)."""
-
-
-_INVALID = _Invalid()
-
-
 class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, policy: Policy, gate: Gate, metrics: Metrics) -> None:
         self._gate = gate
         self._metrics = metrics
         self._loop = asyncio.get_running_loop()
-        self._routes: dict[str, RouteOverride | _Invalid | None] = {}
+        self._routes = RouteCache()
         self.apply_policy(policy)
 
     def apply_policy(self, policy: Policy) -> None:
@@ -207,14 +119,14 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The Process method, registered so that pre-encoded answers (bytes from
-        ``extproc.wire``) and messages can both be written to the stream."""
+        ``request.respond``) and messages can both be written to the stream."""
         return grpc.method_handlers_generic_handler(
-            "envoy.service.ext_proc.v3.ExternalProcessor",
+            EXT_PROC_SERVICE,
             {
                 "Process": grpc.stream_stream_rpc_method_handler(
                     self.Process,
                     request_deserializer=pb.ProcessingRequest.FromString,
-                    response_serializer=wire.serialize,
+                    response_serializer=respond.serialize,
                 )
             },
         )
@@ -224,13 +136,14 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if msg is _EOF:
             return
         if msg.WhichOneof("request") != "request_headers":
-            await self._pass_through(context, msg)
+            await context.write(respond.continue_for(msg))
+            await self._hold(context, None)
             return
         headers = _headers_of(msg.request_headers)
         endpoint = endpoint_for_path(headers.get(":method", ""), headers.get(":path", ""))
         if endpoint is None:
-            await context.write(_PASS_THROUGH)
-            await self._pass_through(context, None)
+            await context.write(respond.PASS_THROUGH)
+            await self._hold(context, None)
             return
 
         st = _Stream(RequestRecord(headers.get("x-request-id", "")))
@@ -246,7 +159,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         finally:
             self._finish(st)
 
-    # --- one admitted-path request ------------------------------------------------------------
+    # --- one request on the admitted path ------------------------------------------------------
 
     async def _handle(
         self,
@@ -256,84 +169,83 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         endpoint: Endpoint,
         st: _Stream,
     ) -> None:
-        policy = self._policy
+        policy, rec = self._policy, st.rec
         shadow = policy.mode is Mode.SHADOW
-        rec = st.rec
-        route = self._route_override(msg, policy)
+        route = self._route(msg, policy)
+        no_body = msg.request_headers.end_of_stream
         try:
             check_content_headers(headers.get("content-type"), headers.get("content-encoding"))
-            if msg.request_headers.end_of_stream:
-                raise RequestError(
-                    400, "empty_body", "The request body is empty; send a JSON object."
-                )
+            if no_body:
+                raise RequestError("empty_body", "The request body is empty; send a JSON object.")
         except RequestError as e:
-            if not shadow or msg.request_headers.end_of_stream:
+            if not shadow or no_body:
                 await self._refuse(context, rec, e.outcome, e.rejection())
                 return
             self._note_shadow(rec, e.outcome, e.code)
-        await context.write(_HEADERS_CONTINUE)
+        await context.write(respond.HEADERS_CONTINUE)
 
         body = await self._read_body(context)
         if body is None:
-            return  # stream ended before the body: CANCELLED_BEFORE_BODY
+            return  # the stream ended before the body: CANCELLED_BEFORE_BODY
         rec.arrived_at = self._loop.time()
-        if rec.shadow_outcome is not None:  # unreadable body in shadow mode: let it through
-            await self._admit_unchanged(context, rec)
-            await self._hold(context, None)
-            return
-        try:
-            parsed = parse_body(endpoint, body)
-            rec.stream = parsed.stream
-            cls = classify(policy, self._count, headers, parsed, route)
-        except RequestError as e:
-            if not shadow:
-                await self._refuse(context, rec, e.outcome, e.rejection())
-                return
-            self._note_shadow(rec, e.outcome, e.code)
-            await self._admit_unchanged(context, rec)
-            await self._hold(context, None)
-            return
+        cls: Classification | None = None
+        if rec.shadow_outcome is None:  # (in shadow mode an unreadable body is let through)
+            try:
+                parsed = parse_body(endpoint, body)
+                rec.stream = parsed.stream
+                cls = classify(policy, self._count, headers, parsed, route.override)
+            except RequestError as e:
+                if not shadow:
+                    await self._refuse(context, rec, e.outcome, e.rejection())
+                    return
+                self._note_shadow(rec, e.outcome, e.code)
         # A queued request may wait long, thousands at once: keep only the classification.
-        del msg, headers, body, parsed
-        rec.bucket = cls.bucket.name
-        rec.prompt_tokens = cls.prompt_tokens
-        rec.max_tokens = cls.max_tokens
-        rec.max_tokens_action = str(cls.max_tokens_action)
+        del msg, headers, body
+        if shadow:
+            await self._shadow(context, st, cls)
+        else:
+            assert cls is not None
+            await self._enforce(context, st, cls)
 
+    async def _enforce(self, context: _Context, st: _Stream, cls: Classification) -> None:
+        rec = st.rec
+        _note_classification(rec, cls)
         timeout = cls.queue_timeout_s
         try:
             entry = self._gate.enter(cls.bucket.name, timeout)
         except Refused as r:
-            if not shadow:
-                await self._refuse_queue(context, rec, r, timeout)
-                return
-            self._note_shadow(rec, r.outcome, r.code)
-            entry = None
-        if shadow:
-            if isinstance(entry, Waiter):
-                st.shadow_task = asyncio.ensure_future(self._shadow_wait(st, entry))
-            else:
-                st.slot = entry
-            await self._admit_unchanged(context, rec)
-            await self._hold(context, None)
+            await self._refuse_queue(context, rec, r, timeout)
             return
-
         pending_read: asyncio.Future[Any] | None = None
         if isinstance(entry, Waiter):
             st.waiter = entry
-            await context.write(_timeout_override(timeout + MESSAGE_TIMEOUT_MARGIN_S))
+            await context.write(respond.timeout_override(timeout + MESSAGE_TIMEOUT_MARGIN_S))
             pending_read, slot = await self._wait(context, rec, entry)
             st.waiter = None
             if slot is None:
                 return  # left the queue: evicted (answered) or the stream ended
-        else:
-            assert isinstance(entry, Slot)
-            slot = entry
-        st.slot = slot
-        rec.outcome = Outcome.ADMITTED
-        rec.decided_at = self._loop.time()
-        await context.write(_admit(cls, rec))
+            entry = slot
+        st.slot = entry
+        rec.decide(Outcome.ADMITTED, self._loop.time())
+        await context.write(respond.admitted(cls, rec))
         await self._hold(context, pending_read)
+
+    async def _shadow(self, context: _Context, st: _Stream, cls: Classification | None) -> None:
+        """Shadow mode: take the decisions enforcement would, then let the request through."""
+        if cls is not None:
+            _note_classification(st.rec, cls)
+            try:
+                entry = self._gate.enter(cls.bucket.name, cls.queue_timeout_s)
+            except Refused as r:
+                self._note_shadow(st.rec, r.outcome, r.code)
+            else:
+                if isinstance(entry, Waiter):
+                    st.shadow_task = asyncio.ensure_future(self._shadow_wait(st, entry))
+                else:
+                    st.slot = entry
+        st.rec.decide(Outcome.ADMITTED, self._loop.time())
+        await context.write(respond.admitted_unchanged(st.rec))
+        await self._hold(context, None)
 
     async def _hold(self, context: _Context, pending_read: asyncio.Future[Any] | None) -> None:
         """Keep the stream (and any slot) until Envoy ends it."""
@@ -344,7 +256,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 nxt = await context.read()
             if nxt is _EOF:
                 return
-            await context.write(_continue_for(nxt))
+            await context.write(respond.continue_for(nxt))
 
     async def _wait(
         self, context: _Context, rec: RequestRecord, waiter: Waiter
@@ -390,36 +302,29 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         except Refused as r:
             self._note_shadow(st.rec, r.outcome, r.code)
 
-    # --- answers -----------------------------------------------------------------------------
-
     async def _read_body(self, context: _Context) -> bytes | None:
         chunks: list[bytes] = []
         while True:
             msg = await context.read()
             if msg is _EOF:
                 return None
-            kind = msg.WhichOneof("request")
-            if kind != "request_body":
+            if msg.WhichOneof("request") != "request_body":
                 # Not expected with BUFFERED bodies; answer and keep waiting for the body.
-                await context.write(_continue_for(msg))
+                await context.write(respond.continue_for(msg))
                 continue
             chunks.append(msg.request_body.body)
             if msg.request_body.end_of_stream:
                 return b"".join(chunks)
             # A chunk not marked last (STREAMED mode): acknowledge it and wait for more.
-            await context.write(_continue_for(msg))
+            await context.write(respond.continue_for(msg))
+
+    # --- refusals ----------------------------------------------------------------------------
 
     async def _refuse(
-        self,
-        context: _Context,
-        rec: RequestRecord,
-        outcome: Outcome,
-        rejection: Rejection,
+        self, context: _Context, rec: RequestRecord, outcome: Outcome, rejection: Rejection
     ) -> None:
-        rec.outcome = outcome
-        rec.code = rejection.code
-        rec.decided_at = self._loop.time()
-        await context.write(_immediate(rejection, rec))
+        rec.decide(outcome, self._loop.time(), rejection.code)
+        await context.write(respond.refusal(rejection, rec))
 
     async def _refuse_queue(
         self, context: _Context, rec: RequestRecord, r: Refused, limit_s: float
@@ -434,72 +339,32 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         )
         await self._refuse(context, rec, r.outcome, rejection)
 
-    async def _admit_unchanged(self, context: _Context, rec: RequestRecord) -> None:
-        rec.outcome = Outcome.ADMITTED
-        rec.decided_at = self._loop.time()
-        await context.write(wire.body_continue((), None, _metadata(rec)))
-
-    def _note_shadow(self, rec: RequestRecord, outcome: Outcome, code: str) -> None:
+    def _note_shadow(self, rec: RequestRecord, outcome: Outcome, code: str | None) -> None:
         if rec.shadow_outcome is None:
             rec.shadow_outcome = outcome
             rec.code = code
 
-    async def _pass_through(self, context: _Context, first: pb.ProcessingRequest | None) -> None:
-        if first is not None:
-            await context.write(_continue_for(first))
-        while (msg := await context.read()) is not _EOF:
-            await context.write(_continue_for(msg))
-
     # --- route metadata ----------------------------------------------------------------------
 
-    def _route_override(self, msg: pb.ProcessingRequest, policy: Policy) -> RouteOverride | None:
-        if _ATTRIBUTES_KEY not in msg.attributes:
-            return None
-        value = msg.attributes[_ATTRIBUTES_KEY].fields.get(_ROUTE_ATTRIBUTE)
-        raw = value.string_value if value is not None else ""
-        if not raw:
-            return None
-        if raw in self._routes:
-            cached = self._routes[raw]
-        else:
-            if len(self._routes) >= _ROUTE_CACHE_SIZE:
-                self._routes.clear()
-            cached = self._routes[raw] = self._compile_route(raw, policy)
-        if isinstance(cached, _Invalid):
+    def _route(self, msg: pb.ProcessingRequest, policy: Policy) -> Route:
+        route = self._routes.lookup(msg.attributes, policy)
+        if route.invalid:
             self._metrics.route_policy_errors.inc()
-            return None
-        return cached
-
-    def _compile_route(self, raw: str, policy: Policy) -> RouteOverride | _Invalid | None:
-        """Parse and validate one route's metadata; apply its bucket limits to the gate."""
-        try:
-            md = text_format.Parse(raw, base_pb2.Metadata())
-        except text_format.ParseError as e:
-            log.warning("route metadata is not text-format Metadata: %s", e)
-            return _INVALID
-        if METADATA_NAMESPACE not in md.filter_metadata:
-            return None
-        data = json_format.MessageToDict(md.filter_metadata[METADATA_NAMESPACE])
-        try:
-            override = route_override_from_mapping(data, policy)
-        except PolicyError as e:
-            log.warning(
-                "route metadata %s.%s refused; the policy file applies to this route",
-                METADATA_NAMESPACE,
-                e,
-                extra={"fields": {"route_metadata": data}},
-            )
-            return _INVALID
-        if override.bucket is not None and (
-            override.max_concurrency is not None or override.max_queue is not None
+        override = route.override
+        if (
+            route.first_seen
+            and override is not None
+            and override.bucket is not None
+            and (override.max_concurrency is not None or override.max_queue is not None)
         ):
+            # A route's bucket limits apply to that bucket, from its first request on.
             b = policy.bucket(override.bucket)
             self._gate.set_limits(
                 b.name,
                 override.max_concurrency or b.max_concurrency,
                 b.max_queue if override.max_queue is None else override.max_queue,
             )
-        return override
+        return route
 
     # --- the one place a request is finished ---------------------------------------------------
 
@@ -512,11 +377,12 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             st.waiter.cancel()
         rec = st.rec
         rec.ended_at = self._loop.time()
-        if rec.outcome is None:
-            rec.outcome = (
+        if rec.outcome is None:  # the client left before the sidecar answered
+            left_while = (
                 Outcome.CANCELLED_WHILE_QUEUED
                 if rec.arrived_at is not None
                 else Outcome.CANCELLED_BEFORE_BODY
             )
+            rec.decide(left_while, rec.ended_at)
         self._metrics.finish(rec)
         log_finished(rec)

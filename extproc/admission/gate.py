@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from extproc.admission.core import Admission, BucketStats, Ticket, Verdict
 from extproc.config.policy import Policy
-from extproc.outcome import Outcome, queue_code
+from extproc.outcome import OUTCOMES, Outcome
 
 __all__ = ["Gate", "Refused", "Slot", "Waiter", "retry_after_s"]
 
@@ -45,7 +45,7 @@ class Refused(Exception):
     ) -> None:
         super().__init__(f"{outcome} in {bucket}")
         self.outcome = outcome
-        self.code = queue_code(outcome)
+        self.code = OUTCOMES[outcome].code
         self.bucket = bucket
         self.retry_after_s = retry_after_s
         self.queued = queued
@@ -55,17 +55,12 @@ class Refused(Exception):
 class Slot:
     """One held slot. ``release()`` gives it back once; later calls do nothing."""
 
-    __slots__ = ("_gate", "_released", "admitted_at", "ticket")
+    __slots__ = ("_gate", "_released", "ticket")
 
-    def __init__(self, gate: Gate, ticket: Ticket, admitted_at: float) -> None:
+    def __init__(self, gate: Gate, ticket: Ticket) -> None:
         self._gate = gate
         self.ticket = ticket
-        self.admitted_at = admitted_at
         self._released = False
-
-    @property
-    def queue_s(self) -> float:
-        return self.admitted_at - self.ticket.enqueued_at
 
     def release(self) -> None:
         if not self._released:
@@ -163,7 +158,7 @@ class Gate:
         now = self._loop.time()
         decision = self._core.enqueue(bucket, now, timeout_s)
         if decision.verdict is Verdict.ADMITTED:
-            return Slot(self, decision.ticket, now)
+            return Slot(self, decision.ticket)
         if decision.verdict is Verdict.QUEUE_FULL:
             raise Refused(
                 Outcome.REJECTED_QUEUE_FULL,
@@ -207,7 +202,7 @@ class Gate:
                 # Its task was cancelled in this same instant: pass the slot on.
                 self._hand_over(self._core.release(ticket.id, now))
             else:
-                fut.set_result(Slot(self, ticket, now))
+                fut.set_result(Slot(self, ticket))
 
     def _release(self, ticket: Ticket) -> None:
         self._hand_over(self._core.release(ticket.id, self._loop.time()))

@@ -15,9 +15,9 @@ What the policy decides for Envoy:
   ext_proc.
 
 Everything is built as plain dicts and checked against Envoy's own typed messages (the xds-protos
-stubs) before it is printed; none of this runs on the request path. (The brief suggested
-envoy-data-plane for typed config; the xds-protos messages we already depend on do the same
-validation without another dependency.)
+stubs) before it is printed; none of this runs on the request path. (envoy-data-plane's
+typed classes would do the same; the xds-protos messages we already depend on need no other
+dependency.)
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa
 from google.protobuf import json_format
 
 from extproc.config.policy import Policy
-from extproc.service import MESSAGE_TIMEOUT_MARGIN_S, METADATA_NAMESPACE
+from extproc.contract import MESSAGE_TIMEOUT_MARGIN_S, METADATA_NAMESPACE, PROCESSING_MODE
 
 __all__ = ["LLM_ROUTE_TIMEOUT_S", "PROCESSING_MODE", "render", "to_rds", "validate"]
 
@@ -50,18 +50,6 @@ HEADER_MUTATION_TYPE = (
     "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
 )
 HTTP_OPTIONS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-
-
-# What the sidecar expects Envoy to send (ENVOY_NOTES: headers SEND, body BUFFERED, no
-# response path). The benchmarks build their ext_proc filters from this too.
-PROCESSING_MODE: dict[str, str] = {
-    "request_header_mode": "SEND",
-    "response_header_mode": "SKIP",
-    "request_body_mode": "BUFFERED",
-    "response_body_mode": "NONE",
-    "request_trailer_mode": "SKIP",
-    "response_trailer_mode": "SKIP",
-}
 
 
 def _seconds(s: float) -> str:

@@ -1,21 +1,20 @@
 """The admission policy: load, validate, resolve.
 
 The schema is defined once, as proto3 messages in ``protos/llm_extproc/v1/policy.proto``. A policy
-file is YAML; it is read into the ``Policy`` message by a small walker driven by the message
-descriptors, so every key is checked against the schema and every error names the file, the key
-path and the reason (``policy.yaml: buckets[1].queue_timeout: bad duration '5x' ...``). The walker
-accepts what operators write (durations as ``250ms``/``5s``/``2m``, enum values in lower case) and
-nothing the schema does not know. The same walker will validate per-route overrides that arrive
-from Envoy route metadata.
+file is YAML; ``extproc.config.schema`` reads it into the ``Policy`` message, checking every key,
+and every error names the file, the key path and the reason (``policy.yaml:
+buckets[1].queue_timeout: bad duration '5x' ...``). Route metadata from Envoy is read into the
+``RouteOverride`` message the same way.
 
 The message is then resolved into frozen dataclasses with every default filled in and every
-cross-field rule checked (bucket names unique, a catch-all bucket last, ...). The request path
-reads only the resolved ``Policy``; it never touches protobuf.
+cross-field rule checked (bucket names unique, a catch-all bucket last, ...). Each default is
+written once, in the dataclass fields below; the embedded default policy
+(``default_policy.yaml``) states only its buckets. The request path reads only the resolved
+``Policy``; it never touches protobuf.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,11 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from google.protobuf import descriptor as _descriptor
 from google.protobuf import duration_pb2
-from google.protobuf.message import Message
 
 from extproc._proto.llm_extproc.v1 import policy_pb2
+from extproc.config.schema import PolicyError, fill, parse_duration
 
 __all__ = [
     "BucketPolicy",
@@ -47,10 +45,6 @@ __all__ = [
     "policy_from_yaml",
     "route_override_from_mapping",
 ]
-
-
-class PolicyError(ValueError):
-    """A policy that cannot be used. The message names the source, the key path and why."""
 
 
 class OnExcess(StrEnum):
@@ -195,136 +189,20 @@ class Policy:
         }
 
 
-# --- durations ------------------------------------------------------------------------------
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*(ms|s|m|h)\s*$")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def parse_duration(value: object) -> float:
-    """``250ms``, ``5s``, ``1.5s``, ``2m``, ``1h`` or a plain number of seconds -> seconds."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a duration like 250ms, 5s or 2m, got {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str):
-        m = _DURATION.match(value)
-        if m is None:
-            raise ValueError(f"bad duration {value!r}: expected a number with ms, s, m or h")
-        seconds = float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
-    else:
-        raise ValueError(f"expected a duration like 250ms, 5s or 2m, got {type(value).__name__}")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"bad duration {value!r}: must be finite and not negative")
-    if seconds > 10 * 365 * 86400:
-        raise ValueError(f"bad duration {value!r}: longer than ten years")
-    return seconds
-
-
-# --- the descriptor-driven walker -----------------------------------------------------------
-
-_FD = _descriptor.FieldDescriptor
-_DURATION_TYPE = "google.protobuf.Duration"
-_INT_RANGES = {
-    _FD.TYPE_UINT32: (0, 2**32 - 1),
-    _FD.TYPE_UINT64: (0, 2**64 - 1),
-    _FD.TYPE_INT32: (-(2**31), 2**31 - 1),
-    _FD.TYPE_INT64: (-(2**63), 2**63 - 1),
-}
-
-
-def _type_name(value: object) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _scalar(fd: Any, value: object, path: str) -> object:
-    """Check one YAML scalar against a proto scalar field and convert it."""
-    if fd.type in _INT_RANGES:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise PolicyError(f"{path}: expected an integer, got {_type_name(value)} {value!r}")
-        lo, hi = _INT_RANGES[fd.type]
-        if not lo <= value <= hi:
-            raise PolicyError(f"{path}: {value} is out of range [{lo}, {hi}]")
-        return value
-    if fd.type in (_FD.TYPE_DOUBLE, _FD.TYPE_FLOAT):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise PolicyError(f"{path}: expected a number, got {_type_name(value)} {value!r}")
-        if not math.isfinite(value):
-            raise PolicyError(f"{path}: expected a finite number, got {value!r}")
-        return float(value)
-    if fd.type == _FD.TYPE_STRING:
-        if not isinstance(value, str):
-            raise PolicyError(f"{path}: expected a string, got {_type_name(value)} {value!r}")
-        return value
-    if fd.type == _FD.TYPE_BOOL:
-        if not isinstance(value, bool):
-            raise PolicyError(f"{path}: expected true or false, got {value!r}")
-        return value
-    if fd.type == _FD.TYPE_ENUM:
-        names = [v.name.lower() for v in fd.enum_type.values if v.number != 0]
-        if not isinstance(value, str) or value.lower() not in names:
-            raise PolicyError(f"{path}: expected one of {', '.join(names)}, got {value!r}")
-        return fd.enum_type.values_by_name[value.upper()].number
-    raise PolicyError(f"{path}: unsupported field type {fd.type}")  # pragma: no cover
-
-
-def _fill(message: Message, data: object, path: str) -> None:
-    """Fill ``message`` from a YAML mapping, checking every key against the descriptor."""
-    desc = message.DESCRIPTOR
-    if desc.full_name == _DURATION_TYPE:
-        raise AssertionError("durations are handled by the caller")  # pragma: no cover
-    if not isinstance(data, Mapping):
-        raise PolicyError(f"{path or '<top>'}: expected a mapping, got {_type_name(data)}")
-    for key, value in data.items():
-        where = f"{path}.{key}" if path else str(key)
-        fd = desc.fields_by_name.get(key) if isinstance(key, str) else None
-        if fd is None:
-            known = ", ".join(f.name for f in desc.fields)
-            raise PolicyError(f"{where}: unknown key (known keys: {known})")
-        if value is None:
-            continue  # YAML null: leave the field unset, so its default applies
-        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
-            _fill_map(getattr(message, fd.name), fd.message_type, value, where)
-        elif fd.is_repeated:
-            if not isinstance(value, list):
-                raise PolicyError(f"{where}: expected a list, got {_type_name(value)}")
-            target = getattr(message, fd.name)
-            for i, item in enumerate(value):
-                if fd.message_type is not None:
-                    _fill(target.add(), item, f"{where}[{i}]")
-                else:
-                    target.append(_scalar(fd, item, f"{where}[{i}]"))
-        elif fd.message_type is not None and fd.message_type.full_name == _DURATION_TYPE:
-            try:
-                seconds = parse_duration(value)
-            except ValueError as e:
-                raise PolicyError(f"{where}: {e}") from None
-            d = duration_pb2.Duration()
-            d.FromNanoseconds(round(seconds * 1e9))
-            getattr(message, fd.name).CopyFrom(d)
-        elif fd.message_type is not None:
-            sub = getattr(message, fd.name)
-            sub.SetInParent()
-            _fill(sub, value, where)
-        else:
-            setattr(message, fd.name, _scalar(fd, value, where))
-
-
-def _fill_map(target: Any, entry: Any, data: object, path: str) -> None:
-    if not isinstance(data, Mapping):
-        raise PolicyError(f"{path}: expected a mapping, got {_type_name(data)}")
-    key_fd, value_fd = entry.fields_by_name["key"], entry.fields_by_name["value"]
-    for key, value in data.items():
-        k = _scalar(key_fd, key, f"{path} key")
-        target[k] = _scalar(value_fd, value, f"{path}.{key}")
-
-
 # --- resolving the message into the policy --------------------------------------------------
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9a-z-]+$")
+
+
+# Each default is written once, in the dataclasses above; these instances are where
+# resolving reads them from.
+_TOKENS, _LIMITS, _RETRY_AFTER = TokenPolicy(), Limits(), RetryAfterPolicy()
+
+
+def _set_or(msg: Any, name: str, default: Any) -> Any:
+    """A proto3 ``optional`` field's value when the file set it, else the default."""
+    return getattr(msg, name) if msg.HasField(name) else default
 
 
 def _seconds(d: duration_pb2.Duration) -> float:
@@ -334,13 +212,11 @@ def _seconds(d: duration_pb2.Duration) -> float:
 def _resolve(msg: policy_pb2.Policy) -> Policy:
     t = msg.tokens
     tokens = TokenPolicy(
-        chars_per_token=t.chars_per_token if t.HasField("chars_per_token") else 4.0,
+        chars_per_token=_set_or(t, "chars_per_token", _TOKENS.chars_per_token),
         tokenizer=t.tokenizer or None,
-        non_text_part_tokens=(
-            t.non_text_part_tokens if t.HasField("non_text_part_tokens") else 512
-        ),
-        message_overhead_tokens=(
-            t.message_overhead_tokens if t.HasField("message_overhead_tokens") else 3
+        non_text_part_tokens=_set_or(t, "non_text_part_tokens", _TOKENS.non_text_part_tokens),
+        message_overhead_tokens=_set_or(
+            t, "message_overhead_tokens", _TOKENS.message_overhead_tokens
         ),
     )
     if tokens.chars_per_token <= 0:
@@ -350,10 +226,12 @@ def _resolve(msg: policy_pb2.Policy) -> Policy:
 
     lm = msg.limits
     limits = Limits(
-        max_prompt_tokens=lm.max_prompt_tokens if lm.HasField("max_prompt_tokens") else 32768,
-        default_max_tokens=lm.default_max_tokens if lm.HasField("default_max_tokens") else 256,
-        max_output_tokens=lm.max_output_tokens if lm.HasField("max_output_tokens") else 1024,
-        on_excess=OnExcess.REJECT if lm.on_excess == policy_pb2.REJECT else OnExcess.CLAMP,
+        max_prompt_tokens=_set_or(lm, "max_prompt_tokens", _LIMITS.max_prompt_tokens),
+        default_max_tokens=_set_or(lm, "default_max_tokens", _LIMITS.default_max_tokens),
+        max_output_tokens=_set_or(lm, "max_output_tokens", _LIMITS.max_output_tokens),
+        on_excess={policy_pb2.REJECT: OnExcess.REJECT, policy_pb2.CLAMP: OnExcess.CLAMP}.get(
+            lm.on_excess, _LIMITS.on_excess
+        ),
     )
     for name in ("max_prompt_tokens", "default_max_tokens", "max_output_tokens"):
         if getattr(limits, name) < 1:
@@ -366,9 +244,9 @@ def _resolve(msg: policy_pb2.Policy) -> Policy:
 
     ra = msg.retry_after
     retry_after = RetryAfterPolicy(
-        min_s=_seconds(ra.min) if ra.HasField("min") else 1.0,
-        max_s=_seconds(ra.max) if ra.HasField("max") else 60.0,
-        jitter=ra.jitter if ra.HasField("jitter") else 0.5,
+        min_s=_seconds(ra.min) if ra.HasField("min") else _RETRY_AFTER.min_s,
+        max_s=_seconds(ra.max) if ra.HasField("max") else _RETRY_AFTER.max_s,
+        jitter=_set_or(ra, "jitter", _RETRY_AFTER.jitter),
     )
     if retry_after.min_s < 1.0:
         raise PolicyError("retry_after.min: must be at least 1s (Retry-After is whole seconds)")
@@ -444,29 +322,27 @@ def _resolve(msg: policy_pb2.Policy) -> Policy:
         limits=limits,
         retry_after=retry_after,
         buckets=tuple(buckets),
-        mode=Mode.SHADOW if msg.mode == policy_pb2.SHADOW else Mode.ENFORCE,
+        mode={policy_pb2.SHADOW: Mode.SHADOW, policy_pb2.ENFORCE: Mode.ENFORCE}.get(
+            msg.mode, Mode.ENFORCE
+        ),
         trusted_headers=tuple(trusted_headers),
     )
-
-
-def _opt(msg: Any, name: str) -> Any:
-    return getattr(msg, name) if msg.HasField(name) else None
 
 
 def route_override_from_mapping(data: object, policy: Policy) -> RouteOverride:
     """Validate route metadata (namespace ``llm_extproc``) against the RouteOverride schema
     and the policy it refines. Raises PolicyError naming the key."""
     msg = policy_pb2.RouteOverride()
-    _fill(msg, data, "")
+    fill(msg, data, "")
     names = {b.name for b in policy.buckets}
     override = RouteOverride(
         bucket=msg.bucket or None,
-        max_concurrency=_opt(msg, "max_concurrency"),
-        max_queue=_opt(msg, "max_queue"),
+        max_concurrency=_set_or(msg, "max_concurrency", None),
+        max_queue=_set_or(msg, "max_queue", None),
         queue_timeout_s=_seconds(msg.queue_timeout) if msg.HasField("queue_timeout") else None,
-        max_prompt_tokens=_opt(msg, "max_prompt_tokens"),
-        max_output_tokens=_opt(msg, "max_output_tokens"),
-        default_max_tokens=_opt(msg, "default_max_tokens"),
+        max_prompt_tokens=_set_or(msg, "max_prompt_tokens", None),
+        max_output_tokens=_set_or(msg, "max_output_tokens", None),
+        default_max_tokens=_set_or(msg, "default_max_tokens", None),
     )
     if override.bucket is not None and override.bucket not in names:
         raise PolicyError(
@@ -490,7 +366,7 @@ def policy_from_mapping(data: object, source: str = "<policy>") -> Policy:
     """Validate and resolve a policy given as plain data (what YAML or JSON parse into)."""
     msg = policy_pb2.Policy()
     try:
-        _fill(msg, data, "")
+        fill(msg, data, "")
         return _resolve(msg)
     except PolicyError as e:
         raise PolicyError(f"{source}: {e}") from None

@@ -1,7 +1,8 @@
 """Structured logs: one JSON object per line.
 
-Finished requests go to the ``extproc.requests`` logger: refusals and evictions at INFO, all
-other outcomes at DEBUG. Fields are bounded (bucket, outcome, code, token counts, timings,
+Finished requests go to the ``extproc.requests`` logger at their outcome's level
+(``extproc.outcome.OUTCOMES``: refusals and evictions at INFO, the rest at DEBUG; any request
+with a shadow outcome at INFO). Fields are bounded (bucket, outcome, code, token counts, timings,
 Envoy's x-request-id); prompt text is never logged.
 """
 
@@ -11,19 +12,12 @@ import json
 import logging
 import time
 
-from extproc.outcome import Outcome
+from extproc.outcome import OUTCOMES
 from extproc.record import RequestRecord
 
 __all__ = ["JsonFormatter", "configure", "log_finished"]
 
 requests_log = logging.getLogger("extproc.requests")
-
-_INFO_OUTCOMES = {
-    Outcome.REJECTED_INVALID,
-    Outcome.REJECTED_TOO_LARGE,
-    Outcome.REJECTED_QUEUE_FULL,
-    Outcome.EVICTED_TIMEOUT,
-}
 
 
 class JsonFormatter(logging.Formatter):
@@ -55,6 +49,7 @@ def configure(level: str = "INFO", fmt: str = "json") -> None:
 
 
 def log_finished(rec: RequestRecord) -> None:
-    level = logging.INFO if rec.outcome in _INFO_OUTCOMES or rec.shadow_outcome else logging.DEBUG
+    assert rec.outcome is not None
+    level = logging.INFO if rec.shadow_outcome else OUTCOMES[rec.outcome].log_level
     if requests_log.isEnabledFor(level):
         requests_log.log(level, "request finished", extra={"fields": rec.as_log()})

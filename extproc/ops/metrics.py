@@ -1,7 +1,7 @@
 """Prometheus metrics, recorded in one place: ``Metrics.finish`` when a request's stream ends.
 
 Label values come from bounded sets only: bucket names from the policy (plus ``none``),
-outcomes from ``Outcome``, max_tokens actions. Never anything a client sends.
+outcome labels from ``extproc.outcome.OUTCOMES``, max_tokens actions. Never anything a client sends.
 
 Gauges of the queues (depth, in flight, capacity) are not updated on the request path at all:
 a custom collector reads ``Gate.statistics()`` when Prometheus scrapes. Every server instance
@@ -25,7 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from extproc.admission.core import BucketStats
-from extproc.outcome import Outcome
+from extproc.outcome import OUTCOMES
 from extproc.record import NO_BUCKET, RequestRecord
 
 __all__ = ["Metrics", "serve_metrics"]
@@ -144,15 +144,15 @@ class Metrics:
         """Create the outcome and reload series at zero, so that rates and increase() see the
         first eviction or reload error instead of a series that appears at 1."""
         for bucket in (*buckets, NO_BUCKET):
-            for outcome in Outcome:
-                self.requests.labels(bucket, str(outcome))
+            for info in OUTCOMES.values():
+                self.requests.labels(bucket, info.label)
         for result in ("ok", "error"):
             self.policy_reloads.labels(result)
 
     def finish(self, rec: RequestRecord) -> None:
         """Record one finished request. Called exactly once per request, by the server."""
         assert rec.outcome is not None
-        bucket, outcome = rec.bucket, str(rec.outcome)
+        bucket, outcome = rec.bucket, OUTCOMES[rec.outcome].label
         children = self._children.get((bucket, outcome))
         if children is None:  # resolve the labelled series once per (bucket, outcome)
             children = self._children[(bucket, outcome)] = _Children(
@@ -174,7 +174,7 @@ class Metrics:
         if rec.max_tokens_action in ("defaulted", "clamped"):
             self.max_tokens_adjusted.labels(bucket, rec.max_tokens_action).inc()
         if rec.shadow_outcome is not None:
-            self.shadow.labels(bucket, str(rec.shadow_outcome)).inc()
+            self.shadow.labels(bucket, OUTCOMES[rec.shadow_outcome].label).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

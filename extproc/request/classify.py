@@ -24,7 +24,7 @@ from enum import StrEnum
 from typing import Any
 
 from extproc.config.policy import BucketPolicy, Limits, OnExcess, Policy, RouteOverride, TokenPolicy
-from extproc.outcome import RequestError
+from extproc.outcome import Outcome, RequestError
 from extproc.request.parse import ParsedRequest
 
 __all__ = [
@@ -141,11 +141,11 @@ def classify(
     limits = effective_limits(policy.limits, route)
     if prompt_tokens > limits.max_prompt_tokens:
         raise RequestError(
-            413,
             "prompt_too_long",
             f"The prompt is about {prompt_tokens} tokens; this endpoint accepts at most "
             f"{limits.max_prompt_tokens}.",
             "messages" if req.messages else "prompt",
+            outcome=Outcome.REJECTED_TOO_LARGE,
         )
 
     requested = req.requested_max_tokens
@@ -155,7 +155,6 @@ def classify(
         if limits.on_excess is OnExcess.REJECT:
             key = req.max_tokens_keys[-1] if req.max_tokens_keys else "max_tokens"
             raise RequestError(
-                400,
                 "max_tokens_too_large",
                 f"'{key}' is {requested}; this endpoint allows at most {limits.max_output_tokens}.",
                 key,

@@ -85,7 +85,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         for key, _ in pairs:
             if key in seen:
                 raise RequestError(
-                    400, "duplicate_key", f"The request body repeats the key {key!r}.", key
+                    "duplicate_key", f"The request body repeats the key {key!r}.", key
                 )
             seen.add(key)
     return obj
@@ -98,18 +98,18 @@ def check_content_headers(content_type: str | None, content_encoding: str | None
     """Refuse bodies we cannot read before looking at them (415)."""
     if content_encoding and content_encoding.strip().lower() not in ("identity", ""):
         raise RequestError(
-            415,
             "unsupported_content_encoding",
             f"Content-Encoding {content_encoding.strip()!r} is not supported; send the JSON "
             "body uncompressed.",
+            status=415,
         )
     if content_type:
         media = content_type.split(";", 1)[0].strip().lower()
         if media not in _JSON_TYPES and not media.endswith("+json"):
             raise RequestError(
-                415,
                 "unsupported_media_type",
                 f"Content-Type {media!r} is not supported; send application/json.",
+                status=415,
             )
 
 
@@ -128,7 +128,7 @@ def _type_name(value: object) -> str:
 
 def _bad_type(param: str, expected: str, value: object) -> RequestError:
     return RequestError(
-        400, "invalid_type", f"'{param}' must be {expected}, not {_type_name(value)}.", param
+        "invalid_type", f"'{param}' must be {expected}, not {_type_name(value)}.", param
     )
 
 
@@ -143,7 +143,6 @@ def _max_tokens(body: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
             raise _bad_type(key, "an integer", value)
         if not 1 <= value <= MAX_TOKENS_CEILING:
             raise RequestError(
-                400,
                 "invalid_value",
                 f"'{key}' must be between 1 and {MAX_TOKENS_CEILING}, got {value}.",
                 key,
@@ -184,11 +183,11 @@ def _content_texts(content: object, where: str, texts: list[str]) -> int:
 def _chat(body: dict[str, Any], texts: list[str]) -> tuple[int, int]:
     messages = body.get("messages")
     if messages is None:
-        raise RequestError(400, "missing_field", "'messages' is required.", "messages")
+        raise RequestError("missing_field", "'messages' is required.", "messages")
     if not isinstance(messages, list):
         raise _bad_type("messages", "an array", messages)
     if not messages:
-        raise RequestError(400, "invalid_value", "'messages' must not be empty.", "messages")
+        raise RequestError("invalid_value", "'messages' must not be empty.", "messages")
     non_text = 0
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -222,7 +221,7 @@ def _is_token_id(x: object) -> bool:
 def _completions(body: dict[str, Any], texts: list[str]) -> int:
     """Gather a completions prompt; return the count of exact token ids."""
     if "prompt" not in body or body["prompt"] is None:
-        raise RequestError(400, "missing_field", "'prompt' is required.", "prompt")
+        raise RequestError("missing_field", "'prompt' is required.", "prompt")
     prompt = body["prompt"]
     expected = "a string, an array of strings, or an array of token ids"
     if isinstance(prompt, str):
@@ -237,17 +236,17 @@ def _completions(body: dict[str, Any], texts: list[str]) -> int:
         return len(prompt)
     if all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt):
         return sum(len(p) for p in prompt)
-    raise RequestError(400, "invalid_type", f"'prompt' must be {expected}.", "prompt")
+    raise RequestError("invalid_type", f"'prompt' must be {expected}.", "prompt")
 
 
 def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
     if not raw:
-        raise RequestError(400, "empty_body", "The request body is empty; send a JSON object.")
+        raise RequestError("empty_body", "The request body is empty; send a JSON object.")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise RequestError(
-            400, "invalid_encoding", f"The request body is not valid UTF-8 (byte {e.start})."
+            "invalid_encoding", f"The request body is not valid UTF-8 (byte {e.start})."
         ) from None
     if text.startswith("\ufeff"):
         text = text[1:]
@@ -255,17 +254,15 @@ def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
         body = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
         raise RequestError(
-            400, "invalid_json", f"The request body is not valid JSON: {e.msg} at byte {e.pos}."
+            "invalid_json", f"The request body is not valid JSON: {e.msg} at byte {e.pos}."
         ) from None
     except RecursionError:
-        raise RequestError(400, "invalid_json", "The request body is nested too deeply.") from None
+        raise RequestError("invalid_json", "The request body is nested too deeply.") from None
     except ValueError as e:  # NaN/Infinity, integers too long to convert
-        raise RequestError(
-            400, "invalid_json", f"The request body is not valid JSON: {e}."
-        ) from None
+        raise RequestError("invalid_json", f"The request body is not valid JSON: {e}.") from None
     if not isinstance(body, dict):
         raise RequestError(
-            400, "invalid_body", f"The request body must be a JSON object, not {_type_name(body)}."
+            "invalid_body", f"The request body must be a JSON object, not {_type_name(body)}."
         )
     requested, keys = _max_tokens(body)
     stream = body.get("stream")
@@ -282,7 +279,7 @@ def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
         else:
             token_ids = _completions(body, texts)
     except RecursionError:  # json.dumps of deeply nested tools
-        raise RequestError(400, "invalid_json", "The request body is nested too deeply.") from None
+        raise RequestError("invalid_json", "The request body is nested too deeply.") from None
     return ParsedRequest(
         endpoint=endpoint,
         texts=tuple(texts),

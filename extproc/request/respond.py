@@ -1,4 +1,16 @@
-"""The sidecar's answers to Envoy, encoded straight to protobuf wire bytes.
+"""The sidecar's answers to Envoy: what each one says, encoded straight to protobuf wire bytes.
+
+The answers (the last stage of the request path):
+- ``HEADERS_CONTINUE``: go on to the body; ``PASS_THROUGH``: not an LLM request, skip the body;
+  ``continue_for(msg)``: a plain CONTINUE to any other message.
+- ``timeout_override(s)``: while a request waits, Envoy's message timeout becomes ``s``.
+- ``admitted(cls, rec)``: CONTINUE with the rewritten body (if max_tokens changed) and its
+  content-length, the ``x-llm-*`` headers for the backend, and dynamic metadata for the access
+  log; ``admitted_unchanged(rec)``: CONTINUE with metadata only (shadow mode).
+- ``refusal(rejection, rec)``: an ImmediateResponse (status, JSON error, Retry-After) with the
+  same metadata.
+
+Why bytes:
 
 Building ``ProcessingResponse`` messages with the protobuf API (five HeaderValueOptions, a
 CommonResponse, a Struct of dynamic metadata) and serialising them cost more than everything
@@ -19,10 +31,28 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
-__all__ = ["body_continue", "immediate", "metadata_struct", "serialize"]
+from extproc.contract import METADATA_NAMESPACE
+from extproc.outcome import Rejection
+from extproc.record import RequestRecord
+from extproc.request.classify import Classification
+
+__all__ = [
+    "HEADERS_CONTINUE",
+    "PASS_THROUGH",
+    "admitted",
+    "admitted_unchanged",
+    "body_continue",
+    "continue_for",
+    "immediate",
+    "metadata_struct",
+    "refusal",
+    "serialize",
+    "timeout_override",
+]
 
 
 def _num(message: Any, field: str) -> int:
@@ -167,3 +197,80 @@ def serialize(message: Any) -> bytes:
     if isinstance(message, bytes):
         return message
     return message.SerializeToString()  # type: ignore[no-any-return]
+
+
+# --- the answers -----------------------------------------------------------------------------
+
+HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+PASS_THROUGH = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(),
+    mode_override=processing_mode_pb2.ProcessingMode(
+        request_body_mode=processing_mode_pb2.ProcessingMode.NONE
+    ),
+)
+
+
+def continue_for(msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    """A plain CONTINUE answering whatever message Envoy sent."""
+    kind = msg.WhichOneof("request")
+    if kind in ("request_headers", "response_headers"):
+        return pb.ProcessingResponse(**{kind: pb.HeadersResponse()})
+    if kind in ("request_body", "response_body"):
+        return pb.ProcessingResponse(**{kind: pb.BodyResponse()})
+    if kind in ("request_trailers", "response_trailers"):
+        return pb.ProcessingResponse(**{kind: pb.TrailersResponse()})
+    return pb.ProcessingResponse()
+
+
+def timeout_override(seconds: float) -> pb.ProcessingResponse:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(round(seconds * 1e9))
+    return pb.ProcessingResponse(override_message_timeout=d)
+
+
+def _metadata(rec: RequestRecord) -> bytes:
+    """Dynamic metadata for Envoy's access log: %DYNAMIC_METADATA(llm_extproc:bucket)% etc."""
+    fields: dict[str, str | int] = {
+        "bucket": rec.bucket,
+        "outcome": str(rec.outcome),
+        "queue_ms": round(rec.queue_s * 1000),
+    }
+    if rec.prompt_tokens is not None:
+        fields["prompt_tokens"] = rec.prompt_tokens
+    if rec.max_tokens is not None:
+        fields["max_tokens"] = rec.max_tokens
+    if rec.code is not None:
+        fields["code"] = rec.code
+    if rec.shadow_outcome is not None:
+        fields["shadow_outcome"] = str(rec.shadow_outcome)
+    return metadata_struct(METADATA_NAMESPACE, fields)
+
+
+def refusal(rejection: Rejection, rec: RequestRecord) -> bytes:
+    return immediate(
+        rejection.status,
+        rejection.headers(),
+        rejection.body,
+        f"llm_extproc_{rec.code}",
+        _metadata(rec),
+    )
+
+
+def admitted(cls: Classification, rec: RequestRecord) -> bytes:
+    headers = [
+        ("x-llm-bucket", cls.bucket.name),
+        ("x-llm-queue-ms", str(round(rec.queue_s * 1000))),
+        ("x-llm-prompt-tokens", str(cls.prompt_tokens)),
+        # Echoed to the client by the route's response_headers_to_add (%REQ(x-llm-max-tokens)%),
+        # which spares us a round trip on the response path.
+        ("x-llm-max-tokens", str(cls.max_tokens)),
+    ]
+    if cls.new_body is not None:
+        headers.append(("content-length", str(len(cls.new_body))))
+    # Header values go out as raw_value bytes (``value`` alone gives Envoy empty headers),
+    # with OVERWRITE_IF_EXISTS_OR_ADD.
+    return body_continue(headers, cls.new_body, _metadata(rec))
+
+
+def admitted_unchanged(rec: RequestRecord) -> bytes:
+    return body_continue((), None, _metadata(rec))

@@ -1,0 +1,53 @@
+"""What the sidecar and Envoy's configuration must agree on, in one place both sides import.
+
+Each value is a fact about Envoy 1.40's ext_proc filter that the code relies on; the test named
+beside it runs the real Envoy and fails if the fact stops holding (docs/envoy.md has the list).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = [
+    "EXT_PROC_SERVICE",
+    "MESSAGE_TIMEOUT_MARGIN_S",
+    "METADATA_NAMESPACE",
+    "PROCESSING_MODE",
+    "PROCESS_METHOD",
+    "ROUTE_ATTRIBUTE",
+    "ROUTE_ATTRIBUTES_KEY",
+]
+
+# The gRPC service and method Envoy calls; one bidirectional stream per HTTP request.
+EXT_PROC_SERVICE: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
+PROCESS_METHOD: Final = f"/{EXT_PROC_SERVICE}/Process"
+
+# What the sidecar expects Envoy to send: request headers, then the whole request body in one
+# message, nothing of the response. Envoy keeps the stream open until the HTTP stream is done
+# (the last byte of a streamed response), which is how the slot is held for exactly the
+# backend's work (tests/e2e/test_e2e.py). Request headers must stay SEND: with SKIP, Envoy
+# forwards the request upstream while we still hold its body (tests/e2e/test_envoy_facts.py).
+PROCESSING_MODE: Final[dict[str, str]] = {
+    "request_header_mode": "SEND",
+    "response_header_mode": "SKIP",
+    "request_body_mode": "BUFFERED",
+    "response_body_mode": "NONE",
+    "request_trailer_mode": "SKIP",
+    "response_trailer_mode": "SKIP",
+}
+
+# While a request waits, the sidecar overrides Envoy's message timeout with the queue timeout
+# plus this margin, so its own eviction (429 + Retry-After) always comes before Envoy's 504.
+# Envoy refuses overrides above the filter's max_message_timeout, which must therefore be at
+# least the longest queue timeout plus this margin (tests/e2e/test_e2e.py).
+MESSAGE_TIMEOUT_MARGIN_S: Final = 1.0
+
+# Namespace of the route metadata the sidecar reads, and of the dynamic metadata it writes
+# for the access log (Envoy accepts it only with metadata_options.receiving_namespaces).
+METADATA_NAMESPACE: Final = "llm_extproc"
+
+# Route metadata arrives when the filter asks for the ``xds.route_metadata`` attribute: on the
+# request_headers message, under this key, as the text format of envoy.config.core.v3.Metadata
+# (tests/e2e/test_ops.py).
+ROUTE_ATTRIBUTE: Final = "xds.route_metadata"
+ROUTE_ATTRIBUTES_KEY: Final = "envoy.filters.http.ext_proc"
