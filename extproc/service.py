@@ -261,39 +261,21 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def _wait(
         self, context: _Context, rec: RequestRecord, waiter: Waiter
     ) -> tuple[asyncio.Future[Any] | None, Slot | None]:
-        """Wait for a slot while watching the stream. Returns the read still pending (to be
-        awaited by the hold loop) and the slot, or (None, None) when the request left the
-        queue."""
-        task = asyncio.current_task()
-        assert task is not None
-        stream_ended = False
-
-        def on_read(_: asyncio.Future[Any]) -> None:
-            # Envoy half-closed or sent something while we were queued: the stream is over
-            # for us. Take the waiter out of the queue now.
-            nonlocal stream_ended
-            stream_ended = True
-            task.cancel()
-
+        """Wait for a slot while watching the stream: Envoy half-closing or sending anything
+        while we are queued means the stream is over for us. Returns the read still pending
+        (for the hold loop) and the slot, or (None, None) when the request left the queue."""
         read: asyncio.Future[Any] = asyncio.ensure_future(context.read())
-        read.add_done_callback(on_read)
         try:
-            slot = await waiter.admitted()
+            slot = await waiter.admitted_unless(read)
         except Refused as r:
-            read.remove_done_callback(on_read)
             read.cancel()
             limit = waiter.ticket.deadline - waiter.ticket.enqueued_at
             await self._refuse_queue(context, rec, r, limit)
             return None, None
         except asyncio.CancelledError:
-            read.remove_done_callback(on_read)
-            if not stream_ended:
-                read.cancel()
-                raise
-            task.uncancel()
-            return None, None
-        read.remove_done_callback(on_read)
-        return read, slot
+            read.cancel()
+            raise
+        return (read, slot) if slot is not None else (None, None)
 
     async def _shadow_wait(self, st: _Stream, waiter: Waiter) -> None:
         """Shadow mode: keep the request's virtual place in the queue while it runs."""

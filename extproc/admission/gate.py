@@ -4,8 +4,11 @@ Who owns a slot
 ---------------
 ``Gate.enter`` returns a ``Slot`` (admitted now), a ``Waiter`` (queued), or raises ``Refused``
 (queue full). ``await waiter.admitted()`` returns the ``Slot`` or raises ``Refused`` (evicted at
-its deadline). The caller owns a ``Slot`` and must ``release()`` it in a ``finally``; ``release``
-is idempotent, so the slot goes back exactly once whatever ends the stream.
+its deadline); ``await waiter.admitted_unless(gone)`` does the same, but leaves the queue and
+returns None as soon as the future ``gone`` completes (the servicer passes its pending read of
+the stream: a client who leaves is dropped at once). The caller owns a ``Slot`` and must
+``release()`` it in a ``finally``; ``release`` is idempotent, so the slot goes back exactly once
+whatever ends the stream.
 
 Cancellation: if the task awaiting ``admitted()`` is cancelled (the client left), the ticket
 leaves the queue at once. If the slot was handed over in the same instant, before the task could
@@ -23,6 +26,7 @@ import asyncio
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from extproc.admission.core import Admission, BucketStats, Ticket, Verdict
 from extproc.config.policy import Policy
@@ -86,6 +90,29 @@ class Waiter:
             raise
         finally:
             self.gate._waiters.pop(self.ticket.id, None)
+
+    async def admitted_unless(self, gone: asyncio.Future[Any]) -> Slot | None:
+        """``admitted()``, but leave the queue at once if ``gone`` completes first (the
+        stream ended while queued): then None. Raises ``Refused`` when evicted."""
+        task = asyncio.current_task()
+        assert task is not None
+        left = False
+
+        def on_gone(_: asyncio.Future[Any]) -> None:
+            nonlocal left
+            left = True
+            task.cancel()  # admitted() takes the ticket out of the queue
+
+        gone.add_done_callback(on_gone)
+        try:
+            return await self.admitted()
+        except asyncio.CancelledError:
+            if not left:
+                raise
+            task.uncancel()
+            return None
+        finally:
+            gone.remove_done_callback(on_gone)
 
     def cancel(self) -> None:
         """Leave the queue without awaiting (the stream ended before we awaited)."""

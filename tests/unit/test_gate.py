@@ -216,3 +216,55 @@ def test_retry_after_is_capped_at_the_queue_timeout() -> None:
         holder.release()
 
     run(main())
+
+
+def test_admitted_unless_leaves_the_queue_when_the_stream_ends_first() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        gate = Gate(POLICY)
+        holder = gate.enter("b", 5.0)
+        waiter = gate.enter("b", 5.0)
+        assert isinstance(holder, Slot) and isinstance(waiter, Waiter)
+        gone: asyncio.Future[None] = loop.create_future()
+        loop.call_later(0.01, gone.set_result, None)
+        assert await waiter.admitted_unless(gone) is None
+        assert stats(gate) == (1, 0)  # out of the queue at once, the holder untouched
+        holder.release()
+        assert stats(gate) == (0, 0)
+
+    run(main())
+
+
+def test_admitted_unless_returns_the_slot_and_keeps_the_stream_future() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        gate = Gate(POLICY)
+        holder = gate.enter("b", 5.0)
+        waiter = gate.enter("b", 5.0)
+        assert isinstance(holder, Slot) and isinstance(waiter, Waiter)
+        gone: asyncio.Future[None] = loop.create_future()
+        loop.call_later(0.01, holder.release)
+        slot = await waiter.admitted_unless(gone)
+        assert isinstance(slot, Slot) and stats(gate) == (1, 0)
+        gone.set_result(None)  # the stream ends later: no longer the waiter's business
+        await asyncio.sleep(0)
+        assert stats(gate) == (1, 0)
+        slot.release()
+        assert stats(gate) == (0, 0)
+
+    run(main())
+
+
+def test_admitted_unless_is_evicted_like_admitted() -> None:
+    async def main() -> None:
+        gate = Gate(POLICY)
+        holder = gate.enter("b", 0.05)
+        waiter = gate.enter("b", 0.05)
+        assert isinstance(holder, Slot) and isinstance(waiter, Waiter)
+        gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        with pytest.raises(Refused) as info:
+            await waiter.admitted_unless(gone)
+        assert info.value.outcome is Outcome.EVICTED_TIMEOUT and stats(gate) == (1, 0)
+        holder.release()
+
+    run(main())
