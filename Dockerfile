@@ -5,7 +5,7 @@
 #   docker build -t llm-extproc .                        # the sidecar (last stage, the default)
 #   docker build --target sim -t llm-extproc-sim .       # the vLLM simulator (compose `cpu`)
 #
-# Checked without a Docker daemon by tests/test_deploy.py (stages, entrypoints, the health
+# Checked without a Docker daemon by tests/deploy/test_docker.py (stages, entrypoints, the health
 # check command run against a real sidecar, the context building a wheel); see docs/deploy.md.
 
 ARG PYTHON_IMAGE=python:3.12-slim
@@ -31,17 +31,18 @@ RUN groupadd --system --gid 10001 llm \
 WORKDIR /app
 USER 10001:10001
 
-# --- sim: bench/vllm_sim.py, a vLLM stand-in for running the stack without a GPU ---------------
+# --- sim: bench/sim/, a vLLM stand-in for running the stack without a GPU ----------------------
 FROM runtime AS sim
 USER root
 # Only what the simulator imports beyond the sidecar's dependencies (prometheus-client): the
 # `bench` extra also pulls matplotlib for the plots, which the simulator does not use. Same
-# requirement as the extra in pyproject.toml (tests/test_deploy.py compares them).
+# requirement as the extra in pyproject.toml (tests/deploy/test_docker.py compares them).
 RUN pip install "aiohttp>=3.9"
-COPY bench/__init__.py bench/vllm_sim.py ./bench/
+COPY bench/__init__.py ./bench/
+COPY bench/sim ./bench/sim
 USER 10001:10001
 EXPOSE 8000
-ENTRYPOINT ["python", "-m", "bench.vllm_sim"]
+ENTRYPOINT ["python", "-m", "bench.sim"]
 CMD ["--host", "0.0.0.0", "--port", "8000"]
 
 # --- sidecar: `llm-extproc serve` (the default target) ----------------------------------------

@@ -44,7 +44,7 @@ protos: $(STAMP)
 envoy-rds: $(STAMP)
 	$(BIN)/python envoy/make_rds.py
 
-# Regenerate deploy/compose/envoy.yaml from envoy/envoy.yaml (tests/test_deploy.py checks it).
+# Regenerate deploy/compose/envoy.yaml from envoy/envoy.yaml (tests/deploy/test_compose.py checks it).
 compose-envoy: $(STAMP)
 	$(BIN)/python deploy/compose/render.py
 

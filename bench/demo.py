@@ -1,6 +1,6 @@
 """``make demo``: a busy LLM server behind Envoy and the sidecar, hit by a mixed burst.
 
-Starts the vLLM-like simulator (bench/vllm_sim.py, H100 profile, real time), the sidecar with
+Starts the vLLM-like simulator (bench/sim/, H100 profile, real time), the sidecar with
 its embedded default policy, and Envoy with envoy/envoy.yaml, all on free ports of 127.0.0.1.
 Then sends, at once and above the capacity the policy gives each bucket:
 
@@ -24,11 +24,14 @@ import json
 import random
 import sys
 import time
+import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass
 
 import aiohttp
 
+from bench.common.stats import percentile
+from bench.common.table import fmt, format_table
 from testing.stack import Stack
 
 __all__ = ["main"]
@@ -102,38 +105,50 @@ async def burst(url: str, interactive_rate: float, seconds: float, batch: int) -
         return list(await asyncio.gather(*tasks))
 
 
-def _pct(values: list[float], q: float) -> str:
-    if not values:
-        return "-"
-    values = sorted(values)
-    return f"{values[min(len(values) - 1, int(q * len(values)))]:.2f}"
+_HEADERS = [
+    "requests",
+    "sent",
+    "200",
+    "413",
+    "429 full",
+    "429 late",
+    "other",
+    "p50 ok s",
+    "p99 ok s",
+    "p50 429 s",
+    "retry-after",
+]
 
 
 def table(results: list[Result]) -> str:
+    """One row per kind of request; latencies are ``bench.common.stats.percentile``."""
     groups: dict[str, list[Result]] = defaultdict(list)
     for r in results:
         groups[r.bucket].append(r)
-    head = (
-        f"{'requests':<12}{'sent':>6}{'200':>6}{'413':>6}{'429 full':>10}{'429 late':>10}"
-        f"{'other':>7}{'p50 ok s':>10}{'p99 ok s':>10}{'p50 429 s':>11}{'retry-after':>13}"
-    )
-    lines = [head, "-" * len(head)]
+    rows = []
     for bucket in ("interactive", "batch", "oversize"):
         rs = groups.get(bucket, [])
         ok = [r.seconds for r in rs if r.status == 200]
         refused = [r for r in rs if r.status == 429]
         other = sum(1 for r in rs if r.status not in (200, 413, 429))
         ras = sorted(int(r.retry_after) for r in refused if r.retry_after)
-        ra = f"{ras[0]}-{ras[-1]}s" if ras else "-"
-        lines.append(
-            f"{bucket:<12}{len(rs):>6}{len(ok):>6}"
-            f"{sum(1 for r in rs if r.status == 413):>6}"
-            f"{sum(1 for r in refused if r.code == 'queue_full'):>10}"
-            f"{sum(1 for r in refused if r.code == 'queue_timeout'):>10}{other:>7}"
-            f"{_pct(ok, 0.5):>10}{_pct(ok, 0.99):>10}"
-            f"{_pct([r.seconds for r in refused], 0.5):>11}{ra:>13}"
+        rows.append(
+            [
+                bucket,
+                str(len(rs)),
+                str(len(ok)),
+                str(sum(1 for r in rs if r.status == 413)),
+                str(sum(1 for r in refused if r.code == "queue_full")),
+                str(sum(1 for r in refused if r.code == "queue_timeout")),
+                str(other),
+                fmt(percentile(ok, 50)),
+                fmt(percentile(ok, 99)),
+                fmt(percentile([r.seconds for r in refused], 50)),
+                f"{ras[0]}-{ras[-1]}s" if ras else "-",
+            ]
         )
-    return "\n".join(lines)
+    head, *body = format_table(_HEADERS, rows).splitlines()
+    return "\n".join([head, "-" * len(head), *body])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=60, help="batch requests sent at once")
     args = ap.parse_args(argv)
 
-    backend = [sys.executable, "-m", "bench.vllm_sim", "--port", "{port}", "--profile", "h100"]
+    backend = [sys.executable, "-m", "bench.sim", "--port", "{port}", "--profile", "h100"]
     print("starting simulator (H100 profile), sidecar (embedded default policy) and Envoy ...")
     with Stack(backend_argv=backend, envoy_concurrency=1) as stack:
         print(f"  Envoy listening on {stack.url}, sidecar metrics on {stack.metrics_url}")
@@ -155,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         results = asyncio.run(burst(stack.url, args.interactive_rate, args.seconds, args.batch))
         print(f"done in {time.monotonic() - t0:.1f}s\n")
         print(table(results))
-        with __import__("urllib.request").request.urlopen(stack.metrics_url) as r:
+        with urllib.request.urlopen(stack.metrics_url) as r:
             metrics = r.read().decode()
         print("\nsidecar outcome counters:")
         for line in metrics.splitlines():

@@ -31,6 +31,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.common.stats import percentile
 from testing.stack import REPO, Stack
 
 SOAK_POLICY = """
@@ -58,10 +59,8 @@ class Window:
     latencies: list[float] = field(default_factory=list)
 
     def p(self, q: float) -> float | None:
-        if not self.latencies:
-            return None
-        xs = sorted(self.latencies)
-        return xs[min(len(xs) - 1, int(q * len(xs)))]
+        """The ``q``-th percentile (``q`` in [0, 100]) of the window's latencies."""
+        return percentile(self.latencies, q)
 
 
 def rss_mb(pid: int) -> float:
@@ -149,7 +148,7 @@ async def drive(stack: Stack, args: argparse.Namespace, windows: list[Window]) -
                     f"in_flight={g['in_flight']:3.0f} queued={g['queued']:4.0f} "
                     f"last window: sent={windows[-2].sent} ok={windows[-2].ok} "
                     f"429={windows[-2].refused} aborted={windows[-2].aborted} "
-                    f"p50={windows[-2].p(0.5)}",
+                    f"p50={windows[-2].p(50)}",
                     flush=True,
                 )
             if now >= next_arrival:
@@ -200,8 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     third = max(1, len(full) // 3)
 
     def median_p50(ws: list[Window]) -> float | None:
-        p50s = sorted(p for w in ws if (p := w.p(0.5)) is not None)
-        return p50s[len(p50s) // 2] if p50s else None
+        return percentile([p for w in ws if (p := w.p(50)) is not None], 50)
 
     growth = final_rss - windows[1 if len(windows) > 1 else 0].rss_mb
     p50_first, p50_last = median_p50(full[:third]), median_p50(full[-third:])

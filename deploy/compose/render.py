@@ -3,8 +3,8 @@
 envoy/envoy.yaml is the one Envoy config of the project (tests and the demo run it on
 127.0.0.1). In docker compose only the addresses differ: Envoy listens on all interfaces of its
 container, and reaches the sidecar and the backend by service name through Docker's DNS. This
-script makes exactly those changes, so the two files cannot drift; tests/test_deploy.py renders
-again and compares with the committed output.
+script makes exactly those changes, so the two files cannot drift;
+tests/deploy/test_compose.py renders again and compares with the committed output.
 
     python deploy/compose/render.py           # rewrite deploy/compose/envoy.yaml
     python deploy/compose/render.py --check   # exit 1 if it is out of date

@@ -2,7 +2,7 @@
 
 ``parse_body`` takes the raw bytes Envoy buffered and returns a ``ParsedRequest`` or raises
 ``RequestError`` with the status and an error code that names the problem and the field. It never
-raises anything else on any input (tests/test_parse_props.py drives it with arbitrary bytes).
+raises anything else on any input (tests/unit/test_parse_props.py drives it with arbitrary bytes).
 
 What it accepts, on purpose strict where laxness would let a request slip past the limits:
 - UTF-8 JSON (a UTF-8 byte-order mark is tolerated) holding one object; NaN/Infinity literals and

@@ -17,7 +17,7 @@ CommonResponse, a Struct of dynamic metadata) and serialising them cost more tha
 else the sidecar does for a request (measured: about 35 us of a ~150 us budget, see
 docs/performance.md). The answers have a fixed shape, so this module writes their bytes
 directly: a handful of length-delimited fields. Field numbers are read from Envoy's own
-descriptors at import, not typed in, and tests/test_wire.py checks every encoder against the
+descriptors at import, not typed in, and tests/unit/test_wire.py checks every encoder against the
 message built with the protobuf API, field for field.
 
 The gRPC method is registered with a serializer that passes ``bytes`` through unchanged and

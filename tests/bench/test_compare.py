@@ -11,19 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.compare import (
-    STRATEGIES,
-    Options,
-    closed_loop,
-    determine_capacity,
-    envoy_breakers,
-    main,
-    sidecar_policy,
-    slot_split,
-    workload_mix,
-)
+from bench.compare.__main__ import main
+from bench.compare.capacity import closed_loop, determine_capacity, workload_mix
+from bench.compare.options import STRATEGIES, Options
+from bench.compare.strategies import envoy_breakers, sidecar_policy, slot_split
 from extproc.config.policy import policy_from_yaml
-from testing.stack import render_envoy_config
+from testing.envoy import render_envoy_config
 
 
 def test_capacity_model_and_derived_settings() -> None:

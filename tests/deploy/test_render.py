@@ -13,20 +13,25 @@ import yaml
 from extproc.app import default_policy
 from extproc.config.envoy import render, validate
 from extproc.config.policy import policy_from_yaml
-from testing.stack import REPO, envoy_binary
+from testing.envoy import (
+    REPO,
+    ROUTER_FILTER,
+    assert_valid,
+    envoy_validate,
+    hcm_config,
+    shipped_envoy,
+)
 
 LLM_PATHS = {"/v1/chat/completions", "/v1/completions"}
 
 
 def shipped() -> dict[str, Any]:
-    cfg = yaml.safe_load((REPO / "envoy" / "envoy.yaml").read_text())
+    cfg = shipped_envoy()
     listener = cfg["static_resources"]["listeners"][0]
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm = hcm_config(cfg)
     routes = [r for vh in hcm["route_config"]["virtual_hosts"] for r in vh["routes"]]
     return {
-        "http_filters": [
-            f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.router"
-        ],
+        "http_filters": [f for f in hcm["http_filters"] if f["name"] != ROUTER_FILTER],
         "clusters": [c for c in cfg["static_resources"]["clusters"] if c["name"] == "llm_extproc"],
         "listener": {
             "per_connection_buffer_limit_bytes": listener["per_connection_buffer_limit_bytes"]
@@ -95,15 +100,7 @@ def test_render_envoy_command_prints_valid_yaml() -> None:
 
 @pytest.mark.parametrize("path", sorted((REPO / "envoy").glob("envoy*.yaml")), ids=str)
 def test_envoy_accepts_the_shipped_configs(path: Path) -> None:
-    out = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=REPO,
-    )
-    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+    assert_valid(path)
 
 
 def test_rds_variant_is_generated_from_envoy_yaml() -> None:
@@ -119,19 +116,5 @@ def test_rds_variant_is_generated_from_envoy_yaml() -> None:
 
 def test_rds_variant_starts_with_its_routes_file() -> None:
     """envoy -c envoy/envoy-rds.yaml from the repository root loads envoy/routes/routes.yaml."""
-    out = subprocess.run(
-        [
-            envoy_binary(),
-            "--mode",
-            "validate",
-            "-c",
-            "envoy/envoy-rds.yaml",
-            "--disable-hot-restart",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=REPO,
-    )
+    out = envoy_validate(Path("envoy/envoy-rds.yaml"))
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,6 +1,6 @@
 """Hostile and odd requests, each with the status and error code it must get through Envoy.
 
-Used by tests/test_e2e_corpus.py against the real Envoy with CORPUS_POLICY. A case is sent as
+Used by tests/e2e/test_corpus.py against the real Envoy with CORPUS_POLICY. A case is sent as
 raw HTTP/1.1 bytes, so nothing normalises it on the way. ``code`` is the ``error.code`` of the
 JSON body; None means the request reached the backend (the test backend echoes it).
 """

@@ -1,4 +1,4 @@
-"""Tier 3: the hostile-input corpus (tests/corpus.py) through the real Envoy, as raw bytes.
+"""Tier 3: the hostile-input corpus (tests/e2e/corpus.py) through the real Envoy, as raw bytes.
 
 Every case gets its documented status and an OpenAI-style JSON error (or reaches the backend
 as it should); afterwards nothing is in flight or queued. Also: a chunked upload that stalls

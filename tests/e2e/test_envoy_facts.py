@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.request import respond as wire
 from extproc.transport import h2
-from testing.stack import Proc, envoy_binary, free_port, render_envoy_config, wait_http
+from testing.envoy import envoy_binary, render_envoy_config, with_ext_proc
+from testing.stack import Proc, free_port, wait_http
 
 HOLD_S = 0.5  # below the shipped message_timeout (1 s)
 
@@ -72,21 +72,19 @@ async def _run(tmp: Path) -> dict[str, Any]:
     backend_server = await asyncio.start_server(backend, "127.0.0.1", 0)
     backend_port = backend_server.sockets[0].getsockname()[1]
     listener, admin = free_port(), free_port()
-    cfg = yaml.safe_load(
-        render_envoy_config(
-            listener_port=listener,
-            backend_port=backend_port,
-            extproc_port=extproc_port,
-            admin_port=admin,
-        )
+    text = render_envoy_config(
+        listener_port=listener,
+        backend_port=backend_port,
+        extproc_port=extproc_port,
+        admin_port=admin,
     )
-    for chain in cfg["static_resources"]["listeners"][0]["filter_chains"]:
-        for hf in chain["filters"][0]["typed_config"]["http_filters"]:
-            if hf["name"] == "envoy.filters.http.ext_proc":
-                hf["typed_config"]["processing_mode"]["request_header_mode"] = "SKIP"
-                hf["typed_config"]["request_attributes"] = ["request.path", "request.id"]
+    text = with_ext_proc(
+        text,
+        processing_mode={"request_header_mode": "SKIP"},
+        request_attributes=["request.path", "request.id"],
+    )
     path = tmp / "envoy.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path.write_text(text)
     envoy = Proc("envoy", [envoy_binary(), "-c", str(path), "--concurrency", "1"], tmp)
     try:
         await asyncio.to_thread(wait_http, f"http://127.0.0.1:{admin}/ready", 30, envoy)

@@ -1,6 +1,6 @@
 """Tier 3: what clients see when the sidecar is not there, for both failure modes.
 
-Pinned on Envoy 1.40 (ENVOY_NOTES.md): with ``failure_mode_allow: false`` (our default) an LLM
+Pinned here on Envoy 1.40: with ``failure_mode_allow: false`` (our default) an LLM
 request gets 500 (an empty body, which envoy.yaml's local_reply_config turns into JSON); with
 ``true`` it reaches the backend unfiltered, bypassing admission and length limits. Routes with
 ext_proc disabled are unaffected either way.

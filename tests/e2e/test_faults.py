@@ -146,7 +146,7 @@ def test_sidecar_killed_under_load_then_restarted(module_tmp: Path) -> None:
         # During the outage clients saw Envoy's 500 (fail closed), never a bypass. Pinned:
         # responses already streaming when the sidecar died are cut off (Envoy resets the
         # HTTP stream when its ext_proc stream fails with failure_mode_allow: false); a
-        # graceful SIGTERM lets them finish instead (test_e2e_failure.py).
+        # graceful SIGTERM lets them finish instead (tests/e2e/test_failure.py).
         assert set(statuses) <= {200, 500, "IncompleteRead"}, set(statuses)
         assert 500 in statuses
         wait_idle(stack)

@@ -3,7 +3,6 @@ the sidecar's own policy file, while traffic flows. Nothing may fail across the 
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import signal
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from testing.envoy import with_route_metadata
 from testing.harness import gauge, scrape, start_stack, wait_idle
 from testing.stack import Stack
 
@@ -56,15 +56,7 @@ def post(stack: Stack, headers: dict[str, str] | None = None) -> tuple[int, dict
 
 def routes_with(stack: Stack, override: dict[str, Any] | None) -> dict[str, Any]:
     """The generated routes with `override` as llm_extproc metadata on the plain chat route."""
-    routes = copy.deepcopy(BASE_ROUTES[stack])
-    for vh in routes["resources"][0]["virtual_hosts"]:
-        for route in vh["routes"]:
-            m = route["match"]
-            if m.get("path") == "/v1/chat/completions" and "headers" not in m:
-                route.pop("metadata", None)
-                if override is not None:
-                    route["metadata"] = {"filter_metadata": {"llm_extproc": override}}
-    return routes
+    return with_route_metadata(BASE_ROUTES[stack], "/v1/chat/completions", override)
 
 
 def rds_stat(stack: Stack, name: str) -> int:

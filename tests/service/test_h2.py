@@ -1,4 +1,4 @@
-"""The h2 transport (extproc/h2.py) at the frame level: a raw socket on 127.0.0.1 speaks
+"""The h2 transport (extproc/transport/h2.py) at the frame level: a raw socket on 127.0.0.1 speaks
 HTTP/2 to it byte by byte, including what Envoy rarely sends (CONTINUATION, padding, small
 windows, resets), so each rule of the protocol we rely on is pinned. grpc-python's client is
 used against it in test_service.py and Envoy in the end-to-end tests."""

@@ -11,19 +11,10 @@ from typing import Any, TypeVar
 import aiohttp
 import pytest
 
-from bench.vllm_sim import (
-    PROFILES,
-    EngineConfig,
-    Profile,
-    Scheduler,
-    SimConfig,
-    SimRequestError,
-    SimServer,
-    StepOutcome,
-    count_prompt_tokens,
-    parse_request,
-    start_server,
-)
+from bench.sim.api import SimRequestError, count_prompt_tokens, parse_request
+from bench.sim.profiles import PROFILES, EngineConfig, Profile
+from bench.sim.scheduler import Scheduler, StepOutcome
+from bench.sim.server import SimConfig, SimServer, start_server
 
 H100 = PROFILES["h100"]
 T = TypeVar("T")

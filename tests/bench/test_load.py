@@ -13,23 +13,12 @@ from typing import TypeVar
 import pytest
 from aiohttp import web
 
-from bench.loadgen import (
-    LoadConfig,
-    LoadResult,
-    Outcome,
-    RequestRecord,
-    _parse_args,
-    percentile,
-    prompt_text,
-    request_payload,
-    retry_after_s,
-    retry_delay_s,
-    run_load,
-    should_retry,
-    summarize,
-)
-from bench.vllm_sim import SimConfig, count_prompt_tokens, start_server
-from bench.workload import (
+from bench.common.stats import percentile
+from bench.load.__main__ import parse_args
+from bench.load.retry import retry_after_s, retry_delay_s, should_retry
+from bench.load.runner import LoadConfig, prompt_text, request_payload, run_load
+from bench.load.summary import LoadResult, Outcome, RequestRecord, summarize
+from bench.load.workload import (
     DEFAULT_TRACES_DIR,
     ClassSpec,
     Fixed,
@@ -44,12 +33,10 @@ from bench.workload import (
     poisson_arrivals,
     trace_arrivals,
 )
+from bench.sim.api import count_prompt_tokens
+from bench.sim.server import SimConfig, start_server
 
 T = TypeVar("T")
-needs_traces = pytest.mark.skipif(
-    not (DEFAULT_TRACES_DIR / "azure_conv.csv").exists(),
-    reason=f"traces not found in {DEFAULT_TRACES_DIR}",
-)
 
 
 def run(factory: Callable[[], Awaitable[T]], timeout: float = 25.0) -> T:
@@ -142,7 +129,6 @@ def test_build_schedule_mix_is_deterministic() -> None:
     assert capped == s1[:25]
 
 
-@needs_traces
 def test_real_traces_scaled_to_target_rate() -> None:
     conv = load_trace(DEFAULT_TRACES_DIR / "azure_conv.csv")
     assert len(conv) == 19366 and conv.mean_rate == pytest.approx(5.53, rel=0.01)
@@ -195,7 +181,7 @@ def test_prompt_text_matches_simulator_count() -> None:
 
 
 def test_cli_args() -> None:
-    cfg, _ = _parse_args(
+    cfg, _ = parse_args(
         [
             "--url",
             "http://127.0.0.1:1",
@@ -212,7 +198,7 @@ def test_cli_args() -> None:
     assert [c.name for c in cfg.classes] == ["interactive", "batch"]
     assert [c.rate for c in cfg.classes] == [2.0, 2.0]
     assert cfg.speedup == 10 and cfg.max_retries == 2
-    cfg, _ = _parse_args(["--classes", '[{"name": "a", "rate": 3, "output": "fixed:4"}]'])
+    cfg, _ = parse_args(["--classes", '[{"name": "a", "rate": 3, "output": "fixed:4"}]'])
     assert cfg.classes[0].output == Fixed(n=4)
 
 

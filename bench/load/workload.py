@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
-DEFAULT_TRACES_DIR: Final = Path(__file__).resolve().parent.parent / "data" / "traces"
+DEFAULT_TRACES_DIR: Final = Path(__file__).resolve().parents[2] / "data" / "traces"
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,9 +8,9 @@ Envoy ends the stream. No policy, no queue, no metrics, no mutation.
 
 It is a yardstick, not a product: the sidecar must cost no more per request than this does.
 ``--style read-write`` gives the same answers through ``context.read()``/``context.write()``,
-the idiom extproc/server.py uses.
+the idiom the sidecar's grpc transport (extproc/service.py) uses.
 
-``python -m bench.naive_extproc --listen 127.0.0.1:50052 [--style generator|read-write]``
+``python -m bench.overhead.naive --listen 127.0.0.1:50052 [--style generator|read-write]``
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class NaiveExtProc(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
 class NaiveExtProcReadWrite(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """The same answers with the other grpc.aio idiom, ``context.read()`` / ``context.write()``
-    (the one extproc/server.py uses), to tell the cost of the idiom from the cost of the work."""
+    (the one extproc/service.py uses), to tell the cost of the idiom from the cost of the work."""
 
     async def Process(self, request_iterator: object, context: Any) -> None:
         while (msg := await context.read()) is not grpc.aio.EOF:
@@ -86,7 +86,7 @@ async def serve(listen: str, style: str = "generator") -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.naive_extproc", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead.naive", description=__doc__)
     parser.add_argument("--listen", default="127.0.0.1:50052", help="gRPC HOST:PORT")
     parser.add_argument(
         "--style",

@@ -1,0 +1,92 @@
+"""``python -m bench.compare``: admission strategies side by side, same workload, same simulator.
+
+What it measures
+----------------
+Three ways to put an LLM server under load, each run against a *fresh* simulator
+(:mod:`bench.sim`, one profile, one speedup) with the *same* open-loop schedule
+(:mod:`bench.load.workload`, one seed) at each offered load:
+
+``direct``
+    The clients talk to the simulator. Its own FCFS waiting queue is the only admission
+    control (vLLM has no other): under overload the queue grows until clients give up.
+``envoy-cb``
+    Envoy in front, no ext_proc filter, circuit breakers on the backend cluster set the way an
+    operator would: ``max_connections = max_requests = C`` (HTTP/1.1 upstream: one request per
+    connection, so C requests run at once) and ``max_pending_requests = P``, a modest FIFO in
+    Envoy; beyond it Envoy answers 503 (``x-envoy-overloaded``). Built by transforming
+    ``envoy/envoy.yaml`` in code (:func:`testing.envoy.render_envoy_config`, ``ext_proc=False``).
+``sidecar``
+    Envoy + llm-extproc with a generated policy: an ``interactive`` bucket (header
+    ``x-llm-class: interactive``) and a catch-all ``batch`` bucket whose slots add up to the same
+    C, each with a queue deadline that fits its clients (see
+    :func:`.strategies.sidecar_policy`).
+
+Clients are :mod:`bench.load`'s: interactive requests are streamed and give up after 30 s,
+batch requests are not streamed and give up after 300 s, and by default they retry like the
+OpenAI SDK (2 retries, Retry-After honoured). A request is *good* if its final answer is a
+complete 200 within its class's timeout counted from the original arrival (retries included).
+
+Capacity, honestly
+------------------
+Offered loads are multiples of the backend's capacity for *this* workload, which is computed, not
+guessed: :func:`.capacity.closed_loop` runs the simulator's own scheduler core
+(:class:`bench.sim.scheduler.Scheduler`, the code the server runs, minus the clock and the
+sockets) over the workload's length mix, keeping exactly ``c`` requests in flight (a finished
+request is replaced at once), and measures completions per simulated second between the 10th
+and 90th percentile of completion times (warm-up and drain excluded).
+
+* **capacity** = that throughput at ``c = max_num_seqs`` (the engine never has more running, so
+  this is saturation: more offered load only adds waiting);
+* **C**, the concurrency "the backend handles well", is the largest multiple of 8 at which the
+  model still finishes 99 % of interactive requests within the client timeout *minus* the
+  interactive queue deadline (a request admitted at its deadline still makes it) and 99 % of
+  batch requests within theirs minus the batch deadline. Found by bisection (p99 latency grows
+  with ``c``). Both envoy-cb and the sidecar get this same C.
+
+A short live saturation run (``--live-capacity-s``; ``max_num_seqs`` requests kept in flight
+against the real simulator process at the chosen speedup) is printed next to the model's figure:
+it shows whether this host can drive the simulator at that speedup.
+
+Time and the measurement window
+-------------------------------
+Everything reported is in simulated seconds. The simulator and the load generator scale by
+``--speedup`` themselves; Envoy and the sidecar run on the wall clock, so the sidecar policy's
+queue deadlines are written as ``simulated / speedup``. Retry-After is the exception: the
+sidecar computes it from wall-clock slot hold times and the load generator reads it as simulated
+seconds, so at speedup S the adaptive part of Retry-After is S times too short in simulated
+time (the 1 s floor and 60 s ceiling are left unscaled, so they are right). Clients therefore
+come back sooner than the sidecar asked: more retry pressure, never less.
+
+Arrivals run for ``--duration`` (+1 s); the run is then cut. Everything is measured over the
+steady-state window ``[--warmup, --duration)``: a request counts in it if its *final* outcome
+(last byte, last refusal, or giving up) falls inside. Goodput is the rate of good outcomes in
+the window, so work queued during the run and drained after it cannot inflate it (counting good
+answers per second of *arrivals* would, by up to the drain time over the window). The default
+warm-up, (retries + 1) x the interactive timeout = 90 s, is the longest an interactive request
+takes to end, so the interactive outcome mix is in steady state inside the window. Batch
+requests may take 3 x 300 s: their queues (in the simulator for ``direct``, in the sidecar) are
+still filling at the end of a few-minute run, so batch figures there are those of a system
+heading into overload, not of its steady state (see docs/benchmarks.md).
+
+Wasted work is read from the simulator's ``/sim/stats``: tokens generated for requests that were
+aborted because their client disconnected (gave up), as a share of all tokens generated, from
+the start of the run to the end of the window (a request's tokens count as aborted only when it
+ends). Counters (simulator, sidecar, Envoy) are snapshotted at the start, at the window's start
+and at its end while the load runs.
+
+Health of the harness: two cores run the simulator, Envoy, the sidecar and the load generator.
+Every run reports the simulator's engine lag (how late step results reached the sockets) and the
+load generator's send lag; a run where either exceeds ``--max-lag-s`` is flagged, because its
+latencies include the host's, not only the backend's.
+
+Outputs (``--out``, default ``bench/results/``): ``compare.json`` (settings, capacity, policy,
+per-run summaries, target checks), ``records.json`` (per-request outcomes), ``goodput.png``
+(goodput and interactive p99 TTFT vs offered load per strategy), ``latency_cdf.png`` (per class
+and load, the fraction of requests answered within t, per strategy).
+
+Modules: :mod:`.options` (the options, the simulator's command line), :mod:`.capacity` (the
+closed-loop model, C, the live check), :mod:`.strategies` (the sidecar policy, Envoy's breakers,
+each strategy's stack), :mod:`.run` (one strategy at one load, counters), :mod:`.summary` (window
+statistics, pure), :mod:`.targets`, :mod:`.report` (tables, plots) and ``__main__`` (the whole
+comparison, the CLI).
+"""

@@ -1,0 +1,201 @@
+"""One run's figures over the measurement window, pure: per-class statistics, wasted work, the
+counters' deltas (see "Time and the measurement window" in :mod:`bench.compare`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Final
+
+from bench.common.stats import percentile
+from bench.load.summary import LoadResult, RequestRecord
+
+from .options import CLASSES, Options, Strategy
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Window:
+    """The measurement window, simulated seconds from the start of the arrivals. A request
+    counts in it if its *final* outcome (last byte, last refusal, or giving up) falls inside."""
+
+    start_s: float
+    end_s: float
+
+    @property
+    def span_s(self) -> float:
+        return self.end_s - self.start_s
+
+    def holds(self, r: RequestRecord) -> bool:
+        return self.start_s <= r.arrival_s + r.e2e_s < self.end_s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClassStats:
+    """One class (or ``all``) over the window; shares are of the requests resolved in it."""
+
+    resolved: int
+    good: int
+    goodput_rps: float
+    goodput_tokens_per_s: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None  # from the original arrival, retries included
+    ttft_p99_first_attempt_s: float | None  # requests answered at their first attempt
+    e2e_p50_s: float | None
+    e2e_p99_s: float | None  # answered (200) requests
+    outcomes: dict[str, float]  # good, late, 429, 5xx, 4xx, timeout, other
+    attempts: int
+
+
+OUTCOME_KEYS: Final = ("good", "late", "429", "5xx", "4xx", "timeout", "other")
+
+
+def _final_outcome(r: RequestRecord) -> str:
+    if r.outcome == "ok":
+        return "good" if r.good else "late"
+    if r.outcome == "http_error" and r.status is not None:
+        if r.status == 429:
+            return "429"
+        return "5xx" if r.status >= 500 else "4xx"
+    return "timeout" if r.outcome == "timeout" else "other"
+
+
+def class_stats(records: Sequence[RequestRecord], window: Window) -> ClassStats:
+    """Window statistics of some records (the caller picks the class)."""
+    rs = [r for r in records if window.holds(r)]
+    ok = [r for r in rs if r.outcome == "ok"]
+    good = [r for r in ok if r.good]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    first = [r.ttft_s for r in ok if r.ttft_s is not None and r.attempts == 1]
+    e2e = [r.e2e_s for r in ok]
+    counts = dict.fromkeys(OUTCOME_KEYS, 0)
+    for r in rs:
+        counts[_final_outcome(r)] += 1
+    n = len(rs) or 1
+    return ClassStats(
+        resolved=len(rs),
+        good=len(good),
+        goodput_rps=len(good) / window.span_s,
+        goodput_tokens_per_s=sum(r.output_tokens for r in good) / window.span_s,
+        ttft_p50_s=percentile(ttft, 50),
+        ttft_p99_s=percentile(ttft, 99),
+        ttft_p99_first_attempt_s=percentile(first, 99),
+        e2e_p50_s=percentile(e2e, 50),
+        e2e_p99_s=percentile(e2e, 99),
+        outcomes={k: v / n for k, v in counts.items()},
+        attempts=sum(r.attempts for r in rs),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSummary:
+    """One strategy at one offered load, over the measurement window (simulated seconds)."""
+
+    strategy: str
+    load: float
+    offered_rps: float
+    window_s: tuple[float, float]
+    overall: ClassStats
+    per_class: dict[str, ClassStats]
+    ratio_to_direct: float | None
+    wasted_frac: float | None  # tokens generated for aborted requests / all generated
+    wasted_prefill_frac: float | None  # the same for prefill tokens
+    late_tokens_frac: float | None  # tokens of 200s that came after the client timeout
+    backend: dict[str, float]  # simulator counter deltas over the window; gauges at its end
+    admission: dict[str, float]  # sidecar or Envoy counter deltas over the window (attempts)
+    sim_lag_s_max: float | None
+    sim_lag_s_mean: float | None
+    loadgen_lag_s_max: float
+    harness_ok: bool
+    wall_s: float
+
+    @property
+    def goodput_rps(self) -> float:
+        return self.overall.goodput_rps
+
+    @property
+    def ttft_p99_s(self) -> float | None:
+        c = self.per_class.get("interactive")
+        return c.ttft_p99_s if c is not None else None
+
+    @property
+    def ttft_p99_first_attempt_s(self) -> float | None:
+        c = self.per_class.get("interactive")
+        return c.ttft_p99_first_attempt_s if c is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["goodput_rps"] = self.goodput_rps
+        out["goodput_tokens_per_s"] = self.overall.goodput_tokens_per_s
+        out["interactive_ttft_p99_s"] = self.ttft_p99_s
+        return out
+
+
+def summarize_run(
+    strategy: Strategy,
+    load: float,
+    rate: float,
+    result: LoadResult,
+    snaps: Sequence[Mapping[str, float]],
+    window: Window,
+    opts: Options,
+    wall_s: float,
+) -> RunSummary:
+    """Window statistics of one run. ``snaps``: counters at the start, at the window's start and
+    at its end. Wasted work is taken from the start of the run to the end of the window: a
+    request's tokens count as aborted only when it ends, so over a window that starts while
+    requests are running the ratio could pass 100 %."""
+    start, before, after = snaps
+
+    def delta(prefix: str, since: Mapping[str, float]) -> dict[str, float]:
+        return {
+            k.split(".", 1)[1]: v - since.get(k, 0.0)
+            for k, v in after.items()
+            if k.startswith(prefix)
+        }
+
+    backend = delta("sim.", before)
+    backend.pop("lag_s_max", None)
+    backend.pop("lag_s_mean", None)
+    for gauge in ("num_requests_running", "num_requests_waiting"):
+        backend[f"{gauge}_at_end"] = after.get(f"gauge.{gauge}", 0.0)
+    admission = {**delta("sidecar.", before), **delta("envoy.", before)}
+    whole = delta("sim.", start)
+    generated = whole.get("generation_tokens", 0.0)
+    wasted = whole.get("aborted_generation_tokens", 0.0) / generated if generated else None
+    prefilled = whole.get("prefill_tokens_computed", 0.0)
+    wasted_prefill = whole.get("aborted_prefill_tokens", 0.0) / prefilled if prefilled else None
+    in_window = backend.get("generation_tokens", 0.0)
+    late_tokens = sum(
+        r.output_tokens
+        for r in result.records
+        if r.outcome == "ok" and not r.good and window.holds(r)
+    )
+    sim_lag = after.get("sim.lag_s_max")
+    harness_ok = result.loadgen_lag_s_max <= opts.max_lag_s and (
+        sim_lag is None or sim_lag <= opts.max_lag_s
+    )
+    recs = result.records
+    return RunSummary(
+        strategy=strategy,
+        load=load,
+        offered_rps=rate,
+        window_s=(window.start_s, window.end_s),
+        overall=class_stats(recs, window),
+        per_class={c: class_stats([r for r in recs if r.cls == c], window) for c in CLASSES},
+        ratio_to_direct=None,
+        wasted_frac=wasted,
+        wasted_prefill_frac=wasted_prefill,
+        late_tokens_frac=late_tokens / in_window if in_window else None,
+        backend=backend,
+        admission=admission,
+        sim_lag_s_max=sim_lag,
+        sim_lag_s_mean=after.get("sim.lag_s_mean"),
+        loadgen_lag_s_max=result.loadgen_lag_s_max,
+        harness_ok=harness_ok,
+        wall_s=wall_s,
+    )
+
+
+def pct(x: float | None) -> str:
+    """A share as a percentage with one decimal, ``-`` when there is none."""
+    return "-" if x is None else f"{100 * x:.1f}%"

@@ -1,0 +1,61 @@
+"""``python -m bench.overhead``: what ext_proc, and this sidecar in particular, adds to a request.
+
+One run, one Envoy process (the real 1.40 binary, ``--concurrency 1``), one fast backend, five
+ways through it, measured side by side:
+
+1. **floor**: the LLM route with ext_proc disabled (``ExtProcPerRoute.disabled``), as every
+   non-LLM route is in ``envoy/envoy.yaml``;
+2. **naive**: ext_proc to ``bench/overhead/naive.py``, a bare grpc.aio pass-through that parses
+   the JSON body and answers CONTINUE (what a first attempt costs);
+3. **sidecar-grpc**: the sidecar on its grpc.aio transport (``serve --transport grpc``);
+4. **sidecar**: ext_proc to ``python -m extproc serve`` (the h2 transport) with a realistic
+   policy whose buckets are big enough that nothing queues; **sidecar+rw** is the same with a
+   body that lacks ``max_tokens``, so the sidecar adds it and rewrites the body.
+
+The ext_proc ways use the same filter configuration as the shipped one (request headers SEND,
+request body BUFFERED, response SKIP/NONE, ``allow_mode_override``); each way is its own
+listener of the same Envoy process, so they share the binary, the worker thread and the
+backend.
+
+The backend is Envoy itself: the route answers with a ``direct_response`` (a ~300-byte chat
+completion). No backend process competes for the two cores, and nothing upstream adds noise
+to the differences. A ``buffer`` filter sits before the router on every listener, so the floor
+also reads the whole request body before it answers, as a real backend would; behind ext_proc
+(BUFFERED) the body is already complete when it gets there.
+
+Measured, one module each:
+
+- ``openloop``: **open loop** at fixed rates (default 100, 500, 1000 req/s) with a small
+  generator (h2load's ``--rps`` sends in 10 ms bursts, so it is not used for this): HTTP/1.1
+  keep-alive, request i sent at t0 + i/rate on an idle connection (a new one if none is idle),
+  so a slow answer never delays the next send. Latency = request written to last byte read.
+  The sender's lateness against the schedule and its own CPU are printed with every run, to
+  show it is not the bottleneck. Rounds alternate the order of the ways; samples are pooled
+  across rounds;
+- ``h2load``: **closed loop**: h2load over HTTP/1.1, 32 connections, one request each at a
+  time: the maximum sustainable rate of each way on this machine;
+- ``meters``: **CPU per request** of the ext_proc server and of Envoy: utime+stime from
+  /proc/<pid>/stat (all threads) before and after each run, over the requests of that run. The
+  machine's other load during each run (CPU not used by any process of the bench) is printed
+  too: on a shared 2-core box it is what makes a run noisy;
+- ``held``: **held queue**: a second sidecar whose one bucket has one slot, held by a direct
+  gRPC stream, then N (default 10,000) requests through Envoy queue behind it, paced at
+  500 req/s. Sidecar and Envoy RSS at rest and with all N held, Envoy's ext_proc counters, then
+  the time to drain the queue once the slot is freed. The same N sent at once (what a burst
+  gets), and the naive server holding N streams from a direct gRPC client (what grpc.aio
+  itself costs per stream);
+- ``admission_cost``: **admission cost vs queue length**: ``extproc.admission.gate.Gate`` and
+  ``extproc.admission.core.Admission`` in process, at 10, 1,000 and 10,000 waiters: enqueue,
+  admit (release + hand-over), cancel, evict (a real timer) must not grow with the queue;
+- ``profile``: ``--profile`` adds a py-spy profile of the sidecar under closed-loop load (needs
+  ``py-spy`` in the venv).
+
+``ways`` holds the ways, bodies, policies and the Envoy config (from ``testing.envoy``'s
+building blocks), ``procs`` the processes (``Bench``), ``report`` the targets and the printed
+tables, ``__main__`` the command line and the order of the steps. A step that fails fails the
+run (non-zero exit). Percentiles are ``bench.common.stats.percentile`` (linear interpolation).
+
+Targets are printed as PASS or MISS; the benchmark is not tuned to hide a miss. Method and
+figures: docs/performance.md. Everything started here is stopped at the end
+(``testing.stack.Proc`` kills process groups).
+"""

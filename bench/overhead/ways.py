@@ -1,0 +1,247 @@
+"""The ways through Envoy, what is sent on them, the servers' policies, the ports and the
+many-listener Envoy config (built from ``testing.envoy``'s building blocks)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from extproc.config.envoy import PROCESSING_MODE
+from testing.envoy import (
+    address,
+    buffer_filter,
+    direct_response_route,
+    ext_proc_filter,
+    grpc_cluster,
+    http_listener,
+    router_filter,
+)
+from testing.stack import free_port
+
+__all__ = [
+    "CHAT_PATH",
+    "CLASS_HEADER",
+    "FLOOR",
+    "HELD",
+    "HELD_POLICY",
+    "NAIVE",
+    "SERVERS",
+    "SIDECAR",
+    "SIDECAR_GRPC",
+    "SIDECAR_POLICY",
+    "SIDECAR_RW",
+    "WAYS",
+    "Ports",
+    "chat_body",
+    "envoy_config",
+    "held_policy",
+    "listener_of",
+    "server_of",
+]
+
+CHAT_PATH = "/v1/chat/completions"
+CLASS_HEADER = ("x-llm-class", "interactive")
+
+# The ways through Envoy, in the order they are reported.
+FLOOR, NAIVE, SIDECAR, SIDECAR_RW = "floor", "naive", "sidecar", "sidecar+rw"
+# The same sidecar on its other transport, grpc.aio (``serve --transport grpc``).
+SIDECAR_GRPC = "sidecar-grpc"
+WAYS = (FLOOR, NAIVE, SIDECAR_GRPC, SIDECAR, SIDECAR_RW)
+# The ext_proc servers whose CPU is measured.
+SERVERS = (NAIVE, SIDECAR_GRPC, SIDECAR)
+# The held-queue sidecar's listener and server (not a way: it is measured on its own).
+HELD = "held"
+
+
+def listener_of(way: str) -> str:
+    """The listener a way is sent to (sidecar+rw is the sidecar's, with another body)."""
+    return SIDECAR if way == SIDECAR_RW else way
+
+
+def server_of(way: str) -> str | None:
+    """The ext_proc server behind a way (None for the floor)."""
+    return {NAIVE: NAIVE, SIDECAR_GRPC: SIDECAR_GRPC, SIDECAR: SIDECAR, SIDECAR_RW: SIDECAR}.get(
+        way
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# What is sent and answered
+# --------------------------------------------------------------------------------------------
+
+_SYSTEM = (
+    "You are a helpful assistant for a travel company. Answer briefly and precisely, cite the "
+    "booking rules you rely on, and never invent prices."
+)
+_USER = (
+    "I booked a flight from Lisbon to Montreal for the 14th of next month and a hotel near the "
+    "old port for five nights. My meeting moved by two days, so I need to leave on the 16th "
+    "instead and stay until the 23rd. Can I change the flight without paying the full fare "
+    "difference, and does the hotel let me shift the dates if I tell them this week? I also "
+    "have a connection in Paris on the way out; if the first leg is late, who rebooks me, and "
+    "do I keep my seat on the second flight? Please answer point by point and keep it short, "
+    "I will forward your answer to my manager for approval before I change anything."
+)
+
+
+def chat_body(*, with_max_tokens: bool) -> bytes:
+    """A realistic small chat request (~1 KB). With max_tokens 128 (within every limit: the
+    sidecar forwards it untouched) or without (the sidecar adds the default and rewrites)."""
+    body: dict[str, Any] = {
+        "model": "meta-llama/Llama-3.1-8B-Instruct",
+        "messages": [
+            {"role": "system", "content": _SYSTEM},
+            {"role": "user", "content": _USER},
+            {"role": "assistant", "content": "Sure. Which airline and which hotel chain?"},
+            {"role": "user", "content": "TAP Air Portugal, and the hotel is independent."},
+        ],
+        "temperature": 0.2,
+        "top_p": 0.95,
+        "stream": False,
+        "user": "user-4821",
+    }
+    if with_max_tokens:
+        body["max_tokens"] = 128
+    return json.dumps(body).encode()
+
+
+# What the direct_response route answers: a chat completion of ordinary size.
+_COMPLETION = json.dumps(
+    {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": "meta-llama/Llama-3.1-8B-Instruct",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "You can change both; details follow."},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 260, "completion_tokens": 9, "total_tokens": 269},
+    }
+)
+
+# --------------------------------------------------------------------------------------------
+# Policies
+# --------------------------------------------------------------------------------------------
+
+# The sidecars of the ways: the default policy's shape (interactive by header, batch for the
+# rest), with slots and queues far above what the load reaches, so every request is admitted
+# at once.
+SIDECAR_POLICY = """\
+tokens: {chars_per_token: 4.0}
+limits:
+  {max_prompt_tokens: 32768, default_max_tokens: 256, max_output_tokens: 1024, on_excess: clamp}
+retry_after: {min: 1s, max: 60s}
+buckets:
+  - name: interactive
+    match: {headers: {x-llm-class: interactive}, max_prompt_tokens: 2000, max_tokens: 128}
+    max_concurrency: 4096
+    queue_timeout: 5s
+    max_queue: 4096
+  - name: batch
+    max_concurrency: 4096
+    queue_timeout: 120s
+    max_queue: 5000
+"""
+
+# The held-queue sidecar: one slot, a long deadline, room for the whole queue.
+HELD_POLICY = """\
+tokens: {chars_per_token: 4.0}
+limits: {max_prompt_tokens: 32768, default_max_tokens: 256, max_output_tokens: 1024}
+buckets:
+  - name: held
+    max_concurrency: 1
+    queue_timeout: 300s
+    max_queue: {max_queue}
+"""
+
+
+def held_policy(max_queue: int) -> str:
+    """HELD_POLICY with room for ``max_queue`` waiters."""
+    return HELD_POLICY.replace("{max_queue}", str(max_queue))
+
+
+# --------------------------------------------------------------------------------------------
+# Ports and the Envoy config
+# --------------------------------------------------------------------------------------------
+
+# Every request held by an ext_proc server is one open gRPC stream: keep Envoy's breakers far
+# above the largest queue (their default, 1024, would refuse the held queue).
+_BREAKERS = {"max_connections": 1024, "max_pending_requests": 100000, "max_requests": 100000}
+
+# ext_proc server -> the name of its Envoy cluster.
+_CLUSTERS = {
+    NAIVE: "naive_extproc",
+    SIDECAR_GRPC: "sidecar_grpc_extproc",
+    SIDECAR: "sidecar_extproc",
+    HELD: "held_extproc",
+}
+
+# The listeners echo the effective max_tokens (the sidecar sets x-llm-max-tokens upstream):
+# the sanity check reads it to prove the sidecar processed the request.
+_ECHO_MAX_TOKENS = {
+    "header": {"key": "x-llm-max-tokens", "value": "%REQ(x-llm-max-tokens)%"},
+    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Ports:
+    admin: int
+    listeners: dict[str, int]  # way (floor, naive, sidecar-grpc, sidecar, held) -> listener port
+    grpc: dict[str, int]  # ext_proc server (naive, sidecar-grpc, sidecar, held) -> port
+    metrics: dict[str, int]  # sidecar-grpc, sidecar, held -> metrics port
+
+    @staticmethod
+    def pick() -> Ports:
+        return Ports(
+            admin=free_port(),
+            listeners={w: free_port() for w in (FLOOR, NAIVE, SIDECAR_GRPC, SIDECAR, HELD)},
+            grpc={s: free_port() for s in (NAIVE, SIDECAR_GRPC, SIDECAR, HELD)},
+            metrics={s: free_port() for s in (SIDECAR_GRPC, SIDECAR, HELD)},
+        )
+
+
+def _listener(name: str, port: int, cluster: str, *, ext_proc_disabled: bool) -> dict[str, Any]:
+    """One way: ext_proc (the shipped filter settings) to ``cluster``, a buffer filter, and the
+    chat route answered by Envoy itself."""
+    return http_listener(
+        name,
+        port,
+        routes=[direct_response_route(CHAT_PATH, _COMPLETION, without_ext_proc=ext_proc_disabled)],
+        http_filters=[
+            ext_proc_filter(cluster, PROCESSING_MODE),
+            buffer_filter(),
+            router_filter(),
+        ],
+        response_headers_to_add=[_ECHO_MAX_TOKENS],
+    )
+
+
+def envoy_config(ports: Ports) -> str:
+    """One listener per way (and the held sidecar's), one cluster per ext_proc server."""
+    listeners = [
+        # The floor's filter names a real ext_proc cluster, but the route disables the filter.
+        _listener(FLOOR, ports.listeners[FLOOR], _CLUSTERS[NAIVE], ext_proc_disabled=True),
+        *(
+            _listener(w, ports.listeners[w], _CLUSTERS[w], ext_proc_disabled=False)
+            for w in (NAIVE, SIDECAR_GRPC, SIDECAR, HELD)
+        ),
+    ]
+    cfg = {
+        "admin": {"address": address(ports.admin)},
+        "static_resources": {
+            "listeners": listeners,
+            "clusters": [
+                grpc_cluster(c, ports.grpc[s], circuit_breakers=_BREAKERS)
+                for s, c in _CLUSTERS.items()
+            ],
+        },
+    }
+    return yaml.safe_dump(cfg, sort_keys=False)

@@ -1,0 +1,135 @@
+"""Prometheus metrics with vLLM's names, from a per-instance registry."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .engine import SimEngine
+
+# vLLM's bucket boundaries.
+# fmt: off
+TTFT_BUCKETS: Final = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                       5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+LATENCY_BUCKETS: Final = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                          50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# fmt: on
+LABELS: Final = ("model_name", "engine")
+
+
+class _EngineCollector(Collector):
+    """Exposes the engine's gauges and the core's counters at scrape time."""
+
+    def __init__(self, engine: SimEngine, model_name: str) -> None:
+        self._engine = engine
+        self._labels = [model_name, "0"]
+
+    def collect(self) -> Iterable[Metric]:
+        engine = self._engine
+        core = engine.core
+        st = core.stats
+        gauges = (
+            (
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches.",
+                core.num_running,
+            ),
+            (
+                "vllm:num_requests_waiting",
+                "Number of requests waiting to be processed.",
+                core.num_waiting,
+            ),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+                core.kv_usage,
+            ),
+            (
+                "vllm_sim:engine_lag_seconds",
+                (
+                    "How late the last step's results were delivered (simulated s); "
+                    "growing means the host cannot keep up with --speedup."
+                ),
+                engine.lag.current_s,
+            ),
+        )
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc, labels=LABELS)
+            g.add_metric(self._labels, float(value))
+            yield g
+        counters = (
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens),
+            (
+                "vllm:generation_tokens",
+                "Number of generation tokens processed.",
+                st.generation_tokens,
+            ),
+            ("vllm:num_preemptions", "Cumulative number of preemptions.", st.preemptions),
+            (
+                "vllm_sim:finished_requests",
+                "Requests that generated all their tokens.",
+                st.finished_requests,
+            ),
+            (
+                "vllm_sim:aborted_requests",
+                "Requests aborted because the client disconnected.",
+                st.aborted_requests,
+            ),
+            (
+                "vllm_sim:aborted_generation_tokens",
+                "Tokens generated for requests that were later aborted (wasted decode work).",
+                st.aborted_generation_tokens,
+            ),
+            (
+                "vllm_sim:aborted_prefill_tokens",
+                "Prefill tokens computed for requests later aborted (wasted prefill work).",
+                st.aborted_prefill_tokens,
+            ),
+            (
+                "vllm_sim:rejected_requests",
+                "Requests rejected with a 4xx error.",
+                engine.rejected_requests,
+            ),
+            ("vllm_sim:busy_seconds", "Simulated GPU busy time.", st.busy_s),
+        )
+        for name, doc, value in counters:
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(self._labels, float(value))
+            yield c
+
+
+def make_registry(engine: SimEngine, model_name: str) -> CollectorRegistry:
+    """A fresh registry with the engine's metrics; wires the latency histograms into the engine."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(_EngineCollector(engine, model_name))
+    hists = {
+        "ttft": Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            LABELS,
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        ),
+        "e2e": Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            LABELS,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        ),
+        "queue": Histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase.",
+            LABELS,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        ),
+    }
+    engine.ttft_hist = hists["ttft"].labels(model_name, "0")
+    engine.e2e_hist = hists["e2e"].labels(model_name, "0")
+    engine.queue_hist = hists["queue"].labels(model_name, "0")
+    return registry

@@ -1,0 +1,318 @@
+"""docker-compose.yml and deploy/compose/, checked without Docker: the services' wiring read
+from the file, the compose Envoy config compared with envoy/envoy.yaml and validated by the real
+Envoy 1.40, then run for real on this machine with the sidecar and the compose policy.
+`docker-compose config` checks the file against the Compose schema when a compose CLI is
+installed; CI (.ci/run) installs one and sets LLM_EXTPROC_REQUIRE_TOOLS=1, which turns its
+absence into a failure instead of a skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc.config.policy import load_policy
+from testing.dockerfile import dockerfile_stages, flag
+from testing.envoy import (
+    ROUTER_FILTER,
+    assert_policy_fits,
+    assert_valid,
+    cluster_named,
+    compose_envoy,
+    endpoint_address,
+    envoy_binary,
+    envoy_validate,
+    hcm_config,
+    set_endpoint_host,
+    shipped_envoy,
+    without_address,
+)
+from testing.stack import REPO, Proc, free_port, render_envoy_config, wait_tcp
+
+DEPLOY = REPO / "deploy"
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())  # type: ignore[no-any-return]
+
+
+def interpolate(value: str) -> str:
+    """Compose's ${VAR:-default}, with every variable unset."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value)
+
+
+def bind_mounts(service: dict[str, Any]) -> dict[str, Path]:
+    """{container path: host path} of a service's bind mounts (named volumes left out)."""
+    mounts = {}
+    for spec in service.get("volumes", []):
+        source, target = spec.split(":")[:2]
+        if source.startswith((".", "/")):
+            mounts[target] = (REPO / source).resolve()
+    return mounts
+
+
+def host_path(service: dict[str, Any], container_path: str) -> Path:
+    for target, source in bind_mounts(service).items():
+        if container_path == target or container_path.startswith(target.rstrip("/") + "/"):
+            return source / Path(container_path).relative_to(target)
+    raise AssertionError(f"{container_path} is not in a bind mount")
+
+
+def import_file(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compose_envoy_yaml_is_rendered_from_envoy_yaml() -> None:
+    render_module = import_file(DEPLOY / "compose" / "render.py")
+    assert (DEPLOY / "compose" / "envoy.yaml").read_text() == render_module.render_text(), (
+        "run python deploy/compose/render.py"
+    )
+
+
+def test_compose_envoy_yaml_differs_from_envoy_yaml_only_in_addresses() -> None:
+    source, ours = shipped_envoy(), compose_envoy()
+    assert ours["admin"]["address"]["socket_address"]["address"] == "0.0.0.0"
+    (lst,) = ours["static_resources"]["listeners"]
+    assert lst["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 10000}
+    for name in ("backend", "llm_extproc"):
+        assert cluster_named(ours, name)["type"] == "STRICT_DNS"
+        assert cluster_named(ours, name)["dns_lookup_family"] == "V4_ONLY"
+        assert without_address(cluster_named(ours, name)) == without_address(
+            cluster_named(source, name)
+        )
+    for cfg in (source, ours):
+        for key in ("admin",):
+            cfg.pop(key)
+        cfg["static_resources"].pop("clusters")
+        for listener_cfg in cfg["static_resources"]["listeners"]:
+            listener_cfg.pop("address")
+    assert ours == source
+
+
+def test_envoy_validates_the_compose_config_without_resolving_names(tmp_path: Path) -> None:
+    assert_valid(DEPLOY / "compose" / "envoy.yaml", tmp_path)
+    # STRICT_DNS names are resolved at run time, not by --mode validate: a name that can
+    # never resolve (RFC 6761 .invalid) validates too.
+    cfg = compose_envoy()
+    for c in cfg["static_resources"]["clusters"]:
+        set_endpoint_host(c, f"{c['name'].replace('_', '-')}.invalid")
+    assert_valid(cfg, tmp_path)
+    # ... and validation is not a formality: a wrong value is refused.
+    cluster_named(cfg, "llm_extproc")["connect_timeout"] = "soon"
+    assert envoy_validate(cfg, tmp_path).returncode != 0
+
+
+def test_compose_services_profiles_and_wiring() -> None:
+    services = compose()["services"]
+    assert set(services) == {"envoy", "extproc", "sim", "vllm"}
+    assert "profiles" not in services["envoy"] and "profiles" not in services["extproc"]
+    assert services["sim"]["profiles"] == ["cpu"] and services["vllm"]["profiles"] == ["gpu"]
+    envoy_cfg = compose_envoy()
+
+    # Envoy: the pinned official image, the version the tests run.
+    envoy = services["envoy"]
+    version = subprocess.run(
+        [envoy_binary(), "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    tag = envoy["image"].removeprefix("envoyproxy/envoy:v")
+    assert envoy["image"].startswith("envoyproxy/envoy:v") and f"/{tag}/" in version, version
+    config_path = flag(envoy["command"], "-c")
+    assert host_path(envoy, config_path) == DEPLOY / "compose" / "envoy.yaml"
+    assert envoy["depends_on"]["extproc"]["condition"] == "service_healthy"
+    published = {p.rsplit(":", 1)[1]: p for p in envoy["ports"]}
+    assert published["9901"].startswith("127.0.0.1:"), "Envoy admin stays on localhost"
+    assert interpolate(published["10000"]).startswith("127.0.0.1:")
+
+    # The sidecar: the Dockerfile's sidecar stage, all interfaces, the mounted policy.
+    extproc = services["extproc"]
+    stages = dockerfile_stages()
+    assert extproc["build"] == {"context": ".", "target": "sidecar"}
+    command = extproc["command"]
+    host, port = flag(command, "--listen").rsplit(":", 1)
+    assert host == "0.0.0.0"
+    assert endpoint_address(cluster_named(envoy_cfg, "llm_extproc")) == ("extproc", int(port))
+    assert flag(command, "--metrics").startswith("0.0.0.0:")
+    policy = host_path(extproc, flag(command, "--policy"))
+    assert policy == DEPLOY / "compose" / "policy.yaml" and policy.is_file()
+    assert next(p for p in extproc["ports"] if p.endswith(":9464")).startswith("127.0.0.1:")
+
+    # Both backends answer to `backend` on port 8000, where the Envoy cluster points.
+    assert endpoint_address(cluster_named(envoy_cfg, "backend")) == ("backend", 8000)
+    sim, vllm = services["sim"], services["vllm"]
+    for backend in (sim, vllm):
+        assert "backend" in backend["networks"]["default"]["aliases"]
+        assert "ports" not in backend, "a published backend port would bypass admission"
+    assert sim["build"] == {"context": ".", "target": "sim"} and "sim" in stages
+    assert flag(sim["command"], "--host") == "0.0.0.0" and flag(sim["command"], "--port") == "8000"
+    vllm_command = vllm["command"].split()
+    assert interpolate(flag(vllm_command, "--model")) == "meta-llama/Llama-3.1-8B-Instruct"
+    assert "${MODEL:-" in vllm["command"] and "${VLLM_ARGS:-}" in vllm["command"]
+    assert flag(vllm_command, "--host") == "0.0.0.0" and flag(vllm_command, "--port") == "8000"
+    assert vllm["image"].startswith("${VLLM_IMAGE:-vllm/vllm-openai:")
+    assert "HF_TOKEN" in vllm["environment"]
+    (gpu,) = vllm["deploy"]["resources"]["reservations"]["devices"]
+    assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
+
+    # Every bind-mounted file or folder exists.
+    for service in services.values():
+        for source in bind_mounts(service).values():
+            assert source.exists(), source
+
+
+def compose_cli() -> list[str] | None:
+    """`docker compose` (the plugin) or `docker-compose` (v1), if installed: their `config`
+    validates the file against the Compose schema without a Docker daemon."""
+    docker = shutil.which("docker")
+    if (
+        docker
+        and subprocess.run(
+            [docker, "compose", "version"], capture_output=True, check=False
+        ).returncode
+        == 0
+    ):
+        return [docker, "compose"]
+    legacy = shutil.which("docker-compose")
+    return [legacy] if legacy else None
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_compose_cli_accepts_the_file(profile: str) -> None:
+    cli = compose_cli()
+    if cli is None:
+        if os.environ.get("LLM_EXTPROC_REQUIRE_TOOLS"):
+            pytest.fail("LLM_EXTPROC_REQUIRE_TOOLS is set but no compose CLI is on PATH")
+        pytest.skip("neither `docker compose` nor docker-compose is installed")
+    out = subprocess.run(
+        [*cli, "-f", "docker-compose.yml", "--profile", profile, "config", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_compose_stop_grace_outlasts_the_sidecars_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`docker compose stop` SIGKILLs after stop_grace_period; the sidecar drains admitted
+    requests for --grace seconds after SIGTERM. Read the CLI's real default."""
+    import extproc.cli
+
+    seen: dict[str, Any] = {}
+
+    async def fake_serve(args: Any) -> None:
+        seen["grace"] = args.grace
+
+    monkeypatch.setattr(extproc.cli, "_serve", fake_serve)
+    monkeypatch.setattr(extproc.cli, "configure_logging", lambda *a, **k: None)
+    assert extproc.cli.main(["serve"]) == 0
+    period = compose()["services"]["extproc"]["stop_grace_period"]
+    assert re.fullmatch(r"\d+s", period) and int(period[:-1]) > seen["grace"]
+
+
+def test_compose_envoy_config_serves_through_the_sidecar(tmp_path: Path) -> None:
+    """deploy/compose/envoy.yaml run for real, as compose would run it but on this machine:
+    its clusters keep STRICT_DNS and resolve a name (`localhost` standing in for the compose
+    service names), the sidecar runs the compose policy, testing/backend.py is the backend."""
+    ports = {name: free_port() for name in ("listener", "admin", "backend", "grpc", "metrics")}
+    cfg = yaml.safe_load(
+        render_envoy_config(
+            listener_port=ports["listener"],
+            backend_port=ports["backend"],
+            extproc_port=ports["grpc"],
+            admin_port=ports["admin"],
+            source=DEPLOY / "compose" / "envoy.yaml",
+            access_log=tmp_path / "access.log",
+        )
+    )
+    for c in cfg["static_resources"]["clusters"]:
+        assert c["type"] == "STRICT_DNS"
+        set_endpoint_host(c, "localhost")
+    (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    cli = str(Path(sys.executable).parent / "llm-extproc")
+    procs = [
+        Proc(
+            "backend",
+            [sys.executable, str(REPO / "testing" / "backend.py"), "--port", str(ports["backend"])],
+            tmp_path,
+        ),
+        Proc(
+            "sidecar",
+            [
+                cli,
+                "serve",
+                f"--listen=127.0.0.1:{ports['grpc']}",
+                f"--metrics=127.0.0.1:{ports['metrics']}",
+                f"--policy={DEPLOY / 'compose' / 'policy.yaml'}",
+            ],
+            tmp_path,
+        ),
+        Proc(
+            "envoy",
+            [
+                envoy_binary(),
+                "-c",
+                str(tmp_path / "envoy.yaml"),
+                "--disable-hot-restart",
+                "--concurrency",
+                "1",
+                "--log-level",
+                "warning",
+            ],
+            tmp_path,
+        ),
+    ]
+    try:
+        for name, proc in zip(("backend", "grpc", "listener"), procs, strict=True):
+            wait_tcp(ports[name], proc=proc)
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{ports['listener']}/v1/chat/completions",
+            data=body.encode(),
+            headers={"content-type": "application/json"},
+            method="POST",
+        )
+        # STRICT_DNS resolves asynchronously after start: allow Envoy a moment.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    assert r.status == 200
+                    assert r.headers["x-llm-max-tokens"] == "1024"  # clamped by the policy
+                    echo = json.loads(r.read())["echo"]
+                break
+            except urllib.error.HTTPError as e:
+                if e.code != 503 or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        assert json.loads(echo["body"])["max_tokens"] == 1024
+        assert echo["headers"]["x-llm-bucket"] == "batch"
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def test_compose_policy_loads_and_fits_the_compose_envoy_config() -> None:
+    cfg = compose_envoy()
+    filters = [f for f in hcm_config(cfg)["http_filters"] if f["name"] != ROUTER_FILTER]
+    assert_policy_fits(
+        load_policy(DEPLOY / "compose" / "policy.yaml"), filters, cluster_named(cfg, "llm_extproc")
+    )
