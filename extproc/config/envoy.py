@@ -35,7 +35,15 @@ from google.protobuf import json_format
 from extproc.config.policy import Policy
 from extproc.contract import MESSAGE_TIMEOUT_MARGIN_S, METADATA_NAMESPACE, PROCESSING_MODE
 
-__all__ = ["LLM_ROUTE_TIMEOUT_S", "PROCESSING_MODE", "render", "to_rds", "validate"]
+__all__ = [
+    "LLM_ROUTE_TIMEOUT_S",
+    "PROCESSING_MODE",
+    "body_buffer_bytes",
+    "extproc_streams",
+    "render",
+    "to_rds",
+    "validate",
+]
 
 LLM_ROUTE_TIMEOUT_S = 600  # long generations; the sidecar's queue wait counts against it too
 _STREAM_HEADROOM = 1024  # streams being parsed or answered, beyond queued + running
@@ -56,6 +64,22 @@ def _seconds(s: float) -> str:
     return f"{math.ceil(s)}s"
 
 
+def extproc_streams(policy: Policy) -> int:
+    """How many ext_proc streams the policy can hold open at once: every queued or running
+    request is one, plus headroom for requests being parsed or answered. Envoy's circuit
+    breakers for the sidecar's cluster and the sidecar's own stream limit both use it."""
+    return sum(b.max_queue + b.max_concurrency for b in policy.buckets) + _STREAM_HEADROOM
+
+
+def body_buffer_bytes(policy: Policy) -> int:
+    """The largest request body Envoy buffers (above it Envoy answers 413 itself): room for
+    the largest prompt the policy admits, as JSON, rounded up to a power of two."""
+    prompt_bytes = math.ceil(
+        policy.limits.max_prompt_tokens * policy.tokens.chars_per_token * _BYTES_PER_PROMPT_CHAR
+    )
+    return max(_MIN_BUFFER, 1 << math.ceil(math.log2(prompt_bytes)))
+
+
 def render(
     policy: Policy,
     *,
@@ -65,11 +89,8 @@ def render(
 ) -> dict[str, Any]:
     """The policy-dependent parts of an Envoy config, as dicts in Envoy's YAML shape."""
     longest_wait = max(policy.longest_queue_timeout_s, longest_route_queue_timeout_s)
-    streams = sum(b.max_queue + b.max_concurrency for b in policy.buckets) + _STREAM_HEADROOM
-    prompt_bytes = math.ceil(
-        policy.limits.max_prompt_tokens * policy.tokens.chars_per_token * _BYTES_PER_PROMPT_CHAR
-    )
-    buffer = max(_MIN_BUFFER, 2 ** math.ceil(math.log2(prompt_bytes)))
+    streams = extproc_streams(policy)
+    buffer = body_buffer_bytes(policy)
 
     filters: list[dict[str, Any]] = []
     if policy.trusted_headers:
