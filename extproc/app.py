@@ -225,17 +225,23 @@ class Sidecar:
             last = now
 
     def debug_queues(self) -> dict[str, object]:
-        assert self.gate is not None
-        return {
+        """Each bucket, and each live route share, as JSON."""
+        assert self.gate is not None and self.service is not None
+        out: dict[str, object] = {
             name: {
                 "capacity": s.capacity,
                 "in_flight": s.in_flight,
                 "queued": s.queued,
                 "max_queue": s.max_queue,
                 "mean_hold_s": s.mean_hold_s,
+                "queued_bytes": s.queued_bytes,
             }
             for name, s in self.gate.statistics().items()
         }
+        # Route shares are named "<bucket>/route-<n>": never a bucket name (no "/" allowed).
+        for key, share in self.service.route_shares().items():
+            out[key] = {**share, "route_share": True}
+        return out
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Graceful stop: health says NOT_SERVING, queued and new requests get 503 with
@@ -244,6 +250,8 @@ class Sidecar:
         if self._watch_task is not None:
             self._watch_task.cancel()
         await self._health.enter_graceful_shutdown()
+        if self.service is not None:
+            self.service.stop_admitting()
         if self.gate is not None:
             self.gate.close()
             with contextlib.suppress(TimeoutError):
@@ -253,6 +261,8 @@ class Sidecar:
         if self._server is not None:
             # Answers already written are flushed; streams still open are cancelled.
             await self._server.stop(0.5)
+        if self.service is not None:
+            self.service.close()
 
     async def wait(self) -> None:
         assert self._server is not None

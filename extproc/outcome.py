@@ -9,7 +9,8 @@ label; nothing else in the package maps an outcome to any of these.
 Errors found in a request are ``RequestError``: each carries its ``Outcome`` (400/415 problems
 are ``REJECTED_INVALID``, an oversize prompt ``REJECTED_TOO_LARGE``) and its own code and
 message; its status comes from the table unless the error names another (415). Queue outcomes
-(full, evicted, shutting down) are answered by ``queue_rejection`` from the table's templates.
+(full, evicted, shutting down, too many large bodies) are answered by ``queue_rejection`` from
+the table's templates.
 Bodies are ``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``.
 """
 
@@ -40,6 +41,7 @@ class Outcome(StrEnum):
     REJECTED_QUEUE_FULL = "rejected_queue_full"  # 429 at once
     EVICTED_TIMEOUT = "evicted_timeout"  # 429 when the queue deadline passed
     REJECTED_SHUTTING_DOWN = "rejected_shutting_down"  # 503: the sidecar is stopping
+    REJECTED_BUSY = "rejected_busy"  # 429: too many large bodies being parsed
     # The stream ended before an answer: the client left.
     CANCELLED_WHILE_QUEUED = "cancelled_while_queued"
     CANCELLED_BEFORE_BODY = "cancelled_before_body"
@@ -111,6 +113,15 @@ OUTCOMES: dict[Outcome, OutcomeInfo] = {
         message="The admission sidecar is shutting down. Retry after {retry:.0f}s.",
         log_level=_DEBUG,
         label="rejected_shutting_down",
+    ),
+    Outcome.REJECTED_BUSY: OutcomeInfo(
+        status=429,
+        error_type=_RATE,
+        code="busy",
+        message="The gateway is reading {queued} other large request bodies. "
+        "Retry after {retry:.0f}s.",
+        log_level=_INFO,
+        label="rejected_busy",
     ),
     Outcome.CANCELLED_WHILE_QUEUED: OutcomeInfo(
         status=None,

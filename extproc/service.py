@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import grpc
@@ -43,15 +43,17 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.admission.gate import Gate, Refused, Slot, Waiter
+from extproc.admission.shares import Share, Shares
 from extproc.config.policy import Mode, Policy
 from extproc.contract import EXT_PROC_SERVICE, MESSAGE_TIMEOUT_MARGIN_S
 from extproc.ops.logs import log_finished
 from extproc.ops.metrics import Metrics
 from extproc.outcome import Outcome, Rejection, RequestError, queue_rejection
-from extproc.record import RequestRecord
+from extproc.record import NO_BUCKET, RequestRecord
 from extproc.request import respond
-from extproc.request.classify import Classification, TokenCounter, classify, token_counter
-from extproc.request.parse import Endpoint, check_content_headers, endpoint_for_path, parse_body
+from extproc.request.classify import Classification, TokenCounter, token_counter
+from extproc.request.offload import INLINE_BODY_BYTES, Busy, Offload, Parsed, parse_and_classify
+from extproc.request.parse import Endpoint, check_content_headers, endpoint_for_path
 from extproc.request.routes import Route, RouteCache
 
 __all__ = ["ExtProcService"]
@@ -87,12 +89,25 @@ def _note_classification(rec: RequestRecord, cls: Classification) -> None:
 class _Stream:
     """Per-stream state the ``finally`` needs: what is held, and the record."""
 
-    __slots__ = ("rec", "shadow_task", "slot", "waiter")
+    __slots__ = (
+        "answer_by",
+        "overridden",
+        "rec",
+        "shadow_task",
+        "share",
+        "share_slot",
+        "slot",
+        "waiter",
+    )
 
     def __init__(self, rec: RequestRecord) -> None:
         self.rec = rec
         self.slot: Slot | None = None
+        self.share: Share | None = None  # the route's share of its bucket, when it has one
+        self.share_slot: Slot | None = None
         self.waiter: Waiter | None = None
+        self.overridden = False  # Envoy's message timeout was extended (once per message)
+        self.answer_by: float | None = None  # loop time by which Envoy expects our answer
         self.shadow_task: asyncio.Task[None] | None = None
 
 
@@ -101,7 +116,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._gate = gate
         self._metrics = metrics
         self._loop = asyncio.get_running_loop()
-        self._routes = RouteCache()
+        self._shares = Shares(policy)
+        self._routes = RouteCache(on_clear=self._shares.forget_routes)
+        self._offload = Offload()
         self.apply_policy(policy)
 
     def apply_policy(self, policy: Policy) -> None:
@@ -109,6 +126,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         (e.g. its tokenizer file does not load); then nothing changes."""
         count: TokenCounter = token_counter(policy.tokens)
         self._gate.reconfigure(policy)
+        self._shares.reconfigure(policy)
         self._metrics.declare(b.name for b in policy.buckets)
         self._policy, self._count = policy, count
         self._routes.clear()  # route overrides are validated against the policy
@@ -116,6 +134,19 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     @property
     def policy(self) -> Policy:
         return self._policy
+
+    def stop_admitting(self) -> None:
+        """The sidecar is stopping: requests waiting for a route share get 503, like those
+        waiting in a bucket (``Gate.close``)."""
+        self._shares.close()
+
+    def close(self) -> None:
+        """Stop the worker that parses large bodies (the sidecar has stopped)."""
+        self._offload.close()
+
+    def route_shares(self) -> dict[str, dict[str, int]]:
+        """Each live route share: capacity, in flight, queued (for /debug/queues)."""
+        return self._shares.statistics()
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The Process method, registered so that pre-encoded answers (bytes from
@@ -191,51 +222,132 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         cls: Classification | None = None
         if rec.shadow_outcome is None:  # (in shadow mode an unreadable body is let through)
             try:
-                parsed = parse_body(endpoint, body)
+                parsed = await self._parse(context, st, policy, headers, endpoint, body, route)
                 rec.stream = parsed.stream
-                cls = classify(policy, self._count, headers, parsed, route.override)
+                cls = parsed.classification
             except RequestError as e:
                 if not shadow:
                     await self._refuse(context, rec, e.outcome, e.rejection())
                     return
                 self._note_shadow(rec, e.outcome, e.code)
+            except Busy:
+                busy = queue_rejection(
+                    Outcome.REJECTED_BUSY,
+                    bucket=NO_BUCKET,
+                    retry_after_s=policy.retry_after.min_s,
+                    queued=self._offload.pending,
+                )
+                if not shadow:
+                    await self._refuse(context, rec, Outcome.REJECTED_BUSY, busy)
+                    return
+                self._note_shadow(rec, Outcome.REJECTED_BUSY, busy.code)
         # A queued request may wait long, thousands at once: keep only the classification.
+        # Its body is still held (by Envoy, and by us when rewritten): count its size.
+        size = len(body)
         del msg, headers, body
         if shadow:
-            await self._shadow(context, st, cls)
+            await self._shadow(context, st, cls, size)
         else:
             assert cls is not None
-            await self._enforce(context, st, cls)
+            await self._enforce(context, st, cls, size, route.share)
 
-    async def _enforce(self, context: _Context, st: _Stream, cls: Classification) -> None:
+    async def _parse(
+        self,
+        context: _Context,
+        st: _Stream,
+        policy: Policy,
+        headers: Mapping[str, str],
+        endpoint: Endpoint,
+        body: bytes,
+        route: Route,
+    ) -> Parsed:
+        """Parse and classify: on the loop for ordinary bodies, in the worker for large ones.
+
+        The worker may take longer than Envoy's message timeout, so Envoy's timeout is
+        extended first, once, to the longest wait the request could have; the time the parse
+        takes then comes off the request's queue deadline (``st.answer_by``), so our own answer
+        still comes before Envoy gives up."""
+        if len(body) <= INLINE_BODY_BYTES:
+            return parse_and_classify(policy, self._count, headers, endpoint, body, route.override)
+        longest = policy.longest_queue_timeout_s
+        if route.override is not None and route.override.queue_timeout_s is not None:
+            longest = max(longest, route.override.queue_timeout_s)
+        st.overridden = True
+        st.answer_by = self._loop.time() + longest
+        await context.write(respond.timeout_override(longest + MESSAGE_TIMEOUT_MARGIN_S))
+        return await self._offload.parse(
+            policy, self._count, headers, endpoint, body, route.override
+        )
+
+    async def _enforce(
+        self,
+        context: _Context,
+        st: _Stream,
+        cls: Classification,
+        size: int,
+        share: Share | None,
+    ) -> None:
         rec = st.rec
         _note_classification(rec, cls)
-        timeout = cls.queue_timeout_s
-        try:
-            entry = self._gate.enter(cls.bucket.name, timeout)
-        except Refused as r:
-            await self._refuse_queue(context, rec, r, timeout)
+        deadline = self._loop.time() + cls.queue_timeout_s
+        if st.answer_by is not None:  # a slow parse already used some of the wait
+            deadline = min(deadline, st.answer_by)
+        timeout = max(0.0, deadline - self._loop.time())
+        read: asyncio.Future[Any] | None = None
+        if share is not None:  # first a place in the route's own share of the bucket
+            st.share = share
+            got = await self._slot(
+                context, st, lambda: self._shares.enter(share, timeout, size), timeout, read
+            )
+            if got is None:
+                return
+            st.share_slot, read = got
+        remaining = max(0.0, deadline - self._loop.time())
+        got = await self._slot(
+            context, st, lambda: self._gate.enter(cls.bucket.name, remaining, size), timeout, read
+        )
+        if got is None:
             return
-        pending_read: asyncio.Future[Any] | None = None
-        if isinstance(entry, Waiter):
-            st.waiter = entry
-            await context.write(respond.timeout_override(timeout + MESSAGE_TIMEOUT_MARGIN_S))
-            pending_read, slot = await self._wait(context, rec, entry)
-            st.waiter = None
-            if slot is None:
-                return  # left the queue: evicted (answered) or the stream ended
-            entry = slot
-        st.slot = entry
+        st.slot, read = got
         rec.decide(Outcome.ADMITTED, self._loop.time())
         await context.write(respond.admitted(cls, rec))
-        await self._hold(context, pending_read)
+        await self._hold(context, read)
 
-    async def _shadow(self, context: _Context, st: _Stream, cls: Classification | None) -> None:
+    async def _slot(
+        self,
+        context: _Context,
+        st: _Stream,
+        enter: Callable[[], Slot | Waiter],
+        limit_s: float,
+        read: asyncio.Future[Any] | None,
+    ) -> tuple[Slot, asyncio.Future[Any] | None] | None:
+        """A slot from ``enter``, at once or after a wait that watches the stream, with the
+        read still pending; None when the request was answered (refused, evicted) or left."""
+        try:
+            entry = enter()
+        except Refused as r:
+            if read is not None:
+                read.cancel()
+            await self._refuse_queue(context, st.rec, r, limit_s)
+            return None
+        if isinstance(entry, Slot):
+            return entry, read
+        st.waiter = entry
+        if not st.overridden:
+            st.overridden = True
+            await context.write(respond.timeout_override(limit_s + MESSAGE_TIMEOUT_MARGIN_S))
+        read, slot = await self._wait(context, st.rec, entry, read, limit_s)
+        st.waiter = None
+        return None if slot is None else (slot, read)
+
+    async def _shadow(
+        self, context: _Context, st: _Stream, cls: Classification | None, size: int
+    ) -> None:
         """Shadow mode: take the decisions enforcement would, then let the request through."""
         if cls is not None:
             _note_classification(st.rec, cls)
             try:
-                entry = self._gate.enter(cls.bucket.name, cls.queue_timeout_s)
+                entry = self._gate.enter(cls.bucket.name, cls.queue_timeout_s, size)
             except Refused as r:
                 self._note_shadow(st.rec, r.outcome, r.code)
             else:
@@ -259,18 +371,23 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             await context.write(respond.continue_for(nxt))
 
     async def _wait(
-        self, context: _Context, rec: RequestRecord, waiter: Waiter
+        self,
+        context: _Context,
+        rec: RequestRecord,
+        waiter: Waiter,
+        read: asyncio.Future[Any] | None,
+        limit_s: float,
     ) -> tuple[asyncio.Future[Any] | None, Slot | None]:
         """Wait for a slot while watching the stream: Envoy half-closing or sending anything
         while we are queued means the stream is over for us. Returns the read still pending
         (for the hold loop) and the slot, or (None, None) when the request left the queue."""
-        read: asyncio.Future[Any] = asyncio.ensure_future(context.read())
+        if read is None:
+            read = asyncio.ensure_future(context.read())
         try:
             slot = await waiter.admitted_unless(read)
         except Refused as r:
             read.cancel()
-            limit = waiter.ticket.deadline - waiter.ticket.enqueued_at
-            await self._refuse_queue(context, rec, r, limit)
+            await self._refuse_queue(context, rec, r, limit_s)
             return None, None
         except asyncio.CancelledError:
             read.cancel()
@@ -332,20 +449,6 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         route = self._routes.lookup(msg.attributes, policy)
         if route.invalid:
             self._metrics.route_policy_errors.inc()
-        override = route.override
-        if (
-            route.first_seen
-            and override is not None
-            and override.bucket is not None
-            and (override.max_concurrency is not None or override.max_queue is not None)
-        ):
-            # A route's bucket limits apply to that bucket, from its first request on.
-            b = policy.bucket(override.bucket)
-            self._gate.set_limits(
-                b.name,
-                override.max_concurrency or b.max_concurrency,
-                b.max_queue if override.max_queue is None else override.max_queue,
-            )
         return route
 
     # --- the one place a request is finished ---------------------------------------------------
@@ -357,6 +460,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             st.slot.release()
         if st.waiter is not None:
             st.waiter.cancel()
+        if st.share is not None:
+            if st.share_slot is not None:
+                st.share_slot.release()
+            self._shares.sweep(st.share)
         rec = st.rec
         rec.ended_at = self._loop.time()
         if rec.outcome is None:  # the client left before the sidecar answered

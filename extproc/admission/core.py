@@ -7,7 +7,8 @@ request asks with ``enqueue``; the answer is one of
 
 - ADMITTED: a slot was free and nobody was waiting; the ticket holds a slot now;
 - QUEUED: the ticket waits; it has a deadline (enqueue time + the bucket's queue timeout);
-- QUEUE_FULL: the queue was full; nothing is held.
+- QUEUE_FULL: the queue was full, or the bytes of request bodies held by queued tickets (all
+  buckets together) would pass ``max_queued_bytes``; nothing is held.
 
 Every call takes ``now`` from the caller and returns what changed; nothing here sleeps, reads a
 clock or knows about asyncio (the asyncio shell is ``extproc.gate``). Tests drive it with plain
@@ -23,6 +24,9 @@ Rules (the invariants tests check):
    its deadline has passed, whatever its place in the queue), or cancelled.
 4. ``in_flight <= capacity`` except after capacity is lowered, when running requests finish and
    no one new is admitted until ``in_flight`` drops below the new capacity.
+5. ``queued_bytes`` is the sum of ``held_bytes`` over waiting tickets, never more than
+   ``max_queued_bytes``: a ticket's bytes are counted when it joins a queue and discounted when
+   it leaves it, whichever way (the fast path counts nothing: its body goes upstream at once).
 
 Costs: enqueue, hand-over and cancel are O(1) (an OrderedDict per bucket); eviction is
 O(log n) through one heap of deadlines across buckets, with lazy deletion and compaction.
@@ -54,6 +58,8 @@ class Ticket:
     bucket: str
     enqueued_at: float
     deadline: float
+    # Bytes the request holds while it waits (its body, to be forwarded once admitted).
+    held_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,13 +77,23 @@ class BucketStats:
     max_queue: int
     # Running mean of how long a slot is held, seconds; None until a slot was released.
     mean_hold_s: float | None
+    # Bytes of request bodies held by the bucket's waiting tickets.
+    queued_bytes: int = 0
 
     def __repr__(self) -> str:
         return f"{self.name} {self.in_flight}/{self.capacity} +{self.queued} queued"
 
 
 class _Bucket:
-    __slots__ = ("capacity", "max_queue", "mean_hold_s", "name", "running", "waiting")
+    __slots__ = (
+        "capacity",
+        "max_queue",
+        "mean_hold_s",
+        "name",
+        "queued_bytes",
+        "running",
+        "waiting",
+    )
 
     def __init__(self, name: str, capacity: int, max_queue: int) -> None:
         self.name = name
@@ -87,12 +103,18 @@ class _Bucket:
         # ticket id -> (ticket, admitted_at)
         self.running: dict[int, tuple[Ticket, float]] = {}
         self.mean_hold_s: float | None = None
+        self.queued_bytes = 0
 
 
 class Admission:
-    def __init__(self, limits: dict[str, tuple[int, int]]) -> None:
-        """``limits``: bucket name -> (capacity, max_queue)."""
+    def __init__(
+        self, limits: dict[str, tuple[int, int]], max_queued_bytes: int | None = None
+    ) -> None:
+        """``limits``: bucket name -> (capacity, max_queue); ``max_queued_bytes``: the bound on
+        the bytes held by queued tickets across buckets (None: unbounded)."""
         self._buckets: dict[str, _Bucket] = {}
+        self.max_queued_bytes = max_queued_bytes
+        self.queued_bytes = 0
         self._where: dict[int, _Bucket] = {}  # every live ticket (waiting or running)
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, ticket id)
         self._ids = itertools.count(1)
@@ -101,17 +123,26 @@ class Admission:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def enqueue(self, bucket: str, now: float, timeout_s: float) -> Decision:
+    def enqueue(self, bucket: str, now: float, timeout_s: float, held_bytes: int = 0) -> Decision:
         b = self._buckets[bucket]
         ticket = Ticket(
-            id=next(self._ids), bucket=bucket, enqueued_at=now, deadline=now + timeout_s
+            id=next(self._ids),
+            bucket=bucket,
+            enqueued_at=now,
+            deadline=now + timeout_s,
+            held_bytes=held_bytes,
         )
         if not b.waiting and len(b.running) < b.capacity:
             b.running[ticket.id] = (ticket, now)
             self._where[ticket.id] = b
             return Decision(verdict=Verdict.ADMITTED, ticket=ticket)
-        if len(b.waiting) >= b.max_queue:
+        if len(b.waiting) >= b.max_queue or (
+            self.max_queued_bytes is not None
+            and self.queued_bytes + held_bytes > self.max_queued_bytes
+        ):
             return Decision(verdict=Verdict.QUEUE_FULL, ticket=ticket)
+        self.queued_bytes += held_bytes
+        b.queued_bytes += held_bytes
         b.waiting[ticket.id] = ticket
         self._where[ticket.id] = b
         heapq.heappush(self._deadlines, (ticket.deadline, ticket.id))
@@ -142,7 +173,7 @@ class Admission:
             return []
         if ticket_id in b.running:
             return self.release(ticket_id, now)
-        del b.waiting[ticket_id]
+        self._unqueue(b, b.waiting.pop(ticket_id))
         del self._where[ticket_id]
         self._maybe_compact()
         return []
@@ -156,7 +187,9 @@ class Admission:
             b = self._where.get(tid)
             if b is None or tid not in b.waiting:
                 continue  # admitted or cancelled since: a stale heap entry
-            evicted.append(b.waiting.pop(tid))
+            ticket = b.waiting.pop(tid)
+            self._unqueue(b, ticket)
+            evicted.append(ticket)
             del self._where[tid]
         return evicted
 
@@ -187,6 +220,15 @@ class Admission:
         b.capacity, b.max_queue = capacity, max_queue
         return self._fill(b, now)
 
+    def remove(self, bucket: str) -> bool:
+        """Forget a bucket that holds nothing (no ticket running or waiting); returns whether
+        it was removed. A busy bucket stays until it drains."""
+        b = self._buckets.get(bucket)
+        if b is None or b.running or b.waiting:
+            return False
+        del self._buckets[bucket]
+        return True
+
     # --- views -------------------------------------------------------------------------------
 
     def statistics(self) -> dict[str, BucketStats]:
@@ -198,6 +240,7 @@ class Admission:
                 queued=len(b.waiting),
                 max_queue=b.max_queue,
                 mean_hold_s=b.mean_hold_s,
+                queued_bytes=b.queued_bytes,
             )
             for name, b in self._buckets.items()
         }
@@ -230,11 +273,16 @@ class Admission:
         admitted: list[Ticket] = []
         while b.waiting and len(b.running) < b.capacity:
             _, ticket = b.waiting.popitem(last=False)
+            self._unqueue(b, ticket)  # its body goes upstream with the admission
             b.running[ticket.id] = (ticket, now)
             admitted.append(ticket)
         if admitted:
             self._maybe_compact()
         return admitted
+
+    def _unqueue(self, b: _Bucket, ticket: Ticket) -> None:
+        self.queued_bytes -= ticket.held_bytes
+        b.queued_bytes -= ticket.held_bytes
 
     def _maybe_compact(self) -> None:
         # Heap entries of tickets that left the queue early stay until their deadline. Rebuild

@@ -131,7 +131,12 @@ class Gate:
         policy: Policy,
         loop: asyncio.AbstractEventLoop | None = None,
         rand: Callable[[], float] = random.random,
+        *,
+        buckets: bool = True,
     ) -> None:
+        """A gate for the policy's buckets; with ``buckets=False``, one that takes the policy's
+        Retry-After and queued-bytes settings only and gets its buckets from ``set_limits``
+        (the route shares)."""
         self._loop = loop or asyncio.get_running_loop()
         self._rand = rand
         self._core = Admission({})
@@ -141,6 +146,7 @@ class Gate:
         self._queue_timeout: dict[str, float] = {}
         self._closed = False
         self._drained: asyncio.Event | None = None  # set up by drained(), while shutting down
+        self._policy_buckets = buckets
         self.reconfigure(policy)
 
     # --- configuration -----------------------------------------------------------------------
@@ -149,13 +155,26 @@ class Gate:
         """Apply a (re)loaded policy. Raised capacity admits waiters at once; lowered capacity
         lets running requests finish. Buckets no longer in the policy keep draining."""
         self._retry = policy.retry_after
+        self._core.max_queued_bytes = policy.limits.max_queued_bytes
+        if not self._policy_buckets:
+            return
         for b in policy.buckets:
             self._queue_timeout[b.name] = b.queue_timeout_s
             self.set_limits(b.name, b.max_concurrency, b.max_queue)
 
-    def set_limits(self, bucket: str, capacity: int, max_queue: int) -> None:
-        self._queue_timeout.setdefault(bucket, 1.0)
+    def set_limits(
+        self, bucket: str, capacity: int, max_queue: int, queue_timeout_s: float = 1.0
+    ) -> None:
+        """Create a bucket or change its limits (raised capacity admits waiters at once)."""
+        self._queue_timeout.setdefault(bucket, queue_timeout_s)
         self._hand_over(self._core.set_limits(bucket, capacity, max_queue, self._loop.time()))
+
+    def remove(self, bucket: str) -> bool:
+        """Forget a bucket that holds nothing; a busy one stays (returns False)."""
+        if not self._core.remove(bucket):
+            return False
+        self._queue_timeout.pop(bucket, None)
+        return True
 
     # --- entering ----------------------------------------------------------------------------
 
@@ -179,11 +198,13 @@ class Gate:
     def _shutting_down(self, bucket: str) -> Refused:
         return Refused(Outcome.REJECTED_SHUTTING_DOWN, bucket, self._retry.min_s, 0, 0.0)
 
-    def enter(self, bucket: str, timeout_s: float) -> Slot | Waiter:
+    def enter(self, bucket: str, timeout_s: float, held_bytes: int = 0) -> Slot | Waiter:
+        """A slot now, a place in the queue, or ``Refused`` (queue full, or the request's
+        ``held_bytes`` would take the bytes held by queued requests past the policy's bound)."""
         if self._closed:
             raise self._shutting_down(bucket)
         now = self._loop.time()
-        decision = self._core.enqueue(bucket, now, timeout_s)
+        decision = self._core.enqueue(bucket, now, timeout_s, held_bytes)
         if decision.verdict is Verdict.ADMITTED:
             return Slot(self, decision.ticket)
         if decision.verdict is Verdict.QUEUE_FULL:
@@ -203,6 +224,11 @@ class Gate:
 
     def statistics(self) -> dict[str, BucketStats]:
         return self._core.statistics()
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of request bodies held by queued requests, all buckets together."""
+        return self._core.queued_bytes
 
     def __repr__(self) -> str:
         return repr(self._core)

@@ -71,6 +71,9 @@ class Limits:
     default_max_tokens: int = 256
     max_output_tokens: int = 1024
     on_excess: OnExcess = OnExcess.CLAMP
+    # Bytes of request bodies queued requests may hold, all buckets together: 256 MiB, an
+    # eighth of the 2 GiB the Istio manifest gives the pod (a queued 4 MB body costs ~5 MB).
+    max_queued_bytes: int = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,6 +164,7 @@ class Policy:
                 "default_max_tokens": self.limits.default_max_tokens,
                 "max_output_tokens": self.limits.max_output_tokens,
                 "on_excess": str(self.limits.on_excess),
+                "max_queued_bytes": self.limits.max_queued_bytes,
             },
             "retry_after": {
                 "min": duration(self.retry_after.min_s),
@@ -232,6 +236,7 @@ def _resolve(msg: policy_pb2.Policy) -> Policy:
         on_excess={policy_pb2.REJECT: OnExcess.REJECT, policy_pb2.CLAMP: OnExcess.CLAMP}.get(
             lm.on_excess, _LIMITS.on_excess
         ),
+        max_queued_bytes=_set_or(lm, "max_queued_bytes", _LIMITS.max_queued_bytes),
     )
     for name in ("max_prompt_tokens", "default_max_tokens", "max_output_tokens"):
         if getattr(limits, name) < 1:

@@ -58,12 +58,18 @@ class _QueueCollector(Collector):
                 "Longest queue (max_queue) of the bucket.",
                 labels=["bucket"],
             ),
+            "queued_bytes": GaugeMetricFamily(
+                "llm_extproc_queued_bytes",
+                "Bytes of request bodies held by the bucket's queued requests.",
+                labels=["bucket"],
+            ),
         }
         for name, s in self._stats().items():
             families["queue_depth"].add_metric([name], s.queued)
             families["in_flight"].add_metric([name], s.in_flight)
             families["capacity"].add_metric([name], s.capacity)
             families["max_queue"].add_metric([name], s.max_queue)
+            families["queued_bytes"].add_metric([name], s.queued_bytes)
         yield from families.values()
 
 

@@ -16,6 +16,7 @@ timeout for its route.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -116,11 +117,11 @@ def effective_limits(limits: Limits, route: RouteOverride | None) -> Limits:
     if route is None:
         return limits
     max_output = route.max_output_tokens or limits.max_output_tokens
-    return Limits(
+    return dataclasses.replace(
+        limits,
         max_prompt_tokens=route.max_prompt_tokens or limits.max_prompt_tokens,
         max_output_tokens=max_output,
         default_max_tokens=min(max_output, route.default_max_tokens or limits.default_max_tokens),
-        on_excess=limits.on_excess,
     )
 
 

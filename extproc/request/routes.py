@@ -8,19 +8,22 @@ it against the ``RouteOverride`` schema and the policy it refines.
 Every request of a route carries the same string, so the result is cached by that string
 (``RouteCache``, at most 256 entries; full, it starts over). Metadata that fails validation is
 logged once, when first seen, and cached as invalid: the route then falls back to the policy
-file. This module only reads: what a route's override changes elsewhere (its bucket's limits)
-is for the caller to apply, once, when ``Route.first_seen`` says the route is new.
+file. A route whose override limits its bucket (``max_concurrency``/``max_queue``) gets a
+``Share`` (``extproc.admission.shares``) with a key unique to that route and policy; the cache
+tells its owner when it forgets its routes (``on_clear``), so their shares can go.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from envoy.config.core.v3 import base_pb2
 from google.protobuf import json_format, struct_pb2, text_format
 
+from extproc.admission.shares import Share
 from extproc.config.policy import Policy, PolicyError, RouteOverride, route_override_from_mapping
 from extproc.contract import METADATA_NAMESPACE, ROUTE_ATTRIBUTE, ROUTE_ATTRIBUTES_KEY
 
@@ -33,12 +36,12 @@ _CACHE_SIZE = 256
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Route:
-    """What a request's route says: its override (None: the file's policy applies), whether
-    its metadata was refused, and whether this is the first request seen with it."""
+    """What a request's route says: its override (None: the file's policy applies), its share
+    of its bucket (None: no limit of its own), and whether its metadata was refused."""
 
     override: RouteOverride | None = None
+    share: Share | None = None
     invalid: bool = False
-    first_seen: bool = False
 
 
 NO_ROUTE = Route()
@@ -47,12 +50,15 @@ NO_ROUTE = Route()
 class RouteCache:
     """Validated route overrides, keyed by the metadata string Envoy sends."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_clear: Callable[[], None] = lambda: None) -> None:
         self._routes: dict[str, Route] = {}
+        self._on_clear = on_clear
+        self._share_ids = itertools.count(1)
 
     def clear(self) -> None:
         """Forget every route (a new policy: overrides are validated against it)."""
         self._routes.clear()
+        self._on_clear()
 
     def lookup(self, attributes: Mapping[str, struct_pb2.Struct], policy: Policy) -> Route:
         """The route of a request_headers message, from its ``attributes`` map."""
@@ -66,20 +72,41 @@ class RouteCache:
         if cached is not None:
             return cached
         if len(self._routes) >= _CACHE_SIZE:
-            self._routes.clear()
-        route = _compile(raw, policy)
-        self._routes[raw] = Route(override=route.override, invalid=route.invalid)
+            self.clear()
+        route = self._routes[raw] = self._compile(raw, policy)
         return route
 
+    def _compile(self, raw: str, policy: Policy) -> Route:
+        override = _override(raw, policy)
+        if override is None:
+            return NO_ROUTE
+        if isinstance(override, _Invalid):
+            return Route(invalid=True)
+        share = None
+        if override.bucket is not None and (
+            override.max_concurrency is not None or override.max_queue is not None
+        ):
+            b = policy.bucket(override.bucket)
+            share = Share(
+                key=f"{b.name}/route-{next(self._share_ids)}",
+                capacity=override.max_concurrency or b.max_concurrency,
+                max_queue=b.max_queue if override.max_queue is None else override.max_queue,
+            )
+        return Route(override=override, share=share)
 
-def _compile(raw: str, policy: Policy) -> Route:
+
+class _Invalid:
+    """Route metadata that failed validation."""
+
+
+def _override(raw: str, policy: Policy) -> RouteOverride | _Invalid | None:
     try:
         md = text_format.Parse(raw, base_pb2.Metadata())
     except text_format.ParseError as e:
         log.warning("route metadata is not text-format Metadata: %s", e)
-        return Route(invalid=True, first_seen=True)
+        return _Invalid()
     if METADATA_NAMESPACE not in md.filter_metadata:
-        return Route(first_seen=True)
+        return None
     data = json_format.MessageToDict(md.filter_metadata[METADATA_NAMESPACE])
     try:
         override = route_override_from_mapping(data, policy)
@@ -90,5 +117,5 @@ def _compile(raw: str, policy: Policy) -> Route:
             e,
             extra={"fields": {"route_metadata": data}},
         )
-        return Route(invalid=True, first_seen=True)
-    return Route(override=override, first_seen=True)
+        return _Invalid()
+    return override

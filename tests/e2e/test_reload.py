@@ -100,7 +100,30 @@ class Load:
         return self.statuses
 
 
-def test_route_metadata_sets_bucket_limits_and_request_limits(stack: Stack) -> None:
+def route_shares(stack: Stack) -> dict[str, dict[str, Any]]:
+    """The sidecar's live route shares, from /debug/queues."""
+    url = stack.metrics_url.removesuffix("/metrics") + "/debug/queues"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        queues: dict[str, dict[str, Any]] = json.loads(r.read())
+    return {k: v for k, v in queues.items() if v.get("route_share")}
+
+
+def completions(stack: Stack) -> tuple[int, float]:
+    """A request on another route (no metadata) into the same bucket, timed."""
+    req = urllib.request.Request(
+        stack.url + "/v1/completions",
+        data=json.dumps({"prompt": "hi"}).encode(),
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
+    t0 = time.monotonic()
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return r.status, time.monotonic() - t0
+
+
+def test_route_metadata_sets_the_routes_share_and_request_limits(stack: Stack) -> None:
+    """A route's max_concurrency limits that route's own share of its bucket; the bucket and
+    the other routes in it are untouched."""
     apply_routes(
         stack,
         routes_with(
@@ -116,8 +139,9 @@ def test_route_metadata_sets_bucket_limits_and_request_limits(stack: Stack) -> N
     status, body = post(stack)
     assert status == 200
     assert json.loads(body["echo"]["body"])["max_tokens"] == 7  # default 20, route cap 7
-    assert gauge(stack, "llm_extproc_capacity", "b") == 1
-    # One slot and a 400ms deadline: the second request is evicted while the first runs.
+    assert gauge(stack, "llm_extproc_capacity", "b") == 4  # the file's: the route changes it not
+    # A share of one and a 400ms deadline: the route's second request is evicted while its
+    # first runs, and a request on another route finds the bucket's free slots at once.
     results: list[tuple[int, float]] = []
 
     def timed() -> None:
@@ -131,6 +155,8 @@ def test_route_metadata_sets_bucket_limits_and_request_limits(stack: Stack) -> N
     status, body = post(stack)
     assert status == 429 and body["error"]["code"] == "queue_timeout"
     assert 0.3 < time.monotonic() - t0 < 1.2
+    other_status, other_s = completions(stack)
+    assert other_status == 200 and other_s < 1.0
     holder.join(10)
     assert results[0][0] == 200
 
@@ -153,7 +179,7 @@ def test_route_metadata_sets_bucket_limits_and_request_limits(stack: Stack) -> N
     status, body = post(stack)
     assert status == 200 and time.monotonic() - t0 < 1.0  # a free slot: not queued
     assert json.loads(body["echo"]["body"])["max_tokens"] == 20  # the file's default again
-    assert gauge(stack, "llm_extproc_capacity", "b") == 3
+    assert gauge(stack, "llm_extproc_capacity", "b") == 4
     holder.join(10)
     wait_idle(stack)
 
@@ -194,7 +220,9 @@ def test_broken_route_file_is_rejected_and_traffic_continues(stack: Stack) -> No
     finally:
         statuses = load.stop()
     assert set(statuses) == {200}
-    assert gauge(stack, "llm_extproc_capacity", "b") == 2  # the last good routes stayed
+    # The last good routes stayed: the route's share is the one of 2, none of 5 was made.
+    capacities = {q["capacity"] for q in route_shares(stack).values()}
+    assert 2 in capacities and 5 not in capacities
     wait_idle(stack)
 
 

@@ -219,3 +219,59 @@ def test_random_operations_keep_invariants(seed: int) -> None:
     for tid in running:
         assert a.release(tid, now) == []
     assert all(s.in_flight == 0 and s.queued == 0 for s in a.statistics().values())
+
+
+def test_queued_bytes_bound_refuses_at_once_and_counts_only_waiters() -> None:
+    a = Admission({"x": (1, 10), "y": (1, 10)}, max_queued_bytes=100)
+    running_x = a.enqueue("x", 0.0, 5.0, held_bytes=1_000)
+    assert running_x.verdict is Verdict.ADMITTED  # the fast path counts nothing
+    assert a.enqueue("y", 0.0, 5.0, held_bytes=1_000).verdict is Verdict.ADMITTED
+    first = a.enqueue("x", 0.0, 5.0, held_bytes=60)
+    assert first.verdict is Verdict.QUEUED
+    # 60 + 50 > 100 across buckets: refused at once, holding nothing.
+    assert a.enqueue("y", 0.0, 5.0, held_bytes=50).verdict is Verdict.QUEUE_FULL
+    second = a.enqueue("y", 0.0, 5.0, held_bytes=40)
+    assert second.verdict is Verdict.QUEUED and a.queued_bytes == 100
+    st = a.statistics()
+    assert (st["x"].queued_bytes, st["y"].queued_bytes) == (60, 40)
+    # Admitted by a hand-over: its bytes leave the count.
+    assert a.release(running_x.ticket.id, 1.0) == [first.ticket] and a.queued_bytes == 40
+    # Evicted and cancelled waiters give their bytes back too.
+    assert a.enqueue("x", 1.0, 0.5, held_bytes=30).verdict is Verdict.QUEUED
+    assert a.queued_bytes == 70
+    assert [t.held_bytes for t in a.expire(2.0)] == [30] and a.queued_bytes == 40
+    assert a.cancel(second.ticket.id, 2.0) == [] and a.queued_bytes == 0
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_operations_keep_queued_bytes_exact(seed: int) -> None:
+    rng = random.Random(seed)
+    a = Admission({"x": (2, 5), "y": (1, 3)}, max_queued_bytes=500)
+    running: set[int] = set()
+    waiting: dict[int, int] = {}  # ticket id -> bytes
+    now = 0.0
+    for _ in range(600):
+        now += rng.random()
+        op = rng.random()
+        if op < 0.45:
+            size = rng.randint(0, 200)
+            d = a.enqueue(rng.choice("xy"), now, rng.uniform(0.5, 4), held_bytes=size)
+            if d.verdict is Verdict.ADMITTED:
+                running.add(d.ticket.id)
+            elif d.verdict is Verdict.QUEUED:
+                waiting[d.ticket.id] = size
+        elif op < 0.7 and running:
+            tid = rng.choice(sorted(running))
+            running.discard(tid)
+            for t in a.release(tid, now):
+                assert waiting.pop(t.id) == t.held_bytes
+                running.add(t.id)
+        elif op < 0.85 and waiting:
+            tid = rng.choice(sorted(waiting))
+            del waiting[tid]
+            assert a.cancel(tid, now) == []
+        else:
+            for t in a.expire(now):
+                assert waiting.pop(t.id) == t.held_bytes
+        assert a.queued_bytes == sum(waiting.values()) <= 500
+        assert sum(s.queued_bytes for s in a.statistics().values()) == a.queued_bytes

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bllm_extproc/v1/policy.proto\x12\x0ellm_extproc.v1\x1a\x1egoogle/protobuf/duration.proto\"\xef\x01\n\x06Policy\x12&\n\x06tokens\x18\x01 \x01(\x0b\x32\x16.llm_extproc.v1.Tokens\x12&\n\x06limits\x18\x02 \x01(\x0b\x32\x16.llm_extproc.v1.Limits\x12/\n\x0bretry_after\x18\x03 \x01(\x0b\x32\x1a.llm_extproc.v1.RetryAfter\x12\'\n\x07\x62uckets\x18\x04 \x03(\x0b\x32\x16.llm_extproc.v1.Bucket\x12\"\n\x04mode\x18\x05 \x01(\x0e\x32\x14.llm_extproc.v1.Mode\x12\x17\n\x0ftrusted_headers\x18\x06 \x03(\t\"\xcb\x01\n\x06Tokens\x12\x1c\n\x0f\x63hars_per_token\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12!\n\x14non_text_part_tokens\x18\x03 \x01(\rH\x01\x88\x01\x01\x12$\n\x17message_overhead_tokens\x18\x04 \x01(\rH\x02\x88\x01\x01\x42\x12\n\x10_chars_per_tokenB\x17\n\x15_non_text_part_tokensB\x1a\n\x18_message_overhead_tokens\"\xd9\x01\n\x06Limits\x12\x1e\n\x11max_prompt_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x1f\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x1e\n\x11max_output_tokens\x18\x03 \x01(\rH\x02\x88\x01\x01\x12+\n\ton_excess\x18\x04 \x01(\x0e\x32\x18.llm_extproc.v1.OnExcessB\x14\n\x12_max_prompt_tokensB\x15\n\x13_default_max_tokensB\x14\n\x12_max_output_tokens\"|\n\nRetryAfter\x12&\n\x03min\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12&\n\x03max\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x13\n\x06jitter\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\t\n\x07_jitter\"\xca\x01\n\x05Match\x12\x33\n\x07headers\x18\x01 \x03(\x0b\x32\".llm_extproc.v1.Match.HeadersEntry\x12\x1e\n\x11max_prompt_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x01\x88\x01\x01\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x14\n\x12_max_prompt_tokensB\r\n\x0b_max_tokens\"\xab\x01\n\x06\x42ucket\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05match\x18\x02 \x01(\x0b\x32\x15.llm_extproc.v1.Match\x12\x17\n\x0fmax_concurrency\x18\x03 \x01(\r\x12\x30\n\rqueue_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x11\n\tmax_queue\x18\x05 \x01(\r\x12\x0f\n\x07trusted\x18\x06 \x01(\x08\"\xcd\x02\n\rRouteOverride\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\t\x12\x1c\n\x0fmax_concurrency\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tmax_queue\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x30\n\rqueue_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1e\n\x11max_prompt_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x1e\n\x11max_output_tokens\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x1f\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x07 \x01(\rH\x04\x88\x01\x01\x42\x12\n\x10_max_concurrencyB\x0c\n\n_max_queueB\x14\n\x12_max_prompt_tokensB\x14\n\x12_max_output_tokensB\x15\n\x13_default_max_tokens*5\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x45NFORCE\x10\x01\x12\n\n\x06SHADOW\x10\x02*<\n\x08OnExcess\x12\x19\n\x15ON_EXCESS_UNSPECIFIED\x10\x00\x12\t\n\x05\x43LAMP\x10\x01\x12\n\n\x06REJECT\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bllm_extproc/v1/policy.proto\x12\x0ellm_extproc.v1\x1a\x1egoogle/protobuf/duration.proto\"\xef\x01\n\x06Policy\x12&\n\x06tokens\x18\x01 \x01(\x0b\x32\x16.llm_extproc.v1.Tokens\x12&\n\x06limits\x18\x02 \x01(\x0b\x32\x16.llm_extproc.v1.Limits\x12/\n\x0bretry_after\x18\x03 \x01(\x0b\x32\x1a.llm_extproc.v1.RetryAfter\x12\'\n\x07\x62uckets\x18\x04 \x03(\x0b\x32\x16.llm_extproc.v1.Bucket\x12\"\n\x04mode\x18\x05 \x01(\x0e\x32\x14.llm_extproc.v1.Mode\x12\x17\n\x0ftrusted_headers\x18\x06 \x03(\t\"\xcb\x01\n\x06Tokens\x12\x1c\n\x0f\x63hars_per_token\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12!\n\x14non_text_part_tokens\x18\x03 \x01(\rH\x01\x88\x01\x01\x12$\n\x17message_overhead_tokens\x18\x04 \x01(\rH\x02\x88\x01\x01\x42\x12\n\x10_chars_per_tokenB\x17\n\x15_non_text_part_tokensB\x1a\n\x18_message_overhead_tokens\"\x8d\x02\n\x06Limits\x12\x1e\n\x11max_prompt_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x1f\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x1e\n\x11max_output_tokens\x18\x03 \x01(\rH\x02\x88\x01\x01\x12+\n\ton_excess\x18\x04 \x01(\x0e\x32\x18.llm_extproc.v1.OnExcess\x12\x1d\n\x10max_queued_bytes\x18\x05 \x01(\x04H\x03\x88\x01\x01\x42\x14\n\x12_max_prompt_tokensB\x15\n\x13_default_max_tokensB\x14\n\x12_max_output_tokensB\x13\n\x11_max_queued_bytes\"|\n\nRetryAfter\x12&\n\x03min\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12&\n\x03max\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x13\n\x06jitter\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\t\n\x07_jitter\"\xca\x01\n\x05Match\x12\x33\n\x07headers\x18\x01 \x03(\x0b\x32\".llm_extproc.v1.Match.HeadersEntry\x12\x1e\n\x11max_prompt_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x01\x88\x01\x01\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x14\n\x12_max_prompt_tokensB\r\n\x0b_max_tokens\"\xab\x01\n\x06\x42ucket\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05match\x18\x02 \x01(\x0b\x32\x15.llm_extproc.v1.Match\x12\x17\n\x0fmax_concurrency\x18\x03 \x01(\r\x12\x30\n\rqueue_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x11\n\tmax_queue\x18\x05 \x01(\r\x12\x0f\n\x07trusted\x18\x06 \x01(\x08\"\xcd\x02\n\rRouteOverride\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\t\x12\x1c\n\x0fmax_concurrency\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tmax_queue\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x30\n\rqueue_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1e\n\x11max_prompt_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x1e\n\x11max_output_tokens\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x1f\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x07 \x01(\rH\x04\x88\x01\x01\x42\x12\n\x10_max_concurrencyB\x0c\n\n_max_queueB\x14\n\x12_max_prompt_tokensB\x14\n\x12_max_output_tokensB\x15\n\x13_default_max_tokens*5\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x45NFORCE\x10\x01\x12\n\n\x06SHADOW\x10\x02*<\n\x08OnExcess\x12\x19\n\x15ON_EXCESS_UNSPECIFIED\x10\x00\x12\t\n\x05\x43LAMP\x10\x01\x12\n\n\x06REJECT\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,24 +34,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MATCH_HEADERSENTRY']._loaded_options = None
   _globals['_MATCH_HEADERSENTRY']._serialized_options = b'8\001'
-  _globals['_MODE']._serialized_start=1588
-  _globals['_MODE']._serialized_end=1641
-  _globals['_ONEXCESS']._serialized_start=1643
-  _globals['_ONEXCESS']._serialized_end=1703
+  _globals['_MODE']._serialized_start=1640
+  _globals['_MODE']._serialized_end=1693
+  _globals['_ONEXCESS']._serialized_start=1695
+  _globals['_ONEXCESS']._serialized_end=1755
   _globals['_POLICY']._serialized_start=80
   _globals['_POLICY']._serialized_end=319
   _globals['_TOKENS']._serialized_start=322
   _globals['_TOKENS']._serialized_end=525
   _globals['_LIMITS']._serialized_start=528
-  _globals['_LIMITS']._serialized_end=745
-  _globals['_RETRYAFTER']._serialized_start=747
-  _globals['_RETRYAFTER']._serialized_end=871
-  _globals['_MATCH']._serialized_start=874
-  _globals['_MATCH']._serialized_end=1076
-  _globals['_MATCH_HEADERSENTRY']._serialized_start=993
-  _globals['_MATCH_HEADERSENTRY']._serialized_end=1039
-  _globals['_BUCKET']._serialized_start=1079
-  _globals['_BUCKET']._serialized_end=1250
-  _globals['_ROUTEOVERRIDE']._serialized_start=1253
-  _globals['_ROUTEOVERRIDE']._serialized_end=1586
+  _globals['_LIMITS']._serialized_end=797
+  _globals['_RETRYAFTER']._serialized_start=799
+  _globals['_RETRYAFTER']._serialized_end=923
+  _globals['_MATCH']._serialized_start=926
+  _globals['_MATCH']._serialized_end=1128
+  _globals['_MATCH_HEADERSENTRY']._serialized_start=1045
+  _globals['_MATCH_HEADERSENTRY']._serialized_end=1091
+  _globals['_BUCKET']._serialized_start=1131
+  _globals['_BUCKET']._serialized_end=1302
+  _globals['_ROUTEOVERRIDE']._serialized_start=1305
+  _globals['_ROUTEOVERRIDE']._serialized_end=1638
 # @@protoc_insertion_point(module_scope)
