@@ -289,10 +289,11 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> None:
         rec = st.rec
         _note_classification(rec, cls)
-        deadline = self._loop.time() + cls.queue_timeout_s
+        now = self._loop.time()
+        timeout = cls.queue_timeout_s
         if st.answer_by is not None:  # a slow parse already used some of the wait
-            deadline = min(deadline, st.answer_by)
-        timeout = max(0.0, deadline - self._loop.time())
+            timeout = max(0.0, min(timeout, st.answer_by - now))
+        deadline = now + timeout
         read: asyncio.Future[Any] | None = None
         if share is not None:  # first a place in the route's own share of the bucket
             st.share = share
