@@ -41,7 +41,12 @@ log = logging.getLogger("extproc")
 
 # Envoy buffers the whole request body and sends it in one gRPC message: allow large ones.
 # Envoy's own buffer limit (413 before we see the body) is the real bound on body size.
+# grpc.aio (--transport grpc, kept for comparison) takes this fixed limit; the h2 transport
+# sizes its windows and buffers from the policy instead (_start_h2, docs/transport.md): the
+# largest body Envoy forwards plus room for the ProcessingRequest around it, at least 8 MiB.
 MAX_GRPC_MESSAGE = 64 * 1024 * 1024
+H2_MIN_MESSAGE = 8 * 1024 * 1024
+H2_MESSAGE_MARGIN = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,6 +85,21 @@ def split_host_port(addr: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"expected HOST:PORT, got {addr!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _grpc_handler(service: ExtProcService) -> grpc.GenericRpcHandler:
+    """grpc.aio: the Process method, registered so that pre-encoded answers (bytes from
+    ``request.respond``) and messages can both be written to the stream."""
+    return grpc.method_handlers_generic_handler(
+        EXT_PROC_SERVICE,
+        {
+            "Process": grpc.stream_stream_rpc_method_handler(
+                service.Process,
+                request_deserializer=ext_pb.ProcessingRequest.FromString,
+                response_serializer=respond.serialize,
+            )
+        },
+    )
 
 
 class Sidecar:
@@ -150,7 +170,15 @@ class Sidecar:
         parse = ext_pb.ProcessingRequest.FromString
         methods = {PROCESS_METHOD: h2.Method(process, parse, respond.serialize)}
         methods.update(self._health.methods())
-        server = h2.H2Server(methods, max_message=MAX_GRPC_MESSAGE)
+        from extproc.config.envoy import body_buffer_bytes, extproc_streams
+
+        # Both from the policy: Envoy refuses bodies above body_buffer_bytes itself, and its
+        # circuit breakers let at most extproc_streams streams open.
+        server = h2.H2Server(
+            methods,
+            max_message=max(H2_MIN_MESSAGE, body_buffer_bytes(self.policy) + H2_MESSAGE_MARGIN),
+            max_streams=extproc_streams(self.policy),
+        )
         ctx = self.tls.ssl_context() if self.tls is not None else None
         if self.listen.startswith("unix:"):
             path = self.listen.removeprefix("unix:")
@@ -170,7 +198,7 @@ class Sidecar:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        server.add_generic_rpc_handlers((self.service.handler(),))
+        server.add_generic_rpc_handlers((_grpc_handler(self.service),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if self.tls is not None:
             port = server.add_secure_port(self.listen, self.tls.server_credentials())

@@ -8,7 +8,12 @@ left first, when the stream ends). The record goes once to ``Metrics.finish`` an
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from extproc.outcome import Outcome
+
+if TYPE_CHECKING:
+    from extproc.request.classify import Classification
 
 __all__ = ["NO_BUCKET", "RequestRecord"]
 
@@ -47,6 +52,13 @@ class RequestRecord:
         self.max_tokens: int | None = None
         self.max_tokens_action: str | None = None
         self.stream = False
+
+    def classified(self, cls: Classification) -> None:
+        """What classification found: the bucket and the token counts."""
+        self.bucket = cls.bucket.name
+        self.prompt_tokens = cls.prompt_tokens
+        self.max_tokens = cls.max_tokens
+        self.max_tokens_action = str(cls.max_tokens_action)
 
     def decide(self, outcome: Outcome, now: float, code: str | None = None) -> None:
         """The request's outcome, decided at ``now``; a request is decided once."""

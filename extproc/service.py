@@ -36,16 +36,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
-import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from extproc import stream
 from extproc.admission.gate import Gate, Refused, Slot, Waiter
 from extproc.admission.shares import Share, Shares
 from extproc.config.policy import Mode, Policy
-from extproc.contract import EXT_PROC_SERVICE, MESSAGE_TIMEOUT_MARGIN_S
+from extproc.contract import MESSAGE_TIMEOUT_MARGIN_S
 from extproc.ops.logs import log_finished
 from extproc.ops.metrics import Metrics
 from extproc.outcome import Outcome, Rejection, RequestError, queue_rejection
@@ -59,56 +59,6 @@ from extproc.request.routes import Route, RouteCache
 __all__ = ["ExtProcService"]
 
 log = logging.getLogger("extproc.service")
-
-_EOF = grpc.aio.EOF
-
-
-class _Context(Protocol):
-    """What the servicer needs of a stream; grpc.aio's context and ``transport.h2.Call`` both
-    have it. ``read`` returns ``grpc.aio.EOF`` once Envoy half-closed the stream."""
-
-    async def read(self) -> Any: ...
-
-    async def write(self, message: Any) -> None: ...
-
-
-def _headers_of(msg: pb.HttpHeaders) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for h in msg.headers.headers:
-        out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-    return out
-
-
-def _note_classification(rec: RequestRecord, cls: Classification) -> None:
-    rec.bucket = cls.bucket.name
-    rec.prompt_tokens = cls.prompt_tokens
-    rec.max_tokens = cls.max_tokens
-    rec.max_tokens_action = str(cls.max_tokens_action)
-
-
-class _Stream:
-    """Per-stream state the ``finally`` needs: what is held, and the record."""
-
-    __slots__ = (
-        "answer_by",
-        "overridden",
-        "rec",
-        "shadow_task",
-        "share",
-        "share_slot",
-        "slot",
-        "waiter",
-    )
-
-    def __init__(self, rec: RequestRecord) -> None:
-        self.rec = rec
-        self.slot: Slot | None = None
-        self.share: Share | None = None  # the route's share of its bucket, when it has one
-        self.share_slot: Slot | None = None
-        self.waiter: Waiter | None = None
-        self.overridden = False  # Envoy's message timeout was extended (once per message)
-        self.answer_by: float | None = None  # loop time by which Envoy expects our answer
-        self.shadow_task: asyncio.Task[None] | None = None
 
 
 class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -148,36 +98,22 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """Each live route share: capacity, in flight, queued (for /debug/queues)."""
         return self._shares.statistics()
 
-    def handler(self) -> grpc.GenericRpcHandler:
-        """The Process method, registered so that pre-encoded answers (bytes from
-        ``request.respond``) and messages can both be written to the stream."""
-        return grpc.method_handlers_generic_handler(
-            EXT_PROC_SERVICE,
-            {
-                "Process": grpc.stream_stream_rpc_method_handler(
-                    self.Process,
-                    request_deserializer=pb.ProcessingRequest.FromString,
-                    response_serializer=respond.serialize,
-                )
-            },
-        )
-
-    async def Process(self, request_iterator: object, context: _Context) -> None:
+    async def Process(self, request_iterator: object, context: stream.Stream) -> None:
         msg = await context.read()
-        if msg is _EOF:
+        if msg is stream.EOF:
             return
         if msg.WhichOneof("request") != "request_headers":
             await context.write(respond.continue_for(msg))
-            await self._hold(context, None)
+            await stream.hold(context, None)
             return
-        headers = _headers_of(msg.request_headers)
+        headers = stream.headers_of(msg.request_headers)
         endpoint = endpoint_for_path(headers.get(":method", ""), headers.get(":path", ""))
         if endpoint is None:
             await context.write(respond.PASS_THROUGH)
-            await self._hold(context, None)
+            await stream.hold(context, None)
             return
 
-        st = _Stream(RequestRecord(headers.get("x-request-id", "")))
+        st = stream.State(RequestRecord(headers.get("x-request-id", "")))
         try:
             handling = self._handle(context, msg, headers, endpoint, st)
             del msg, headers  # _handle drops them before it waits: a waiter keeps little
@@ -194,11 +130,11 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     async def _handle(
         self,
-        context: _Context,
+        context: stream.Stream,
         msg: pb.ProcessingRequest,
         headers: Mapping[str, str],
         endpoint: Endpoint,
-        st: _Stream,
+        st: stream.State,
     ) -> None:
         policy, rec = self._policy, st.rec
         shadow = policy.mode is Mode.SHADOW
@@ -215,7 +151,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self._note_shadow(rec, e.outcome, e.code)
         await context.write(respond.HEADERS_CONTINUE)
 
-        body = await self._read_body(context)
+        body = await stream.read_body(context)
         if body is None:
             return  # the stream ended before the body: CANCELLED_BEFORE_BODY
         rec.arrived_at = self._loop.time()
@@ -253,8 +189,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     async def _parse(
         self,
-        context: _Context,
-        st: _Stream,
+        context: stream.Stream,
+        st: stream.State,
         policy: Policy,
         headers: Mapping[str, str],
         endpoint: Endpoint,
@@ -265,8 +201,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
         The worker may take longer than Envoy's message timeout, so Envoy's timeout is
         extended first, once, to the longest wait the request could have; the time the parse
-        takes then comes off the request's queue deadline (``st.answer_by``), so our own answer
-        still comes before Envoy gives up."""
+        takes then comes off the request's queue deadline (``st.answer_by``), and a parse still
+        waiting for the worker by then is answered 429 ``busy``: our own answer always comes
+        before Envoy gives up."""
         if len(body) <= INLINE_BODY_BYTES:
             return parse_and_classify(policy, self._count, headers, endpoint, body, route.override)
         longest = policy.longest_queue_timeout_s
@@ -275,20 +212,22 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         st.overridden = True
         st.answer_by = self._loop.time() + longest
         await context.write(respond.timeout_override(longest + MESSAGE_TIMEOUT_MARGIN_S))
-        return await self._offload.parse(
-            policy, self._count, headers, endpoint, body, route.override
-        )
+        job = self._offload.parse(policy, self._count, headers, endpoint, body, route.override)
+        try:
+            return await asyncio.wait_for(job, longest)
+        except TimeoutError:  # the worker is too far behind: answer before Envoy gives up
+            raise Busy from None
 
     async def _enforce(
         self,
-        context: _Context,
-        st: _Stream,
+        context: stream.Stream,
+        st: stream.State,
         cls: Classification,
         size: int,
         share: Share | None,
     ) -> None:
         rec = st.rec
-        _note_classification(rec, cls)
+        rec.classified(cls)
         now = self._loop.time()
         timeout = cls.queue_timeout_s
         if st.answer_by is not None:  # a slow parse already used some of the wait
@@ -312,12 +251,12 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         st.slot, read = got
         rec.decide(Outcome.ADMITTED, self._loop.time())
         await context.write(respond.admitted(cls, rec))
-        await self._hold(context, read)
+        await stream.hold(context, read)
 
     async def _slot(
         self,
-        context: _Context,
-        st: _Stream,
+        context: stream.Stream,
+        st: stream.State,
         enter: Callable[[], Slot | Waiter],
         limit_s: float,
         read: asyncio.Future[Any] | None,
@@ -342,11 +281,11 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return None if slot is None else (slot, read)
 
     async def _shadow(
-        self, context: _Context, st: _Stream, cls: Classification | None, size: int
+        self, context: stream.Stream, st: stream.State, cls: Classification | None, size: int
     ) -> None:
         """Shadow mode: take the decisions enforcement would, then let the request through."""
         if cls is not None:
-            _note_classification(st.rec, cls)
+            st.rec.classified(cls)
             try:
                 entry = self._gate.enter(cls.bucket.name, cls.queue_timeout_s, size)
             except Refused as r:
@@ -358,22 +297,11 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     st.slot = entry
         st.rec.decide(Outcome.ADMITTED, self._loop.time())
         await context.write(respond.admitted_unchanged(st.rec))
-        await self._hold(context, None)
-
-    async def _hold(self, context: _Context, pending_read: asyncio.Future[Any] | None) -> None:
-        """Keep the stream (and any slot) until Envoy ends it."""
-        while True:
-            if pending_read is not None:
-                nxt, pending_read = await pending_read, None
-            else:
-                nxt = await context.read()
-            if nxt is _EOF:
-                return
-            await context.write(respond.continue_for(nxt))
+        await stream.hold(context, None)
 
     async def _wait(
         self,
-        context: _Context,
+        context: stream.Stream,
         rec: RequestRecord,
         waiter: Waiter,
         read: asyncio.Future[Any] | None,
@@ -395,39 +323,23 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             raise
         return (read, slot) if slot is not None else (None, None)
 
-    async def _shadow_wait(self, st: _Stream, waiter: Waiter) -> None:
+    async def _shadow_wait(self, st: stream.State, waiter: Waiter) -> None:
         """Shadow mode: keep the request's virtual place in the queue while it runs."""
         try:
             st.slot = await waiter.admitted()  # released when the stream ends
         except Refused as r:
             self._note_shadow(st.rec, r.outcome, r.code)
 
-    async def _read_body(self, context: _Context) -> bytes | None:
-        chunks: list[bytes] = []
-        while True:
-            msg = await context.read()
-            if msg is _EOF:
-                return None
-            if msg.WhichOneof("request") != "request_body":
-                # Not expected with BUFFERED bodies; answer and keep waiting for the body.
-                await context.write(respond.continue_for(msg))
-                continue
-            chunks.append(msg.request_body.body)
-            if msg.request_body.end_of_stream:
-                return b"".join(chunks)
-            # A chunk not marked last (STREAMED mode): acknowledge it and wait for more.
-            await context.write(respond.continue_for(msg))
-
     # --- refusals ----------------------------------------------------------------------------
 
     async def _refuse(
-        self, context: _Context, rec: RequestRecord, outcome: Outcome, rejection: Rejection
+        self, context: stream.Stream, rec: RequestRecord, outcome: Outcome, rejection: Rejection
     ) -> None:
         rec.decide(outcome, self._loop.time(), rejection.code)
         await context.write(respond.refusal(rejection, rec))
 
     async def _refuse_queue(
-        self, context: _Context, rec: RequestRecord, r: Refused, limit_s: float
+        self, context: stream.Stream, rec: RequestRecord, r: Refused, limit_s: float
     ) -> None:
         rejection = queue_rejection(
             r.outcome,
@@ -454,7 +366,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     # --- the one place a request is finished ---------------------------------------------------
 
-    def _finish(self, st: _Stream) -> None:
+    def _finish(self, st: stream.State) -> None:
         if st.shadow_task is not None and not st.shadow_task.done():
             st.shadow_task.cancel()  # leaves the virtual queue (Waiter.admitted cleans up)
         if st.slot is not None:

@@ -117,21 +117,33 @@ def with_upstream_tls(text: str, tls: Mapping[str, Path]) -> str:
     return yaml.safe_dump(cfg, sort_keys=False)
 
 
+_BUFFER = "envoy.filters.http.buffer"
+
+
 def _drop_ext_proc(cfg: dict[str, Any]) -> None:
-    """Remove the ext_proc filter, every per-route config that names it and its cluster."""
+    """Plain Envoy: remove the ext_proc filter and the buffer filter that only serves it, every
+    per-route config that names them, the local-reply mappers for the sidecar's failures, and
+    the sidecar's cluster."""
     resources = cfg["static_resources"]
     for listener in resources["listeners"]:
         for chain in listener["filter_chains"]:
             for f in chain["filters"]:
                 hcm = f["typed_config"]
                 hcm["http_filters"] = [
-                    hf for hf in hcm.get("http_filters", []) if hf["name"] != _EXT_PROC
+                    hf
+                    for hf in hcm.get("http_filters", [])
+                    if hf["name"] not in (_EXT_PROC, _BUFFER)
+                ]
+                replies = hcm.get("local_reply_config", {})
+                replies["mappers"] = [
+                    m for m in replies.get("mappers", []) if "'ext_proc_error" not in str(m)
                 ]
                 for vhost in hcm.get("route_config", {}).get("virtual_hosts", []):
                     for route in [vhost, *vhost.get("routes", [])]:
                         per_filter = route.get("typed_per_filter_config")
                         if per_filter is not None:
                             per_filter.pop(_EXT_PROC, None)
+                            per_filter.pop(_BUFFER, None)
                             if not per_filter:
                                 del route["typed_per_filter_config"]
     resources["clusters"] = [c for c in resources["clusters"] if c["name"] != "llm_extproc"]

@@ -7,12 +7,34 @@ What the policy decides for Envoy:
 - the ext_proc cluster's circuit breakers: every request the sidecar holds, queued or running,
   is one open gRPC stream; the default 1024 would fail requests. Set above the sum of all
   queues and slots, plus headroom for requests being parsed or refused.
-- the listener's buffer limit: Envoy answers 413 itself (a plain-text body, before we see the
+- the listener's buffer limit: Envoy answers 413 itself (body_too_large, before we see the
   request) for bodies above it, so it must fit the largest prompt the policy admits, with room
   for JSON escaping and images.
 - HCM ``stream_idle_timeout``: a queued request sends no bytes; it must outlast the longest wait.
 - header_mutation: the policy's trusted headers are stripped from client requests before
   ext_proc.
+
+What keeps a hostile client from holding the sidecar (every ext_proc stream is one place in
+the circuit breakers above, and in the sidecar's own stream limit):
+- the buffer filter, placed before ext_proc, holds the request until its whole body is in
+  (``max_request_bytes`` = the buffer limit above). Only then does ext_proc open its stream and
+  send request_headers, so a client that trickles its body holds Envoy's buffer, never an
+  ext_proc stream (tests/e2e/test_slow_clients.py). It is disabled on the non-LLM routes, which
+  stream their bodies upstream as before.
+- HCM ``request_headers_timeout`` bounds a client that trickles its headers.
+- HCM ``request_timeout`` bounds the body: 60 s for the whole request. Envoy's documentation
+  says this timer runs until the request has been sent upstream, which would count the wait in
+  the sidecar's queue too and force it above the longest queue_timeout; on Envoy 1.40 it stops
+  once the request has been received from the client, so a request queued past it is not cut
+  (both pinned by tests/e2e/test_envoy_answers.py). v3's buffer filter has no timeout of its
+  own, and ``stream_idle_timeout`` resets on every byte, so neither bounds a trickle.
+
+What Envoy answers itself (``local_reply_config``): the sidecar's answers (response code
+details ``llm_extproc_*``) pass untouched; every other local reply gets an OpenAI-style JSON
+body with a stable ``error.code`` chosen by status and detail (sidecar_unavailable,
+sidecar_timeout, backend_unavailable, backend_timeout, body_too_large, request_timeout,
+gateway_error). Envoy's detail strings are its own words and carry internals (addresses, reset
+reasons): they go to the access log, never to the client.
 
 Everything is built as plain dicts and checked against Envoy's own typed messages (the xds-protos
 stubs) before it is printed; none of this runs on the request path. (envoy-data-plane's
@@ -27,19 +49,31 @@ import math
 from typing import Any
 
 from envoy.config.cluster.v3 import cluster_pb2
+from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2  # noqa: F401 (@type)
+from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2
 from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2,
+)
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401 (@type)
 from google.protobuf import json_format
+from google.protobuf.message import Message
 
+from extproc.config.local_replies import ENVOY_ANSWER_CODES, EnvoyAnswer, local_reply_config
 from extproc.config.policy import Policy
 from extproc.contract import MESSAGE_TIMEOUT_MARGIN_S, METADATA_NAMESPACE, PROCESSING_MODE
 
 __all__ = [
+    "ENVOY_ANSWER_CODES",
     "LLM_ROUTE_TIMEOUT_S",
     "PROCESSING_MODE",
+    "REQUEST_HEADERS_TIMEOUT_S",
+    "REQUEST_TIMEOUT_S",
+    "EnvoyAnswer",
     "body_buffer_bytes",
     "extproc_streams",
+    "local_reply_config",
     "render",
     "to_rds",
     "validate",
@@ -52,12 +86,24 @@ _MIN_IDLE_S = 300
 # A character of prompt can take up to 6 bytes in JSON (\uXXXX), and a body carries more
 # than the prompt (roles, parameters).
 _BYTES_PER_PROMPT_CHAR = 6
+# How long a client may take to send its whole request: the largest body (4 MiB by default)
+# over a 1 Mbit/s link takes about 34 s. A client slower than this gets Envoy's 408.
+REQUEST_TIMEOUT_S = 60
+# How long a client may take to send its request headers (a few hundred bytes).
+REQUEST_HEADERS_TIMEOUT_S = 10
 
 EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+EXT_PROC_PER_ROUTE_TYPE = (
+    "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+)
+BUFFER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer"
+BUFFER_PER_ROUTE_TYPE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute"
 HEADER_MUTATION_TYPE = (
     "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
 )
 HTTP_OPTIONS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+BUFFER_FILTER = "envoy.filters.http.buffer"
 
 
 def _seconds(s: float) -> str:
@@ -105,9 +151,16 @@ def render(
                 },
             }
         )
+    # The whole body is in before ext_proc opens its stream (the module docstring says why).
     filters.append(
         {
-            "name": "envoy.filters.http.ext_proc",
+            "name": BUFFER_FILTER,
+            "typed_config": {"@type": BUFFER_TYPE, "max_request_bytes": buffer},
+        }
+    )
+    filters.append(
+        {
+            "name": EXT_PROC_FILTER,
             "typed_config": {
                 "@type": EXT_PROC_TYPE,
                 "grpc_service": {"envoy_grpc": {"cluster_name": "llm_extproc"}},
@@ -166,24 +219,47 @@ def render(
         "listener": {"per_connection_buffer_limit_bytes": buffer},
         "http_connection_manager": {
             "stream_idle_timeout": _seconds(max(_MIN_IDLE_S, longest_wait + 60)),
+            "request_headers_timeout": f"{REQUEST_HEADERS_TIMEOUT_S}s",
+            "request_timeout": f"{REQUEST_TIMEOUT_S}s",
+            "local_reply_config": local_reply_config(buffer),
         },
         "llm_routes": {"timeout": f"{LLM_ROUTE_TIMEOUT_S}s"},
+        # Every other route skips the sidecar and streams its body upstream unbuffered.
+        "other_routes": {
+            "typed_per_filter_config": {
+                EXT_PROC_FILTER: {"@type": EXT_PROC_PER_ROUTE_TYPE, "disabled": True},
+                BUFFER_FILTER: {"@type": BUFFER_PER_ROUTE_TYPE, "disabled": True},
+            }
+        },
     }
+
+
+_FILTER_MESSAGES: dict[str, type[Message]] = {
+    EXT_PROC_TYPE: ext_proc_pb2.ExternalProcessor,
+    EXT_PROC_PER_ROUTE_TYPE: ext_proc_pb2.ExtProcPerRoute,
+    BUFFER_TYPE: buffer_pb2.Buffer,
+    BUFFER_PER_ROUTE_TYPE: buffer_pb2.BufferPerRoute,
+    HEADER_MUTATION_TYPE: header_mutation_pb2.HeaderMutation,
+}
+
+
+def _parse_typed(typed_config: dict[str, Any]) -> None:
+    config = {k: v for k, v in typed_config.items() if k != "@type"}
+    json_format.ParseDict(config, _FILTER_MESSAGES[typed_config["@type"]]())
 
 
 def validate(rendered: dict[str, Any]) -> None:
     """Parse every rendered message with Envoy's own protobuf types; raises on a mistake."""
     rendered = copy.deepcopy(rendered)  # ParseDict consumes "@type" keys
     for f in rendered["http_filters"]:
-        config = {k: v for k, v in f["typed_config"].items() if k != "@type"}
-        message = (
-            ext_proc_pb2.ExternalProcessor()
-            if f["typed_config"]["@type"] == EXT_PROC_TYPE
-            else header_mutation_pb2.HeaderMutation()
-        )
-        json_format.ParseDict(config, message)
+        _parse_typed(f["typed_config"])
+    for typed_config in rendered["other_routes"]["typed_per_filter_config"].values():
+        _parse_typed(typed_config)
     for c in rendered["clusters"]:
         json_format.ParseDict(c, cluster_pb2.Cluster())
+    json_format.ParseDict(
+        rendered["http_connection_manager"], http_connection_manager_pb2.HttpConnectionManager()
+    )
 
 
 ROUTE_CONFIG_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"

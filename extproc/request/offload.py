@@ -14,7 +14,8 @@ usual; the worker finishes that job and its result is thrown away, and the count
 jobs comes down only when the worker is done with it, so the bound is on real work.
 
 The worker is started on the first large body, with the ``spawn`` method (a fresh
-interpreter: forking a process that runs an event loop and sockets is unsafe). If it dies,
+interpreter: forking a process that runs an event loop and sockets is unsafe), at a lower CPU
+priority than the event loop. If it dies,
 the bodies it held are parsed on the loop instead (logged; a rare, slow path, never an error
 for the client) and the next large body starts a new worker.
 """
@@ -26,6 +27,7 @@ import contextlib
 import functools
 import logging
 import multiprocessing
+import os
 from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -44,6 +46,11 @@ log = logging.getLogger("extproc.offload")
 # objects) costs about 4 ms there (64 KiB: 7.3 ms, 3.8 MB: 0.51 s, measured on the dev VM);
 # a typical chat body is a few KB, a 8k-token prompt about 32 KB.
 INLINE_BODY_BYTES = 32 * 1024
+
+
+# The worker runs at a lower CPU priority than the event loop: when both want a core, the
+# loop (every other request, and Envoy's 1 s message timeout) comes first.
+_WORKER_NICENESS = 10
 
 
 class Busy(Exception):
@@ -134,7 +141,10 @@ class Offload:
         try:
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(
-                    self._workers, mp_context=multiprocessing.get_context("spawn")
+                    self._workers,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=os.nice,
+                    initargs=(_WORKER_NICENESS,),
                 )
             job = self._pool.submit(_in_worker, policy, dict(headers), endpoint, body, route)
             self.pending += 1

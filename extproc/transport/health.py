@@ -3,6 +3,11 @@
 grpc.aio serves the same service with grpc_health's own servicer; this class offers the two
 calls the sidecar makes of that servicer (``set``, ``enter_graceful_shutdown``), so
 ``extproc.app`` drives either the same way.
+
+Bounds: a request is one message of at most the transport's ``max_message``; a watcher holds
+one queue of status changes (only the sidecar changes a status, a handful of times in its
+life) and its registry entry goes when its call ends, so what a peer can make this service
+hold is bounded by the calls the transport lets it open.
 """
 
 from __future__ import annotations
@@ -71,6 +76,10 @@ class H2Health:
                 await call.write(health_pb2.HealthCheckResponse(status=await q.get()))
         finally:
             watchers.discard(q)
+            if not watchers:
+                # Any name may be watched: keep an entry only while someone watches it, so
+                # the registry is bounded by the open calls (h2's max_streams).
+                self._watchers.pop(request.service, None)
 
 
 def _serialize(message: object) -> bytes:

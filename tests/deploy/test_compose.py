@@ -158,7 +158,7 @@ def test_compose_services_profiles_and_wiring() -> None:
     assert endpoint_address(cluster_named(envoy_cfg, "backend")) == ("backend", 8000)
     sim, vllm = services["sim"], services["vllm"]
     for backend in (sim, vllm):
-        assert "backend" in backend["networks"]["default"]["aliases"]
+        assert "backend" in backend["networks"]["backend"]["aliases"]
         assert "ports" not in backend, "a published backend port would bypass admission"
     assert sim["build"] == {"context": ".", "target": "sim"} and "sim" in stages
     assert flag(sim["command"], "--host") == "0.0.0.0" and flag(sim["command"], "--port") == "8000"
@@ -175,6 +175,30 @@ def test_compose_services_profiles_and_wiring() -> None:
     for service in services.values():
         for source in bind_mounts(service).values():
             assert source.exists(), source
+
+
+def networks_of(service: dict[str, Any]) -> set[str]:
+    """The networks a compose service joins (a list or a mapping; none given: `default`)."""
+    return set(service.get("networks", ["default"]))
+
+
+def test_only_envoy_can_reach_the_sidecars_grpc_port() -> None:
+    """The gRPC port is not published on the host, and the only service on a network with
+    the sidecar is Envoy: the backends (model code) cannot open ext_proc streams."""
+    services = compose()["services"]
+    extproc = services["extproc"]
+    (_, grpc_port) = flag(extproc["command"], "--listen").rsplit(":", 1)
+    published = [interpolate(p).split(":") for p in extproc.get("ports", [])]
+    assert all(container != grpc_port for *_, container in published), published
+    assert all(host == "127.0.0.1" for host, *_ in published), published
+    assert "expose" not in extproc
+    shares = {
+        name
+        for name, service in services.items()
+        if name != "extproc" and networks_of(service) & networks_of(extproc)
+    }
+    assert shares == {"envoy"}, shares
+    assert set(compose()["networks"]) >= networks_of(extproc) | networks_of(services["envoy"])
 
 
 def compose_cli() -> list[str] | None:

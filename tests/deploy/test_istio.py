@@ -1,14 +1,19 @@
 """deploy/istio/, checked without a cluster: the EnvoyFilter patches are applied to a filter
-chain as Istio applies them and compared with envoy/envoy.yaml; the sidecar's manifests are
-checked against the EnvoyFilter and the policy schema; the example routes, translated as Istio
-would, make a config the real Envoy 1.40 accepts. Two facts deploy/istio/README.md rests on
-(how ext_proc is scoped to routes, and that route header edits come after ext_proc) are pinned
-by running the real Envoy.
+chain and a connection manager as Istio applies them and compared with envoy/envoy.yaml; the
+DestinationRule's limits with envoy.yaml's ext_proc cluster; the sidecar's manifests against
+the EnvoyFilter and the policy schema; who may reach the sidecar (access.yaml: mutual TLS, the
+gateway's identity only, a NetworkPolicy) against the gateway the EnvoyFilter selects. The
+example routes, translated as Istio would, make a config the real Envoy 1.40 accepts, and that
+config serves through a real sidecar (a stand-in for Istio's cluster, without its TLS). Two
+facts deploy/istio/README.md rests on (how ext_proc is scoped to routes, and that route header
+edits come after ext_proc) are pinned by running the real Envoy.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -16,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from extproc.config.envoy import render
 from extproc.config.policy import policy_from_yaml
 from testing.dockerfile import flag
 from testing.envoy import (
@@ -25,11 +31,10 @@ from testing.envoy import (
     ROUTER_FILTER,
     added_clusters,
     apply_filter_patches,
-    assert_policy_fits,
     assert_valid,
     cluster_named,
-    endpoint_address,
     envoy_filter_patches,
+    grpc_cluster,
     hcm_config,
     http_filter_named,
     istio_docs,
@@ -40,59 +45,165 @@ from testing.envoy import (
     shipped_envoy,
     static_cluster,
     virtual_service_routes,
-    without_address,
 )
+from testing.harness import running_stack
 from testing.stack import REPO, free_port, running_envoy
 
 DEPLOY = REPO / "deploy"
-ROUTES_EXAMPLE = DEPLOY / "istio" / "examples" / "routes.yaml"
+ISTIO = DEPLOY / "istio"
+ROUTES_EXAMPLE = ISTIO / "examples" / "routes.yaml"
+GATEWAY_FILTER = ISTIO / "envoyfilter-gateway.yaml"
+ENVOY_FILTERS = [GATEWAY_FILTER, ISTIO / "examples" / "sidecar-inbound.yaml"]
+BUFFER_FILTER = "envoy.filters.http.buffer"
+HCM_SETTINGS = ("request_headers_timeout", "request_timeout", "local_reply_config")
+
+
+def manifests(name: str) -> dict[str, dict[str, Any]]:
+    """The documents of deploy/istio/NAME by kind (one of each kind per file)."""
+    docs = istio_docs(ISTIO / name)
+    by_kind = {d["kind"]: d for d in docs}
+    assert len(by_kind) == len(docs), name
+    return by_kind
 
 
 def extproc_manifests() -> dict[str, dict[str, Any]]:
-    return {d["kind"]: d for d in istio_docs(DEPLOY / "istio" / "extproc.yaml")}
+    return manifests("extproc.yaml")
 
 
-ENVOY_FILTERS = [
-    DEPLOY / "istio" / "envoyfilter-gateway.yaml",
-    DEPLOY / "istio" / "examples" / "sidecar-inbound.yaml",
-]
+def pod_labels() -> dict[str, str]:
+    return extproc_manifests()["Deployment"]["spec"]["template"]["metadata"]["labels"]  # type: ignore[no-any-return]
+
+
+def grpc_port() -> int:
+    service = extproc_manifests()["Service"]
+    return int(next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc"))
+
+
+def service_host() -> str:
+    meta = extproc_manifests()["Service"]["metadata"]
+    return f"{meta['name']}.{meta['namespace']}.svc.cluster.local"
+
+
+def outbound_cluster() -> str:
+    """The name Istio gives its cluster for the sidecar's Service port."""
+    return f"outbound|{grpc_port()}||{service_host()}"
+
+
+def destination_rule() -> dict[str, Any]:
+    (dr,) = [d for d in istio_docs(GATEWAY_FILTER) if d["kind"] == "DestinationRule"]
+    return dr
+
+
+def stand_in_cluster(port: int) -> dict[str, Any]:
+    """Istio's outbound cluster for the Service as Envoy would see it, minus discovery and
+    mutual TLS: HTTP/2 (the port's app protocol is grpc), the DestinationRule's limits, one
+    endpoint on 127.0.0.1:``port``."""
+    pool = destination_rule()["spec"]["trafficPolicy"]["connectionPool"]
+    cluster = grpc_cluster(
+        outbound_cluster(),
+        port,
+        circuit_breakers={
+            "max_connections": pool["tcp"]["maxConnections"],
+            "max_pending_requests": pool["http"]["http1MaxPendingRequests"],
+            "max_requests": pool["http"]["http2MaxRequests"],
+        },
+        connect_timeout=pool["tcp"]["connectTimeout"],
+    )
+    return cluster
+
+
+def gateway_chain(path: Path) -> list[dict[str, Any]]:
+    chain = [router_filter()]
+    apply_filter_patches(envoy_filter_patches(path), chain)
+    return chain
+
+
+def hcm_patch() -> dict[str, Any]:
+    """What the gateway EnvoyFilter MERGEs into the gateway's HTTP connection manager."""
+    (p,) = [p for p in envoy_filter_patches(GATEWAY_FILTER) if p["applyTo"] == "NETWORK_FILTER"]
+    assert p["patch"]["operation"] == "MERGE" and p["match"]["context"] == "GATEWAY"
+    value = p["patch"]["value"]
+    assert value["name"] == "envoy.filters.network.http_connection_manager"
+    return {k: v for k, v in value["typed_config"].items() if k != "@type"}
+
+
+def without_grpc_service(typed_config: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in typed_config.items() if k != "grpc_service"}
 
 
 @pytest.mark.parametrize("path", ENVOY_FILTERS, ids=lambda p: p.name)
-def test_istio_filters_and_cluster_are_those_of_envoy_yaml(path: Path) -> None:
+def test_istio_filters_are_those_of_envoy_yaml(path: Path) -> None:
+    """The same filters in the same order; ext_proc calls Istio's own (mutual TLS) cluster for
+    the sidecar's Service instead of a cluster of its own."""
     shipped = shipped_envoy()
-    patches = envoy_filter_patches(path)
-    chain = [router_filter()]
-    apply_filter_patches(patches, chain)
-    assert [f["name"] for f in chain] == [HEADER_MUTATION_FILTER, EXT_PROC_FILTER, ROUTER_FILTER]
+    chain = gateway_chain(path)
+    assert [f["name"] for f in chain] == [
+        HEADER_MUTATION_FILTER,
+        BUFFER_FILTER,
+        EXT_PROC_FILTER,
+        ROUTER_FILTER,
+    ]
     for f in chain[:2]:
         assert f["typed_config"] == http_filter_named(shipped, f["name"])["typed_config"], f["name"]
-    (ours,) = added_clusters(patches)
-    assert without_address(ours) == without_address(cluster_named(shipped, "llm_extproc"))
-    assert ours["type"] == "STRICT_DNS"
-    # It points at the sidecar's Service, on the port the container listens on.
+    ext_proc = chain[2]["typed_config"]
+    assert without_grpc_service(ext_proc) == without_grpc_service(
+        http_filter_named(shipped, EXT_PROC_FILTER)["typed_config"]
+    )
+    # Envoy sends envoy_grpc's cluster name as :authority unless told otherwise, and `|` is
+    # not a character an authority may hold.
+    assert ext_proc["grpc_service"] == {
+        "envoy_grpc": {"cluster_name": outbound_cluster(), "authority": service_host()}
+    }
+    assert added_clusters(envoy_filter_patches(path)) == []
+
+
+def test_istio_limits_and_transport_are_those_of_envoy_yaml() -> None:
+    """The DestinationRule gives Istio's cluster the limits of envoy.yaml's llm_extproc cluster,
+    over Istio's mutual TLS; the Service is one Istio makes an HTTP/2 EDS cluster for."""
+    dr = destination_rule()
+    assert dr["spec"]["host"] == service_host()
+    policy = dr["spec"]["trafficPolicy"]
+    assert policy["tls"] == {"mode": "ISTIO_MUTUAL"}
+    ours = stand_in_cluster(50051)
+    theirs = cluster_named(shipped_envoy(), "llm_extproc")
+    for key in ("circuit_breakers", "connect_timeout", "typed_extension_protocol_options"):
+        assert ours[key] == theirs[key], key
     manifests = extproc_manifests()
     service, deployment = manifests["Service"], manifests["Deployment"]
-    meta = service["metadata"]
+    # Not headless: for a headless Service Istio builds an ORIGINAL_DST cluster, which needs a
+    # downstream connection's destination that ext_proc's calls do not have.
+    assert service["spec"].get("clusterIP") != "None"
     grpc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
-    assert endpoint_address(ours) == (
-        f"{meta['name']}.{meta['namespace']}.svc.cluster.local",
-        grpc["port"],
-    )
+    assert grpc["appProtocol"] == "grpc"  # Istio speaks HTTP/2 to it
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports[grpc["targetPort"]] == grpc["port"]
     assert flag(container["args"], "--listen") == f"0.0.0.0:{grpc['port']}"
-    assert ours["name"] == chain[1]["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
 
 
-def test_istio_configmap_policy_loads_and_fits_the_envoyfilter() -> None:
-    manifests = extproc_manifests()
-    policy = policy_from_yaml(manifests["ConfigMap"]["data"]["policy.yaml"], "ConfigMap")
-    patches = envoy_filter_patches(ENVOY_FILTERS[0])
-    chain: list[dict[str, Any]] = []
-    apply_filter_patches([p for p in patches if p["patch"]["operation"] == "INSERT_FIRST"], chain)
-    chain += [p["patch"]["value"] for p in patches if p["patch"]["operation"] == "INSERT_BEFORE"]
-    (ours,) = added_clusters(patches)
-    assert_policy_fits(policy, chain, ours)
+def test_istio_gateway_connection_manager_settings_are_envoy_yamls() -> None:
+    assert hcm_patch() == {k: hcm_config(shipped_envoy())[k] for k in HCM_SETTINGS}
+
+
+def test_istio_configmap_policy_loads_and_fits_the_gateway_patches() -> None:
+    """What `llm-extproc render-envoy` derives from the ConfigMap's policy is what the gateway
+    patches and the DestinationRule carry."""
+    policy = policy_from_yaml(extproc_manifests()["ConfigMap"]["data"]["policy.yaml"], "ConfigMap")
+    rendered = render(policy)
+    chain = gateway_chain(GATEWAY_FILTER)[:-1]
+    assert [f["name"] for f in chain] == [f["name"] for f in rendered["http_filters"]]
+    for ours, theirs in zip(chain, rendered["http_filters"], strict=True):
+        assert without_grpc_service(ours["typed_config"]) == without_grpc_service(
+            theirs["typed_config"]
+        )
+    rendered_cluster = rendered["clusters"][0]
+    ours = stand_in_cluster(50051)
+    for key in ("circuit_breakers", "connect_timeout"):
+        assert ours[key] == rendered_cluster[key], key
+    assert hcm_patch() == {k: rendered["http_connection_manager"][k] for k in HCM_SETTINGS}
+    # The gateway keeps Envoy's default stream_idle_timeout (300 s), which is what the policy
+    # needs: a queued request must not be cut off while it waits in silence.
+    assert rendered["http_connection_manager"]["stream_idle_timeout"] == "300s"
 
 
 def test_istio_sidecar_deployment() -> None:
@@ -114,20 +225,122 @@ def test_istio_sidecar_deployment() -> None:
     assert volume["configMap"]["name"] == manifests["ConfigMap"]["metadata"]["name"]
     assert flag(container["args"], "--policy") == f"{mount['mountPath']}/policy.yaml"
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
-    # Drain: preStop, then up to --grace (the CLI default) within the termination period.
+    # In the mesh, with an identity of its own.
+    assert manifests["Namespace"]["metadata"]["labels"]["istio-injection"] == "enabled"
+    assert pod["metadata"]["labels"]["sidecar.istio.io/inject"] == "true"
+    assert pod["spec"]["serviceAccountName"] == manifests["ServiceAccount"]["metadata"]["name"]
+    # Drain: preStop, then up to --grace (the CLI default) within the termination period,
+    # with the istio-proxy still up for all of it.
     prestop = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
     assert pod["spec"]["terminationGracePeriodSeconds"] > prestop + 30
+    proxy = json.loads(pod["metadata"]["annotations"]["proxy.istio.io/config"])
+    assert seconds(proxy["terminationDrainDuration"]) >= prestop + 30
     for doc in manifests.values():
         if doc["kind"] != "Namespace":
             assert doc["metadata"]["namespace"] == manifests["Namespace"]["metadata"]["name"]
 
 
+def seconds(duration: str) -> float:
+    assert duration.endswith("s"), duration
+    return float(duration[:-1])
+
+
+def test_istio_inbound_proxy_outlasts_the_longest_request() -> None:
+    """The pod's istio-proxy holds each request's gRPC stream, silent, for the request's whole
+    life: its stream idle timeout must outlast the LLM routes' timeout, here and in the
+    example VirtualService."""
+    ef = extproc_manifests()["EnvoyFilter"]
+    assert ef["spec"]["workloadSelector"]["labels"].items() <= pod_labels().items()
+    (p,) = ef["spec"]["configPatches"]
+    assert p["applyTo"] == "NETWORK_FILTER" and p["patch"]["operation"] == "MERGE"
+    assert p["match"]["context"] == "SIDECAR_INBOUND"
+    assert p["match"]["listener"]["portNumber"] == grpc_port()
+    idle = seconds(p["patch"]["value"]["typed_config"]["stream_idle_timeout"])
+    routes = hcm_config(shipped_envoy())["route_config"]["virtual_hosts"][0]["routes"]
+    timeouts = [seconds(r["route"]["timeout"]) for r in routes]
+    timeouts += [seconds(r["route"]["timeout"]) for r in virtual_service_routes(ROUTES_EXAMPLE)]
+    assert idle > max(timeouts), (idle, timeouts)
+
+
+def test_only_the_gateway_can_reach_the_grpc_port() -> None:
+    """Mutual TLS required, the gateway's identity the only one allowed on the gRPC port, and
+    below Istio a NetworkPolicy that admits only the gateway's pods to it (and Prometheus to
+    the metrics ports). The gateway is the one envoyfilter-gateway.yaml selects."""
+    access = manifests("access.yaml")
+    labels, grpc = pod_labels(), grpc_port()
+    (gateway,) = [d for d in istio_docs(GATEWAY_FILTER) if d["kind"] == "EnvoyFilter"]
+    gateway_ns = gateway["metadata"]["namespace"]
+    gateway_labels = gateway["spec"]["workloadSelector"]["labels"]
+    for doc in access.values():
+        assert doc["metadata"]["namespace"] == extproc_manifests()["Namespace"]["metadata"]["name"]
+
+    peer = access["PeerAuthentication"]["spec"]
+    assert peer["selector"]["matchLabels"].items() <= labels.items()
+    assert peer["mtls"] == {"mode": "STRICT"}
+    assert set(peer.get("portLevelMtls", {})) == {9464}  # the gRPC port is never relaxed
+
+    authz = access["AuthorizationPolicy"]["spec"]
+    assert authz["selector"]["matchLabels"].items() <= labels.items()
+    assert authz["action"] == "ALLOW"
+    for rule in authz["rules"]:
+        ports = {port for op in rule["to"] for port in op["operation"]["ports"]}
+        assert ports, "a rule without ports allows every port"
+        if str(grpc) in ports:
+            assert ports == {str(grpc)}
+            (source,) = rule["from"]
+            assert source == {
+                "source": {
+                    "principals": [
+                        f"cluster.local/ns/{gateway_ns}/sa/istio-ingressgateway-service-account"
+                    ]
+                }
+            }
+        else:
+            assert ports == {"9464"}
+
+    netpol = access["NetworkPolicy"]["spec"]
+    assert netpol["podSelector"]["matchLabels"].items() <= labels.items()
+    assert netpol["policyTypes"] == ["Ingress"]
+    for rule in netpol["ingress"]:
+        assert rule.get("from"), "a rule without `from` admits every pod"
+        ports = {p["port"] for p in rule["ports"]}
+        if grpc in ports:
+            assert ports == {grpc}
+            (peer_pods,) = rule["from"]
+            assert peer_pods == {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": gateway_ns}},
+                "podSelector": {"matchLabels": gateway_labels},
+            }
+        else:
+            assert ports <= {9464, 15020}, ports  # the metrics and Istio's merged metrics
+
+
 def test_istio_gateway_with_example_routes_validates_in_envoy(tmp_path: Path) -> None:
     """The gateway EnvoyFilter's filters and cluster, plus the example routes with their
     HTTP_ROUTE merge patches applied, make a config the real Envoy accepts."""
-    patches = envoy_filter_patches(ENVOY_FILTERS[0])
-    chain = [router_filter()]
-    apply_filter_patches(patches, chain)
+    routes = example_routes()
+    by_name = {r["name"]: r for r in routes}
+    # The metadata names a bucket of the ConfigMap's policy; the catch-all skips the buffer and
+    # ext_proc, as envoy/envoy.yaml's does.
+    policy = policy_from_yaml(extproc_manifests()["ConfigMap"]["data"]["policy.yaml"])
+    bucket = by_name["llm-priority"]["metadata"]["filter_metadata"]["llm_extproc"]["bucket"]
+    assert bucket in {b.name for b in policy.buckets}
+    (vhost,) = hcm_config(shipped_envoy())["route_config"]["virtual_hosts"]
+    catch_all = vhost["routes"][-1]
+    assert catch_all["match"] == {"prefix": "/"}
+    assert by_name["llm-other"]["typed_per_filter_config"] == catch_all["typed_per_filter_config"]
+    # LLM routes echo the effective max_tokens, as envoy/envoy.yaml's virtual host does.
+    for name in ("llm-priority", "llm-chat", "llm-completions"):
+        assert by_name[name]["response_headers_to_add"] == vhost["response_headers_to_add"], name
+    clusters = [stand_in_cluster(50051), static_cluster("backend", 8000)]
+    assert_valid(gateway_bootstrap(routes, clusters, 10000), tmp_path)
+    sidecar_chain = gateway_chain(ENVOY_FILTERS[1])
+    assert_valid(minimal_bootstrap(sidecar_chain, clusters, routes), tmp_path)
+
+
+def example_routes() -> list[dict[str, Any]]:
+    """examples/routes.yaml's VirtualService routes, translated as Istio would, with the
+    example's HTTP_ROUTE merge patches applied."""
     routes = virtual_service_routes(ROUTES_EXAMPLE)
     by_name = {r["name"]: r for r in routes}
     (route_filter,) = [d for d in istio_docs(ROUTES_EXAMPLE) if d["kind"] == "EnvoyFilter"]
@@ -136,22 +349,80 @@ def test_istio_gateway_with_example_routes_validates_in_envoy(tmp_path: Path) ->
         istio_merge(
             by_name[p["match"]["routeConfiguration"]["vhost"]["route"]["name"]], p["patch"]["value"]
         )
-    # The metadata names a bucket of the ConfigMap's policy; the catch-all skips ext_proc.
-    policy = policy_from_yaml(extproc_manifests()["ConfigMap"]["data"]["policy.yaml"])
-    bucket = by_name["llm-priority"]["metadata"]["filter_metadata"]["llm_extproc"]["bucket"]
-    assert bucket in {b.name for b in policy.buckets}
-    assert by_name["llm-other"]["typed_per_filter_config"][EXT_PROC_FILTER]["disabled"] is True
-    # LLM routes echo the effective max_tokens, as envoy/envoy.yaml's virtual host does.
-    (vhost,) = hcm_config(shipped_envoy())["route_config"]["virtual_hosts"]
-    for name in ("llm-priority", "llm-chat", "llm-completions"):
-        assert by_name[name]["response_headers_to_add"] == vhost["response_headers_to_add"], name
-    clusters = [*added_clusters(patches), static_cluster("backend", 8000)]
-    assert_valid(minimal_bootstrap(chain, clusters, routes), tmp_path)
-    sidecar_chain = [router_filter()]
-    sidecar_patches = envoy_filter_patches(ENVOY_FILTERS[1])
-    apply_filter_patches(sidecar_patches, sidecar_chain)
-    clusters = [*added_clusters(sidecar_patches), static_cluster("backend", 8000)]
-    assert_valid(minimal_bootstrap(sidecar_chain, clusters, routes), tmp_path)
+    return routes
+
+
+def gateway_bootstrap(
+    routes: list[dict[str, Any]], clusters: list[dict[str, Any]], port: int
+) -> dict[str, Any]:
+    """A gateway as the patches make it: the filter chain, and the connection manager with
+    the MERGE applied (no admin listener)."""
+    cfg = minimal_bootstrap(gateway_chain(GATEWAY_FILTER), clusters, routes, port)
+    istio_merge(hcm_config(cfg), hcm_patch())
+    return cfg
+
+
+def test_istio_gateway_serves_through_the_sidecar_on_the_real_envoy(tmp_path: Path) -> None:
+    """The gateway's patches and the example routes on the real Envoy, with a stand-in for
+    Istio's cluster (same name, limits and HTTP/2; plain text instead of Istio's mutual TLS)
+    pointing at a real sidecar with the ConfigMap's policy: an LLM request is admitted and
+    clamped, a 3 MiB body passes and a 4 MiB one gets the stable 413, a slow one gets 408 after
+    the shipped request_timeout is cut to 2 s."""
+    policy = extproc_manifests()["ConfigMap"]["data"]["policy.yaml"]
+    port = free_port()
+    with running_stack(tmp_path, policy, start_envoy=False) as stack:
+        routes = example_routes()
+        clusters = [
+            stand_in_cluster(stack.extproc_port),
+            static_cluster("backend", stack.backend_port),
+        ]
+        cfg = gateway_bootstrap(routes, clusters, port)
+        hcm_config(cfg)["request_timeout"] = "2s"
+        with running_envoy(cfg, tmp_path, port):
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999}
+            req = urllib.request.Request(
+                url,
+                data=json.dumps(body).encode(),
+                headers={"content-type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=10) as r:
+                assert r.status == 200 and r.headers["x-llm-max-tokens"] == "1024"
+                echo = json.loads(r.read())["echo"]
+            assert echo["headers"]["x-llm-bucket"] == "batch"
+            assert json.loads(echo["body"])["max_tokens"] == 1024
+            # The buffer filter's max_request_bytes (4 MiB) is the limit on these routes, even
+            # with the listener at Envoy's default buffer limit of 1 MiB (as here; Istio's
+            # EDGE profile: 32 KiB).
+            assert (
+                "per_connection_buffer_limit_bytes" not in cfg["static_resources"]["listeners"][0]
+            )
+
+            def with_padding(n: int) -> urllib.request.Request:
+                return urllib.request.Request(
+                    url,
+                    data=json.dumps({**body, "padding": "p" * n}).encode(),
+                    headers={"content-type": "application/json"},
+                )
+
+            with urllib.request.urlopen(with_padding(3 * 1024 * 1024), timeout=10) as r:
+                assert r.status == 200
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(with_padding(4 * 1024 * 1024), timeout=10)
+            assert refused.value.code == 413
+            assert json.loads(refused.value.read())["error"]["code"] == "body_too_large"
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                    b"content-type: application/json\r\ncontent-length: 100\r\n\r\n{"
+                )
+                answer = b""
+                while chunk := s.recv(65536):
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == (
+                "request_timeout"
+            )
 
 
 def test_ext_proc_default_on_and_opt_in_modes_with_the_real_envoy(tmp_path: Path) -> None:
@@ -164,9 +435,7 @@ def test_ext_proc_default_on_and_opt_in_modes_with_the_real_envoy(tmp_path: Path
     (ext_proc,) = [
         p["patch"]["value"] for p in patches if p["patch"]["value"].get("name") == EXT_PROC_FILTER
     ]
-    (ours,) = added_clusters(patches)
-    dead = static_cluster(ours["name"], free_port())  # nothing listens there
-    dead["typed_extension_protocol_options"] = ours["typed_extension_protocol_options"]
+    dead = stand_in_cluster(free_port())  # nothing listens there
 
     def per_route(config: dict[str, Any]) -> dict[str, Any]:
         return {EXT_PROC_FILTER: {"@type": EXT_PROC_PER_ROUTE_TYPE, **config}}

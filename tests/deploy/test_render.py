@@ -36,10 +36,26 @@ def shipped() -> dict[str, Any]:
         "listener": {
             "per_connection_buffer_limit_bytes": listener["per_connection_buffer_limit_bytes"]
         },
-        "http_connection_manager": {"stream_idle_timeout": hcm["stream_idle_timeout"]},
+        "http_connection_manager": {
+            k: hcm[k]
+            for k in (
+                "stream_idle_timeout",
+                "request_headers_timeout",
+                "request_timeout",
+                "local_reply_config",
+            )
+        },
         "llm_route_timeouts": {
             r["route"]["timeout"] for r in routes if r["match"].get("path") in LLM_PATHS
         },
+        "llm_route_filter_configs": [
+            r.get("typed_per_filter_config") for r in routes if r["match"].get("path") in LLM_PATHS
+        ],
+        "other_routes": [
+            {"typed_per_filter_config": r["typed_per_filter_config"]}
+            for r in routes
+            if r["match"].get("path") not in LLM_PATHS
+        ],
     }
 
 
@@ -52,6 +68,9 @@ def test_shipped_envoy_yaml_is_what_render_gives_for_the_default_policy() -> Non
     assert have["listener"] == rendered["listener"]
     assert have["http_connection_manager"] == rendered["http_connection_manager"]
     assert have["llm_route_timeouts"] == {rendered["llm_routes"]["timeout"]}
+    # LLM routes run every filter; every other route skips the buffer and ext_proc.
+    assert have["llm_route_filter_configs"] == [None, None, None]
+    assert have["other_routes"] == [rendered["other_routes"]]
 
 
 def test_render_follows_the_policy() -> None:
@@ -65,11 +84,25 @@ buckets:
     r = render(policy, longest_route_queue_timeout_s=30)
     ext_proc = r["http_filters"][-1]["typed_config"]
     assert ext_proc["max_message_timeout"] == "601s"
-    assert [f["name"] for f in r["http_filters"]] == ["envoy.filters.http.ext_proc"]
+    assert [f["name"] for f in r["http_filters"]] == [
+        "envoy.filters.http.buffer",
+        "envoy.filters.http.ext_proc",
+    ]
     breakers = r["clusters"][0]["circuit_breakers"]["thresholds"][0]
     assert breakers["max_requests"] == 20010 + 1024
     assert r["listener"]["per_connection_buffer_limit_bytes"] == 8 * 1024 * 1024
     assert r["http_connection_manager"]["stream_idle_timeout"] == "660s"
+    # The buffer filter sits before ext_proc and holds as much as the listener does.
+    assert r["http_filters"][0]["typed_config"]["max_request_bytes"] == 8 * 1024 * 1024
+    # The request's own bytes only: on Envoy 1.40 the wait in the queue does not count.
+    assert r["http_connection_manager"]["request_timeout"] == "60s"
+    assert r["http_connection_manager"]["request_headers_timeout"] == "10s"
+    (too_large,) = [
+        m["body_format_override"]["json_format"]["error"]
+        for m in r["http_connection_manager"]["local_reply_config"]["mappers"]
+        if m["body_format_override"]["json_format"]["error"]["code"] == "body_too_large"
+    ]
+    assert "8388608 bytes" in too_large["message"]
     # A route override waiting longer than the file's buckets raises the limit.
     assert (
         render(policy, longest_route_queue_timeout_s=3600)["http_filters"][-1]["typed_config"][

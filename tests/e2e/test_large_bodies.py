@@ -66,13 +66,15 @@ def test_a_burst_of_worst_shape_bodies_leaves_honest_requests_fast(tmp_path: Pat
         for t in senders:
             t.join(30)
 
-        # Every large body was answered by the sidecar: 413 (the estimate is ~960k tokens,
-        # over the limit) once parsed, or 429 busy while eight were being parsed.
+        # Every large body was answered by the sidecar, none by Envoy's 504: 413 once parsed
+        # (the estimate is ~960k tokens, over the limit), or 429 busy.
         codes = sorted(json.loads(body)["error"]["code"] for _, body, _ in big)
         assert len(codes) == 10 and set(codes) <= {"prompt_too_long", "busy"}, sorted(
             (json.loads(b)["error"]["code"], round(t, 2)) for _, b, t in big
         )
-        assert codes.count("prompt_too_long") >= 8
+        # At least one was parsed in the worker; the others were refused at once (eight
+        # pending) or when the worker could not reach them within their deadline.
+        assert "prompt_too_long" in codes
         assert len(honest) >= 20 and {s for s, _ in honest} == {200}
         p99 = percentile([s for _, s in honest], 99)
         assert p99 is not None and p99 < 0.1, f"honest p99 {p99 * 1000:.0f} ms during the burst"

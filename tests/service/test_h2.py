@@ -17,6 +17,7 @@ from extproc.transport import h2
 from extproc.transport.h2 import (
     CONTINUATION,
     DATA,
+    DEFAULT_WINDOW,
     END_HEADERS,
     END_STREAM,
     GOAWAY,
@@ -130,7 +131,12 @@ async def echo(call: h2.Call) -> None:
 Started = Callable[[H2Server, dict[str, Any]], Awaitable[None]]
 
 
-def run(test: Started, extra: dict[str, Method] | None = None, max_message: int = 1000) -> None:
+def run(
+    test: Started,
+    extra: dict[str, Method] | None = None,
+    max_message: int = 1000,
+    **limits: Any,
+) -> None:
     async def main() -> None:
         state: dict[str, Any] = {"cancelled": 0, "started": asyncio.Event()}
 
@@ -153,7 +159,7 @@ def run(test: Started, extra: dict[str, Method] | None = None, max_message: int 
             "/t.T/Big": Method(big, ident, ident),
             **(extra or {}),
         }
-        server = H2Server(methods, max_message=max_message)
+        server = H2Server(methods, max_message=max_message, **limits)
         state["port"] = await server.listen("127.0.0.1", 0)
         try:
             await asyncio.wait_for(test(server, state), 10)
@@ -190,10 +196,17 @@ def test_settings_and_ping_are_acknowledged() -> None:
         assert (SETTINGS, 1, 0, b"") in frames  # our SETTINGS acknowledged
         ours = next(f for f in frames if f[0] == SETTINGS and f[1] == 0)
         settings = dict(struct.iter_unpack(">HL", ours[3]))
-        assert settings[4] == 2**31 - 1  # INITIAL_WINDOW_SIZE
+        # INITIAL_WINDOW_SIZE: one whole message (never below the protocol's default), not
+        # 2^31-1: what a stream may send beyond what its method read is what we buffer.
+        assert settings[4] == server.limits.stream_window == 100_000 + 5
+        assert settings[3] == server.limits.max_streams  # MAX_CONCURRENT_STREAMS
+        assert settings[6] == h2.MAX_HEADER_LIST == 8 * 1024  # MAX_HEADER_LIST_SIZE
+        # The connection window is opened to what a connection may buffer (4 messages).
+        update = next(f for f in frames if f[0] == WINDOW_UPDATE)
+        assert DEFAULT_WINDOW + struct.unpack(">L", update[3])[0] == 4 * 100_000
         c.close()
 
-    run(t)
+    run(t, max_message=100_000)
 
 
 def test_unknown_method_is_unimplemented_trailers_only() -> None:
@@ -205,7 +218,8 @@ def test_unknown_method_is_unimplemented_trailers_only() -> None:
         assert flags & END_STREAM and sid == 1
         block = c.decode(payload)
         assert block[":status"] == "200" and block["grpc-status"] == "12"
-        assert "/t.T/Nope" in block["grpc-message"]
+        # A fixed message: nothing the peer sent is echoed back.
+        assert block["grpc-message"] == "unknown method"
         c.close()
 
     run(t)
@@ -367,9 +381,7 @@ def test_header_cache_is_exact_while_the_table_changes() -> None:
     run(t)
 
 
-def test_streams_above_the_limit_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(h2, "MAX_CONCURRENT_STREAMS", 2)
-
+def test_streams_above_the_limit_are_refused() -> None:
     async def t(server: H2Server, st: dict[str, Any]) -> None:
         c = await Client.connect(st["port"])
         for sid in (1, 3, 5):
@@ -379,7 +391,7 @@ def test_streams_above_the_limit_are_refused(monkeypatch: pytest.MonkeyPatch) ->
         assert sorted(next(iter(server.connections)).calls) == [1, 3]
         c.close()
 
-    run(t)
+    run(t, max_streams=2)
 
 
 def test_frame_above_the_announced_size_ends_the_connection() -> None:
