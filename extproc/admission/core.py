@@ -11,8 +11,8 @@ request asks with ``enqueue``; the answer is one of
   buckets together) would pass ``max_queued_bytes``; nothing is held.
 
 Every call takes ``now`` from the caller and returns what changed; nothing here sleeps, reads a
-clock or knows about asyncio (the asyncio shell is ``extproc.gate``). Tests drive it with plain
-numbers.
+clock or knows about asyncio (the asyncio shell is ``extproc.admission.gate``). Tests drive
+it with plain numbers.
 
 Rules (the invariants tests check):
 1. A slot is taken only by ``enqueue`` (fast path) or by a hand-over from ``release``, ``cancel``

@@ -18,7 +18,7 @@ What it accepts, on purpose strict where laxness would let a request slip past t
 - ``stream``: a boolean or null.
 
 Prompt text is gathered as a tuple of strings; counting it is the next stage's job
-(``extproc.classify``), so the tokenizer choice stays out of parsing.
+(``extproc.request.classify``), so the tokenizer choice stays out of parsing.
 """
 
 from __future__ import annotations

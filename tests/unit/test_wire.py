@@ -1,4 +1,4 @@
-"""extproc.wire writes the same messages the protobuf API would, field for field."""
+"""extproc.request.respond writes the same messages the protobuf API would, field for field."""
 
 from __future__ import annotations
 
