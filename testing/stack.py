@@ -19,7 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +133,8 @@ class Stack:
     ``start_envoy=False`` starts the backend (and the sidecar, if asked) only;
     ``ext_proc=False`` and ``backend_circuit_breakers`` are passed to
     :func:`render_envoy_config` (plain Envoy, breakers on the backend cluster).
+    A port taken between picking it and Envoy binding it (another process's connection got it)
+    is picked again: Envoy is started up to three times.
     """
 
     def __init__(
@@ -151,8 +153,15 @@ class Stack:
         ext_proc: bool = True,
         backend_circuit_breakers: Mapping[str, int] | None = None,
         transport: str | None = None,
+        envoy_source: Path | None = None,
+        envoy_patch: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.backend_argv = list(backend_argv)
+        # Envoy's config: ``envoy_source`` (default envoy/envoy.yaml) with the stack's ports,
+        # then ``envoy_patch`` applied to the parsed dict (a test's shorter timeouts, smaller
+        # breakers).
+        self.envoy_source = envoy_source
+        self.envoy_patch = envoy_patch
         self.transport = transport  # the sidecar's --transport (None: its default)
         self.start_envoy = start_envoy
         self.ext_proc = ext_proc
@@ -211,47 +220,62 @@ class Stack:
                 self.start_sidecar_proc()
             if not self.start_envoy:
                 return self
-            cfg = self.log_dir / "envoy.yaml"
-            text = render_envoy_config(
-                listener_port=self.listener_port,
-                backend_port=self.backend_port,
-                extproc_port=self.extproc_port,
-                admin_port=self.admin_port,
-                failure_mode_allow=self.failure_mode_allow,
-                access_log=self.access_log_path if self.access_log else None,
-                ext_proc=self.ext_proc,
-                backend_circuit_breakers=self.backend_circuit_breakers,
-            )
-            if self.tls is not None:
-                text = with_upstream_tls(text, self.tls)
-            if self.rds:
-                text, routes = with_file_rds(text, self.routes_path.parent)
-                self.routes_path.parent.mkdir(exist_ok=True)
-                self.write_routes(routes)
-            cfg.write_text(text)
-            envoy = self.procs["envoy"] = Proc(
-                "envoy",
-                [
-                    envoy_binary(),
-                    "-c",
-                    str(cfg),
-                    "--concurrency",
-                    str(self.envoy_concurrency),
-                    "--disable-hot-restart",
-                    "--log-level",
-                    "warning",
-                    # Access-log lines reach the file within 100 ms (default 10 s).
-                    "--file-flush-interval-msec",
-                    "100",
-                ],
-                self.log_dir,
-            )
-            wait_http(f"http://127.0.0.1:{self.admin_port}/ready", proc=envoy)
+            for attempt in range(3):
+                try:
+                    self._start_envoy()
+                    break
+                except RuntimeError as e:
+                    if "Address already in use" not in str(e) or attempt == 2:
+                        raise
+                    self.listener_port, self.admin_port = free_port(), free_port()
         except BaseException:
             self.dump_logs()
             self.stop()
             raise
         return self
+
+    def _start_envoy(self) -> None:
+        cfg = self.log_dir / "envoy.yaml"
+        text = render_envoy_config(
+            listener_port=self.listener_port,
+            backend_port=self.backend_port,
+            extproc_port=self.extproc_port,
+            admin_port=self.admin_port,
+            failure_mode_allow=self.failure_mode_allow,
+            access_log=self.access_log_path if self.access_log else None,
+            ext_proc=self.ext_proc,
+            backend_circuit_breakers=self.backend_circuit_breakers,
+            **({"source": self.envoy_source} if self.envoy_source is not None else {}),
+        )
+        if self.envoy_patch is not None:
+            patched = yaml.safe_load(text)
+            self.envoy_patch(patched)
+            text = yaml.safe_dump(patched, sort_keys=False)
+        if self.tls is not None:
+            text = with_upstream_tls(text, self.tls)
+        if self.rds:
+            text, routes = with_file_rds(text, self.routes_path.parent)
+            self.routes_path.parent.mkdir(exist_ok=True)
+            self.write_routes(routes)
+        cfg.write_text(text)
+        envoy = self.procs["envoy"] = Proc(
+            "envoy",
+            [
+                envoy_binary(),
+                "-c",
+                str(cfg),
+                "--concurrency",
+                str(self.envoy_concurrency),
+                "--disable-hot-restart",
+                "--log-level",
+                "warning",
+                # Access-log lines reach the file within 100 ms (default 10 s).
+                "--file-flush-interval-msec",
+                "100",
+            ],
+            self.log_dir,
+        )
+        wait_http(f"http://127.0.0.1:{self.admin_port}/ready", proc=envoy)
 
     def start_sidecar_proc(self) -> Proc:
         argv = [

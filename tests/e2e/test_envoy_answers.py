@@ -30,7 +30,6 @@ from typing import Any
 
 from testing.envoy import cluster_named, hcm_config
 from testing.harness import gauge, running_stack
-from tests.e2e.patched_envoy import running_patched
 
 BODY = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
 
@@ -128,7 +127,7 @@ def raw(port: int, data: bytes, timeout: float = 10) -> tuple[int, bytes, float]
 def test_envoys_own_answers_carry_stable_codes(tmp_path: Path) -> None:
     """Each of Envoy's own answers gets its fixed code and type, never Envoy's detail string
     (that goes to the access log)."""
-    with running_patched(tmp_path, None, shortened) as stack:
+    with running_stack(tmp_path, None, envoy_patch=shortened) as stack:
         port = stack.listener_port
         answers: dict[str, tuple[int, dict[str, Any]]] = {}
 
@@ -266,7 +265,7 @@ def test_request_timeout_ends_when_the_client_has_sent_everything(tmp_path: Path
     def two_seconds(cfg: dict[str, Any]) -> None:
         hcm_config(cfg)["request_timeout"] = "2s"
 
-    with running_patched(tmp_path, ONE_SLOT, two_seconds) as stack:
+    with running_stack(tmp_path, ONE_SLOT, envoy_patch=two_seconds) as stack:
         url = f"{stack.url}/v1/chat/completions"
         held: list[tuple[int, bytes, float]] = []
         holder = threading.Thread(

@@ -36,9 +36,8 @@ import pytest
 
 from bench.common.stats import percentile
 from testing.envoy import SHIPPED_ENVOY, cluster_named
-from testing.harness import outcomes, wait_idle
+from testing.harness import outcomes, running_stack, wait_idle
 from testing.stack import Stack
-from tests.e2e.patched_envoy import running_patched
 
 POLICY = """
 buckets:
@@ -67,7 +66,9 @@ def scale_down_breakers(cfg: dict[str, Any]) -> None:
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
-    with running_patched(tmp_path, POLICY, scale_down_breakers, source=ENVOY_SOURCE) as s:
+    with running_stack(
+        tmp_path, POLICY, envoy_patch=scale_down_breakers, envoy_source=ENVOY_SOURCE
+    ) as s:
         yield s
 
 
