@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from extproc.admission.gate import Gate
 from extproc.config.policy import Policy, load_policy, policy_from_yaml
 from extproc.contract import EXT_PROC_SERVICE, PROCESS_METHOD
+from extproc.control import PoolControl
 from extproc.ops.metrics import Metrics, serve_metrics
 from extproc.request import respond
 from extproc.service import ExtProcService
@@ -134,11 +135,15 @@ class Sidecar:
         )
         self.gate: Gate | None = None
         self.metrics: Metrics | None = None
+        self.control: PoolControl | None = None
 
     async def start(self) -> None:
         self.gate = gate = Gate(self.policy)
-        self.metrics = metrics = Metrics(gate.statistics)
+        self.metrics = metrics = Metrics(gate.statistics, lambda: control.gauges())
         self.service = ExtProcService(self.policy, gate, metrics)
+        self.control = control = PoolControl(gate, metrics)
+        control.apply(self.policy)
+        control.start()
         if self.transport == "h2":
             self._server = await self._start_h2()
         else:
@@ -223,6 +228,8 @@ class Sidecar:
         try:
             policy = load_policy(self.policy_path)
             self.service.apply_policy(policy)
+            if self.control is not None:
+                self.control.apply(policy)
         except Exception as e:  # PolicyError, or a tokenizer that does not load
             self.metrics.policy_reloads.labels("error").inc()
             log.error("policy reload refused, keeping the current policy: %s", e)
@@ -253,7 +260,7 @@ class Sidecar:
             last = now
 
     def debug_queues(self) -> dict[str, object]:
-        """Each bucket, and each live route share, as JSON."""
+        """Each bucket, each live route share and the shared pool, as JSON."""
         assert self.gate is not None and self.service is not None
         out: dict[str, object] = {
             name: {
@@ -263,12 +270,21 @@ class Sidecar:
                 "max_queue": s.max_queue,
                 "mean_hold_s": s.mean_hold_s,
                 "queued_bytes": s.queued_bytes,
+                **(
+                    {"pool": s.pool, "priority": s.priority, "tokens_in_flight": s.tokens_in_flight}
+                    if s.pool is not None
+                    else {}
+                ),
             }
             for name, s in self.gate.statistics().items()
         }
-        # Route shares are named "<bucket>/route-<n>": never a bucket name (no "/" allowed).
+        # Route shares are named "<bucket>/route-<n>" and the pool "/pool": never a bucket
+        # name (no "/" allowed in those).
         for key, share in self.service.route_shares().items():
             out[key] = {**share, "route_share": True}
+        pool = self.control.debug() if self.control is not None else None
+        if pool is not None:
+            out["/pool"] = {**pool, "pool": True}
         return out
 
     async def stop(self, grace: float | None = 5.0) -> None:
@@ -277,6 +293,8 @@ class Sidecar:
         closes (cancelling whatever is left)."""
         if self._watch_task is not None:
             self._watch_task.cancel()
+        if self.control is not None:
+            await self.control.stop()
         await self._health.enter_graceful_shutdown()
         if self.service is not None:
             self.service.stop_admitting()

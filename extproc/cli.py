@@ -26,7 +26,23 @@ def _policy(path: str | None) -> Policy:
     return load_policy(path) if path else default_policy()
 
 
+def _deadline_problems(policy: Policy, envoy_path: str) -> list[str]:
+    """The policy's queue deadlines that the Envoy config at ``envoy_path`` cannot honour."""
+    from extproc.config.envoy import deadline_problems
+
+    try:
+        config = yaml.safe_load(Path(envoy_path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        return [f"cannot read the Envoy config {envoy_path}: {e}"]
+    if not isinstance(config, dict):
+        return [f"the Envoy config {envoy_path} is not a YAML mapping"]
+    return deadline_problems(policy, config)
+
+
 async def _serve(args: argparse.Namespace) -> None:
+    if args.envoy_config:
+        for problem in _deadline_problems(_policy(args.policy), args.envoy_config):
+            logging.getLogger("extproc").error("deadline cannot be honoured: %s", problem)
     tls = None
     if args.tls_cert or args.tls_key or args.tls_client_ca:
         if not (args.tls_cert and args.tls_key):
@@ -136,11 +152,21 @@ def main(argv: list[str] | None = None) -> int:
         help="h2: the sidecar's own HTTP/2 gRPC server (default); grpc: grpc.aio "
         "(env LLM_EXTPROC_TRANSPORT)",
     )
+    serve.add_argument(
+        "--envoy-config",
+        help="the Envoy config in front (YAML): log an error for every queue deadline it "
+        "cannot honour (see `check --envoy`)",
+    )
     serve.add_argument("--log-level", default="INFO")
     serve.add_argument("--log-format", choices=("json", "text"), default="json")
 
     check = sub.add_parser("check", help="validate a policy and print it resolved")
     check.add_argument("--policy", help="policy YAML (default: the embedded default policy)")
+    check.add_argument(
+        "--envoy",
+        help="an Envoy config (bootstrap YAML) to check the policy's deadlines against; "
+        "exit status 1 when one cannot be honoured",
+    )
 
     render = sub.add_parser(
         "render-envoy", help="print the Envoy settings the policy needs (filters, cluster, ...)"
@@ -169,6 +195,13 @@ def main(argv: list[str] | None = None) -> int:
             f"# Envoy's ext_proc max_message_timeout must be at least {need:g}s "
             "(longest queue_timeout + margin)."
         )
+        if args.envoy:
+            problems = _deadline_problems(policy, args.envoy)
+            for problem in problems:
+                print(f"error: deadline cannot be honoured: {problem}", file=sys.stderr)
+            if problems:
+                return 1
+            print(f"# {args.envoy} honours every queue deadline of the policy.")
         return 0
 
     configure_logging(args.log_level, args.log_format)

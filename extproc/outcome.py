@@ -9,8 +9,8 @@ label; nothing else in the package maps an outcome to any of these.
 Errors found in a request are ``RequestError``: each carries its ``Outcome`` (400/415 problems
 are ``REJECTED_INVALID``, an oversize prompt ``REJECTED_TOO_LARGE``) and its own code and
 message; its status comes from the table unless the error names another (415). Queue outcomes
-(full, evicted, shutting down, too many large bodies) are answered by ``queue_rejection`` from
-the table's templates.
+(full, evicted, a wait too long, shutting down, too many large bodies) are answered by
+``queue_rejection`` from the table's templates.
 Bodies are ``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``.
 """
 
@@ -40,6 +40,7 @@ class Outcome(StrEnum):
     REJECTED_TOO_LARGE = "rejected_too_large"  # 413: prompt over max_prompt_tokens
     REJECTED_QUEUE_FULL = "rejected_queue_full"  # 429 at once
     EVICTED_TIMEOUT = "evicted_timeout"  # 429 when the queue deadline passed
+    REJECTED_WAIT_TOO_LONG = "rejected_wait_too_long"  # 429 at once: the wait would pass it
     REJECTED_SHUTTING_DOWN = "rejected_shutting_down"  # 503: the sidecar is stopping
     REJECTED_BUSY = "rejected_busy"  # 429: too many large bodies being parsed
     # The stream ended before an answer: the client left.
@@ -105,6 +106,15 @@ OUTCOMES: dict[Outcome, OutcomeInfo] = {
         "(limit {limit:g}s). Retry after {retry:.0f}s.",
         log_level=_INFO,
         label="evicted_timeout",
+    ),
+    Outcome.REJECTED_WAIT_TOO_LONG: OutcomeInfo(
+        status=429,
+        error_type=_RATE,
+        code="queue_wait_too_long",
+        message="The {bucket} queue would take about {waited:.1f}s to reach this request, "
+        "longer than its deadline ({limit:g}s). Retry after {retry:.0f}s.",
+        log_level=_INFO,
+        label="rejected_wait_too_long",
     ),
     Outcome.REJECTED_SHUTTING_DOWN: OutcomeInfo(
         status=503,

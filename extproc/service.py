@@ -139,6 +139,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         policy, rec = self._policy, st.rec
         shadow = policy.mode is Mode.SHADOW
         route = self._route(msg, policy)
+        st.client_deadline_at = self._client_deadline_at(headers, policy, route)
         no_body = msg.request_headers.end_of_stream
         try:
             check_content_headers(headers.get("content-type"), headers.get("content-encoding"))
@@ -232,6 +233,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         timeout = cls.queue_timeout_s
         if st.answer_by is not None:  # a slow parse already used some of the wait
             timeout = max(0.0, min(timeout, st.answer_by - now))
+        if st.client_deadline_at is not None:  # nobody waits longer than their client will
+            timeout = max(0.0, min(timeout, st.client_deadline_at - now))
+        cost = cls.prompt_tokens + cls.max_tokens
         deadline = now + timeout
         read: asyncio.Future[Any] | None = None
         if share is not None:  # first a place in the route's own share of the bucket
@@ -244,7 +248,11 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             st.share_slot, read = got
         remaining = max(0.0, deadline - self._loop.time())
         got = await self._slot(
-            context, st, lambda: self._gate.enter(cls.bucket.name, remaining, size), timeout, read
+            context,
+            st,
+            lambda: self._gate.enter(cls.bucket.name, remaining, size, cost),
+            timeout,
+            read,
         )
         if got is None:
             return
@@ -287,7 +295,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if cls is not None:
             st.rec.classified(cls)
             try:
-                entry = self._gate.enter(cls.bucket.name, cls.queue_timeout_s, size)
+                entry = self._gate.enter(
+                    cls.bucket.name, cls.queue_timeout_s, size, cls.prompt_tokens + cls.max_tokens
+                )
             except Refused as r:
                 self._note_shadow(st.rec, r.outcome, r.code)
             else:
@@ -355,6 +365,34 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if rec.shadow_outcome is None:
             rec.shadow_outcome = outcome
             rec.code = code
+
+    # --- deadlines -----------------------------------------------------------------------------
+
+    def _client_deadline_at(
+        self, headers: Mapping[str, str], policy: Policy, route: Route
+    ) -> float | None:
+        """When the client stops waiting, if anyone says: the policy's deadline headers
+        (milliseconds left; ``x-envoy-expected-rq-timeout-ms`` from an Envoy in front) and the
+        route's own timeout, the earliest, less the policy's margin. Unreadable values are
+        ignored: a deadline only ever shortens the wait."""
+        cd = policy.client_deadline
+        now = self._loop.time()
+        left: list[float] = []
+        for name in cd.headers:
+            value = headers.get(name)
+            if value is None:
+                continue
+            try:
+                ms = float(value)
+            except ValueError:
+                continue
+            if 0 <= ms < 1e10:  # NaN fails this too
+                left.append(ms / 1000)
+        if route.override is not None and route.override.timeout_s:
+            left.append(route.override.timeout_s)  # 0s is Envoy's "no timeout"
+        if not left:
+            return None
+        return now + min(left) - cd.margin_s
 
     # --- route metadata ----------------------------------------------------------------------
 

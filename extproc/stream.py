@@ -40,6 +40,7 @@ class State:
 
     __slots__ = (
         "answer_by",
+        "client_deadline_at",
         "overridden",
         "rec",
         "shadow_task",
@@ -57,6 +58,8 @@ class State:
         self.waiter: Waiter | None = None
         self.overridden = False  # Envoy's message timeout was extended (once per message)
         self.answer_by: float | None = None  # loop time by which Envoy expects our answer
+        # Loop time after which the client (or an Envoy in front, or the route) will not wait.
+        self.client_deadline_at: float | None = None
         self.shadow_task: asyncio.Task[None] | None = None
 
 

@@ -17,7 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,8 @@ def _set_address(obj: dict[str, Any], port: int) -> None:
 def render_envoy_config(
     *,
     listener_port: int,
-    backend_port: int,
+    backend_port: int | None = None,
+    backend_ports: Sequence[int] = (),
     extproc_port: int,
     admin_port: int,
     source: Path = REPO / "envoy" / "envoy.yaml",
@@ -51,12 +52,17 @@ def render_envoy_config(
 ) -> str:
     """envoy/envoy.yaml with its ports replaced (and a few test and benchmark knobs).
 
+    The backend cluster's endpoint is ``backend_port``, or one endpoint per port of
+    ``backend_ports`` (give one of the two); with more than one it balances by least requests.
     ``ext_proc=False`` gives plain Envoy: the ext_proc HTTP filter, its per-route settings and the
     ``llm_extproc`` cluster are removed (``extproc_port`` is then unused).
     ``backend_circuit_breakers`` replaces the backend cluster's default-priority thresholds, e.g.
     ``{"max_connections": 64, "max_requests": 64, "max_pending_requests": 16}``: Envoy then
     answers 503 (``x-envoy-overloaded``) to what overflows them.
     """
+    if (backend_port is None) == (not backend_ports):
+        raise TypeError("give backend_port or backend_ports")
+    backend_endpoints = [backend_port] if backend_port is not None else list(backend_ports)
     cfg = yaml.safe_load(source.read_text())
     if not ext_proc:
         _drop_ext_proc(cfg)
@@ -75,15 +81,36 @@ def render_envoy_config(
                     # Keep envoy.yaml's access-log format; only send it to this file.
                     for logger in hcm.get("access_log", []):
                         logger["typed_config"]["path"] = str(access_log)
-    ports = {"backend": backend_port, "llm_extproc": extproc_port}
     for cluster in resources["clusters"]:
-        if cluster["name"] == "backend" and backend_circuit_breakers is not None:
-            cluster["circuit_breakers"] = {"thresholds": [dict(backend_circuit_breakers)]}
-        port = ports[cluster["name"]]
+        if cluster["name"] == "backend":
+            if backend_circuit_breakers is not None:
+                cluster["circuit_breakers"] = {"thresholds": [dict(backend_circuit_breakers)]}
+            if len(backend_endpoints) > 1:
+                _set_endpoints(cluster, backend_endpoints)
+                # LLM requests last from milliseconds to minutes: round robin would keep
+                # piling requests onto a replica busy with long streams, while least-request
+                # (Envoy's power of two choices on active requests) sends each new request to
+                # the less loaded of two replicas, as an inference-aware balancer would.
+                cluster["lb_policy"] = "LEAST_REQUEST"
+                continue
+        port = backend_endpoints[0] if cluster["name"] == "backend" else extproc_port
         for ep in cluster["load_assignment"]["endpoints"]:
             for lb in ep["lb_endpoints"]:
                 _set_address(lb["endpoint"]["address"], port)
     return yaml.safe_dump(cfg, sort_keys=False)
+
+
+def _set_endpoints(cluster: dict[str, Any], ports: Sequence[int]) -> None:
+    """The cluster's endpoints become ``ports`` on 127.0.0.1, in one locality (each endpoint
+    a copy of its first one, with its port)."""
+    (locality,) = cluster["load_assignment"]["endpoints"]
+    first = locality["lb_endpoints"][0]
+    endpoints = []
+    for port in ports:
+        lb = copy.deepcopy(first)
+        _set_address(lb["endpoint"]["address"], port)
+        endpoints.append(lb)
+    locality["lb_endpoints"] = endpoints
 
 
 def with_upstream_tls(text: str, tls: Mapping[str, Path]) -> str:

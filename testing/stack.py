@@ -1,4 +1,4 @@
-"""Start and stop the real pieces on 127.0.0.1: a backend, the sidecar, Envoy.
+"""Start and stop the real pieces on 127.0.0.1: one or more backends, the sidecar, Envoy.
 
 Used by the end-to-end tests, ``make demo`` and the benchmarks, so they all run the same way:
 random free ports, start in order (backend, sidecar, Envoy), wait until each answers, keep each
@@ -27,6 +27,7 @@ import yaml
 
 from testing.envoy import (
     REPO,
+    SHIPPED_ENVOY,
     envoy_binary,
     render_envoy_config,
     with_file_rds,
@@ -127,9 +128,12 @@ class Proc:
 
 
 class Stack:
-    """backend + sidecar + Envoy on free ports. Use as a context manager.
+    """backend(s) + sidecar + Envoy on free ports. Use as a context manager.
 
     ``backend_argv`` is the backend command with ``{port}`` in place of its port.
+    ``backends=N`` starts N replicas of it, each on its own port, all endpoints of Envoy's
+    ``backend`` cluster; ``procs`` holds them as ``backend`` (the first, as with one),
+    ``backend-1``, ``backend-2``, ... (their log files are named alike).
     ``start_envoy=False`` starts the backend (and the sidecar, if asked) only;
     ``ext_proc=False`` and ``backend_circuit_breakers`` are passed to
     :func:`render_envoy_config` (plain Envoy, breakers on the backend cluster).
@@ -141,6 +145,7 @@ class Stack:
         self,
         *,
         backend_argv: Sequence[str],
+        backends: int = 1,
         policy_path: Path | None = None,
         envoy_concurrency: int = 1,
         failure_mode_allow: bool | None = None,
@@ -156,6 +161,8 @@ class Stack:
         envoy_source: Path | None = None,
         envoy_patch: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
+        if backends < 1:
+            raise ValueError("backends must be >= 1")
         self.backend_argv = list(backend_argv)
         # Envoy's config: ``envoy_source`` (default envoy/envoy.yaml) with the stack's ports,
         # then ``envoy_patch`` applied to the parsed dict (a test's shorter timeouts, smaller
@@ -172,7 +179,8 @@ class Stack:
         self.start_sidecar = start_sidecar
         self.access_log = access_log
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="llm-extproc-"))
-        self.backend_port = free_port()
+        self.backend_ports = [free_port() for _ in range(backends)]
+        self.backend_port = self.backend_ports[0]
         self.extproc_port = free_port()
         self.metrics_port = free_port()
         self.listener_port = free_port()
@@ -190,7 +198,18 @@ class Stack:
 
     @property
     def backend_url(self) -> str:
+        """The first backend's URL."""
         return f"http://127.0.0.1:{self.backend_port}"
+
+    @property
+    def backend_urls(self) -> list[str]:
+        """Every backend's URL, in ``backend_ports`` order."""
+        return [f"http://127.0.0.1:{port}" for port in self.backend_ports]
+
+    @property
+    def backend_names(self) -> list[str]:
+        """The ``procs`` keys of the backends, in ``backend_ports`` order."""
+        return ["backend"] + [f"backend-{i}" for i in range(1, len(self.backend_ports))]
 
     @property
     def metrics_url(self) -> str:
@@ -213,9 +232,12 @@ class Stack:
 
     def start(self) -> Stack:
         try:
-            argv = [a.replace("{port}", str(self.backend_port)) for a in self.backend_argv]
-            backend = self.procs["backend"] = Proc("backend", argv, self.log_dir)
-            wait_http(f"{self.backend_url}/health", proc=backend)
+            # All replicas start at once, then each is waited for.
+            for name, port in zip(self.backend_names, self.backend_ports, strict=True):
+                argv = [a.replace("{port}", str(port)) for a in self.backend_argv]
+                self.procs[name] = Proc(name, argv, self.log_dir)
+            for name, url in zip(self.backend_names, self.backend_urls, strict=True):
+                wait_http(f"{url}/health", proc=self.procs[name])
             if self.start_sidecar:
                 self.start_sidecar_proc()
             if not self.start_envoy:
@@ -238,14 +260,14 @@ class Stack:
         cfg = self.log_dir / "envoy.yaml"
         text = render_envoy_config(
             listener_port=self.listener_port,
-            backend_port=self.backend_port,
+            backend_ports=self.backend_ports,
             extproc_port=self.extproc_port,
             admin_port=self.admin_port,
             failure_mode_allow=self.failure_mode_allow,
             access_log=self.access_log_path if self.access_log else None,
             ext_proc=self.ext_proc,
             backend_circuit_breakers=self.backend_circuit_breakers,
-            **({"source": self.envoy_source} if self.envoy_source is not None else {}),
+            source=SHIPPED_ENVOY if self.envoy_source is None else self.envoy_source,
         )
         if self.envoy_patch is not None:
             patched = yaml.safe_load(text)
@@ -307,7 +329,7 @@ class Stack:
         return sidecar
 
     def stop(self) -> None:
-        for name in ("envoy", "sidecar", "backend"):
+        for name in ("envoy", "sidecar", *self.backend_names):
             proc = self.procs.get(name)
             if proc is not None:
                 proc.stop()

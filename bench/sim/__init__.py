@@ -24,10 +24,12 @@ Three layers, one module each, plus :mod:`.profiles` (step-time model, engine li
      request was preempted, waiting requests are admitted FCFS while there is token budget, a
      free sequence slot (``max_num_seqs``) and KV space for their first chunk (head-of-line
      blocking, no skipping). It returns a :class:`StepPlan` whose duration is
-     ``b0 + b1 * prefill_tokens + b2 * decode_tokens``.
+     ``(b0 + b1 * prefill_tokens + b2 * decode_tokens) / speed_factor``; the speed factor (1 by
+     default, 0.5 for a GPU that got half as fast) changes between steps, never during one.
    * :meth:`Scheduler.complete` applies the step's results at ``end_s``: computed tokens advance,
      every request whose tokens are all computed samples one output token (the step that finishes
-     a prefill yields the first token), requests that reached ``max_tokens`` finish and free
+     a prefill yields the first token; each later token records its gap since the previous
+     one, the inter-token latency), requests that reached ``max_tokens`` finish and free
      their KV. Requests aborted between the two calls are skipped (their output is dropped, as
      in vLLM).
 
@@ -47,7 +49,8 @@ Three layers, one module each, plus :mod:`.profiles` (step-time model, engine li
    (``vllm_sim:engine_lag_seconds`` gauge, ``lag_s_max`` / ``lag_s_mean`` in ``/sim/stats``).
    A request arriving while the engine is behind is stamped with its real arrival time and only
    joins steps that start after it. A lag that keeps growing means the machine cannot run this
-   speedup: lower ``--speedup``.
+   speedup: lower ``--speedup``. Speed changes (``POST /sim/speed``, ``--speed-schedule``) reach
+   the core between steps; a scheduled one applies to the steps that start at or after its time.
 
 3. **HTTP layer** (:mod:`.server`, aiohttp): parses requests (:func:`.api.parse_request`),
    submits them to the engine and streams tokens as they are produced. The server runs with
@@ -60,5 +63,6 @@ All times reported (metrics, ``/sim/stats``, ``x-sim-*`` response headers) are s
 Token accounting (prompt tokens from characters / 4, exactly ``max_tokens`` generated): see
 :mod:`.api`.
 
-Run: ``python -m bench.sim --host 127.0.0.1 --port 8000 --profile h100 --speedup 1``.
+Run: ``python -m bench.sim --host 127.0.0.1 --port 8000 --profile h100 --speedup 1``
+(``--speed-schedule 120:0.5,240:1``: half as fast from simulated second 120 to 240).
 """

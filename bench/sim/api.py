@@ -1,5 +1,5 @@
 """The OpenAI wire format, pure: request bodies in (validation, token counts), response bodies
-and SSE chunks out.
+and SSE chunks out; and the body of the simulator's own ``POST /sim/speed``.
 
 Token accounting: a prompt's token count is the number of characters of its text / 4 (rounded
 up, at least 1), or the value of the ``x-sim-prompt-tokens`` request header. The simulator always
@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
+
+from .profiles import check_speed_factor
 
 DEFAULT_MAX_TOKENS: Final = 16
 CHARS_PER_TOKEN: Final = 4
@@ -248,3 +250,17 @@ def token_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+def parse_speed_factor(body: Any) -> float:
+    """The factor of a ``POST /sim/speed`` body ``{"factor": 0.5}``; raises
+    :class:`SimRequestError`."""
+    if not isinstance(body, Mapping) or "factor" not in body:
+        raise SimRequestError('body must be a JSON object {"factor": <number>}')
+    factor = body["factor"]
+    if isinstance(factor, bool) or not isinstance(factor, int | float):
+        raise SimRequestError("factor must be a number")
+    try:
+        return float(check_speed_factor(factor))  # checked first: a huge int cannot overflow
+    except ValueError as exc:
+        raise SimRequestError(str(exc)) from None

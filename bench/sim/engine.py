@@ -4,13 +4,18 @@ wall clock (see :mod:`bench.sim`)."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from prometheus_client import Histogram
 
-from .profiles import EngineConfig
+from .profiles import EngineConfig, check_speed_factor
 from .scheduler import FinishedRequest, Scheduler, StepOutcome
+
+if TYPE_CHECKING:
+    from .metrics import BulkHistogram
 
 # When the engine is behind the clock it runs steps without sleeping; it yields to the event
 # loop (handlers, new arrivals) at least this often, in wall seconds.
@@ -45,14 +50,31 @@ class LagStats:
 
 
 class SimEngine:
-    """Runs the :class:`Scheduler` on a virtual clock ``speedup`` times faster than the wall."""
+    """Runs the :class:`Scheduler` on a virtual clock ``speedup`` times faster than the wall.
 
-    def __init__(self, config: EngineConfig, *, speedup: float = 1.0) -> None:
+    ``speed_schedule`` is a list of (simulated seconds since start, speed factor): each factor
+    applies to the steps that start at or after its time (see
+    :meth:`Scheduler.set_speed_factor`); :meth:`set_speed_factor` changes it at once.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        speedup: float = 1.0,
+        speed_schedule: Iterable[tuple[float, float]] = (),
+    ) -> None:
         if speedup <= 0:
             raise ValueError("speedup must be > 0")
         self.config = config
         self.speedup = speedup
         self.core = Scheduler(config)
+        changes = sorted(speed_schedule, key=lambda change: change[0])
+        for at_s, factor in changes:
+            if not at_s >= 0:
+                raise ValueError(f"speed schedule times must be >= 0, got {at_s!r}")
+            check_speed_factor(factor)
+        self._speed_schedule = deque(changes)
         self.lag = LagStats()
         self.rejected_requests = 0
         self._handles: dict[int, RequestHandle] = {}
@@ -64,6 +86,7 @@ class SimEngine:
         self.ttft_hist: Histogram | None = None
         self.e2e_hist: Histogram | None = None
         self.queue_hist: Histogram | None = None
+        self.itl_hist: BulkHistogram | None = None
 
     def now_s(self) -> float:
         """Current simulated time (seconds since start)."""
@@ -99,6 +122,29 @@ class SimEngine:
         self._handles.pop(handle.rid, None)
         self.core.abort(handle.rid)
 
+    @property
+    def speed_factor(self) -> float:
+        """The speed factor of a step starting now (scheduled changes that are due included)."""
+        now = self.now_s()
+        factor = self.core.speed_factor
+        for at_s, scheduled in self._speed_schedule:
+            if at_s > now:
+                break
+            factor = scheduled
+        return factor
+
+    def set_speed_factor(self, factor: float) -> None:
+        """Change the GPU's speed from the next step on; scheduled changes due by now are
+        dropped (this one overrides them), later ones still apply. ValueError if out of range."""
+        check_speed_factor(factor)
+        self._apply_speed_schedule(self.now_s())
+        self.core.set_speed_factor(factor)
+
+    def _apply_speed_schedule(self, t: float) -> None:
+        schedule = self._speed_schedule
+        while schedule and schedule[0][0] <= t:
+            self.core.set_speed_factor(schedule.popleft()[1])
+
     async def _run(self) -> None:
         core = self.core
         loop = asyncio.get_running_loop()
@@ -110,6 +156,8 @@ class SimEngine:
                 last_yield = loop.time()
                 continue
             start = core.next_start_s(self._engine_free_s)
+            if self._speed_schedule:
+                self._apply_speed_schedule(start)
             plan = core.schedule(start)
             if plan is None:  # cannot happen with a valid config; never spin
                 self._engine_free_s = max(start, self.now_s())
@@ -140,6 +188,9 @@ class SimEngine:
         if self.ttft_hist is not None:
             for _, ttft in outcome.first_tokens:
                 self.ttft_hist.observe(ttft)
+        if self.itl_hist is not None:
+            for gap, count in outcome.token_gaps:
+                self.itl_hist.observe(gap, count)
         for fin in outcome.finished:
             handle = handles.pop(fin.rid, None)
             if handle is not None:
@@ -162,6 +213,7 @@ class SimEngine:
             rejected_requests=self.rejected_requests,
             sim_time_s=self.now_s(),
             speedup=self.speedup,
+            speed_factor=self.speed_factor,
             profile=self.config.profile.name,
             lag_s_current=self.lag.current_s,
             lag_s_max=self.lag.max_s,

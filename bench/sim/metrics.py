@@ -1,12 +1,25 @@
-"""Prometheus metrics with vLLM's names, from a per-instance registry."""
+"""Prometheus metrics with vLLM's names, from a per-instance registry.
+
+Gauges and counters are read from the engine at scrape time. Latency histograms are observed
+by the engine in simulated seconds: TTFT when a request's first token is sampled (the end of the
+step that finishes its prefill), e2e and queue time when it finishes, and one inter-token gap per
+token after the first (end of its step minus the end of the step of its previous token), counted
+per step in bulk (:class:`BulkHistogram`) since a step can give tokens to hundreds of requests.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from .engine import SimEngine
@@ -17,8 +30,60 @@ TTFT_BUCKETS: Final = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.
                        5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 LATENCY_BUCKETS: Final = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITL_BUCKETS: Final = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                      5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 # fmt: on
 LABELS: Final = ("model_name", "engine")
+# vLLM >= 0.9 name first; the older name (deprecated there) carries the same observations.
+ITL_NAMES: Final = (
+    ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),
+    ("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds."),
+)
+
+
+class BulkHistogram:
+    """Histogram counts that take ``count`` equal observations in one call."""
+
+    __slots__ = ("_les", "bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self._les = (*(repr(float(b)) for b in self.bounds), "+Inf")  # as prometheus_client
+        self.counts = [0] * len(self._les)  # per bucket (not cumulative), the last one is +Inf
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, value)] += count  # a bucket is ``value <= le``
+        self.count += count
+        self.sum += value * count
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """(le, observations <= le) pairs, +Inf last, as Prometheus exposes them."""
+        out: list[tuple[str, float]] = []
+        total = 0
+        for le, n in zip(self._les, self.counts, strict=True):
+            total += n
+            out.append((le, float(total)))
+        return out
+
+
+class _HistogramCollector(Collector):
+    """Exposes one :class:`BulkHistogram` under each of ``names`` ((name, help) pairs)."""
+
+    def __init__(
+        self, hist: BulkHistogram, names: Sequence[tuple[str, str]], model_name: str
+    ) -> None:
+        self._hist = hist
+        self._names = tuple(names)
+        self._labels = [model_name, "0"]
+
+    def collect(self) -> Iterable[Metric]:
+        buckets = self._hist.cumulative()
+        for name, doc in self._names:
+            h = HistogramMetricFamily(name, doc, labels=LABELS)
+            h.add_metric(self._labels, buckets, self._hist.sum)
+            yield h
 
 
 class _EngineCollector(Collector):
@@ -132,4 +197,6 @@ def make_registry(engine: SimEngine, model_name: str) -> CollectorRegistry:
     engine.ttft_hist = hists["ttft"].labels(model_name, "0")
     engine.e2e_hist = hists["e2e"].labels(model_name, "0")
     engine.queue_hist = hists["queue"].labels(model_name, "0")
+    engine.itl_hist = BulkHistogram(ITL_BUCKETS)
+    registry.register(_HistogramCollector(engine.itl_hist, ITL_NAMES, model_name))
     return registry

@@ -51,6 +51,18 @@ PROFILES: Final[Mapping[str, Profile]] = {
 }
 
 
+# A speed factor (``POST /sim/speed``, ``--speed-schedule``) scales the GPU's speed: step
+# times are divided by it. Above 10x the linear model means nothing.
+MAX_SPEED_FACTOR: Final = 10.0
+
+
+def check_speed_factor(factor: float) -> float:
+    """``factor`` if it is a valid speed factor (> 0 and <= 10), else ValueError."""
+    if not 0.0 < factor <= MAX_SPEED_FACTOR:  # also refuses NaN
+        raise ValueError(f"speed factor must be > 0 and <= {MAX_SPEED_FACTOR:g}, got {factor!r}")
+    return factor
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     """Scheduler limits (vLLM's engine arguments of the same names) and the step-time profile."""

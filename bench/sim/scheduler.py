@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .profiles import EngineConfig
+from .profiles import EngineConfig, check_speed_factor
 
 
 @dataclass(slots=True, kw_only=True)
@@ -23,6 +23,7 @@ class Sequence:
     prefill_computed: int = 0  # all prefill tokens ever computed, recompute included
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
+    last_token_s: float = 0.0  # when the last output token was sampled (valid once one was)
 
     @property
     def num_tokens(self) -> int:
@@ -78,12 +79,16 @@ class FinishedRequest:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepOutcome:
-    """Results of a completed step: who got a token, who saw its first token, who finished."""
+    """Results of a completed step: who got a token, who saw its first token, who finished, and
+    the inter-token gaps of the tokens after the first."""
 
     end_s: float
     tokens: tuple[tuple[int, int], ...]  # (rid, tokens generated so far)
     first_tokens: tuple[tuple[int, float], ...]  # (rid, TTFT in simulated seconds)
     finished: tuple[FinishedRequest, ...]
+    # (gap since the request's previous token in simulated seconds, number of tokens with that
+    # gap): one entry per distinct gap, as most requests of a step share theirs.
+    token_gaps: tuple[tuple[float, int], ...] = ()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -126,6 +131,7 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}
         self._next_rid = 0
         self._plan_open = False
+        self._speed_factor = 1.0
 
     # ---- queries -----------------------------------------------------------------------
     @property
@@ -141,6 +147,11 @@ class Scheduler:
         return self.kv_used / self.config.kv_cache_tokens
 
     @property
+    def speed_factor(self) -> float:
+        """GPU speed relative to the profile: step times are the profile's divided by it."""
+        return self._speed_factor
+
+    @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
@@ -151,6 +162,11 @@ class Scheduler:
         return max(engine_free_s, self.waiting[0].arrival_s)
 
     # ---- mutations ---------------------------------------------------------------------
+    def set_speed_factor(self, factor: float) -> None:
+        """Steps scheduled from now on take 1/``factor`` of the profile's time (0.5: the GPU got
+        half as fast); a step already scheduled keeps its duration. ValueError if out of range."""
+        self._speed_factor = check_speed_factor(factor)
+
     def add(self, *, prompt_tokens: int, max_tokens: int, arrival_s: float) -> int:
         """Queue a request (FCFS); returns its id. Callers add in non-decreasing arrival order."""
         if prompt_tokens < 1 or max_tokens < 1:
@@ -263,7 +279,8 @@ class Scheduler:
         self._plan_open = True
         return StepPlan(
             start_s=start_s,
-            duration_s=cfg.profile.step_time_s(prefill_tokens=prefill, decode_tokens=decode),
+            duration_s=cfg.profile.step_time_s(prefill_tokens=prefill, decode_tokens=decode)
+            / self._speed_factor,
             prefill_tokens=prefill,
             decode_tokens=decode,
             scheduled=tuple(scheduled),
@@ -282,6 +299,7 @@ class Scheduler:
         st.busy_s += plan.duration_s
         tokens: list[tuple[int, int]] = []
         first: list[tuple[int, float]] = []
+        gaps: dict[float, int] = {}
         finished: list[FinishedRequest] = []
         for rid, new in plan.scheduled:
             seq = self._seqs.get(rid)
@@ -302,6 +320,12 @@ class Scheduler:
                 seq.first_token_s = end
                 st.prompt_tokens += seq.prompt_tokens
                 first.append((rid, end - seq.arrival_s))
+            else:
+                # After a preemption the gap includes the wait and the recompute, as a client
+                # sees it.
+                gap = end - seq.last_token_s
+                gaps[gap] = gaps.get(gap, 0) + 1
+            seq.last_token_s = end
             if seq.num_generated >= seq.max_tokens:
                 self.running.remove(seq)
                 del self._seqs[rid]
@@ -321,7 +345,11 @@ class Scheduler:
                     )
                 )
         return StepOutcome(
-            end_s=end, tokens=tuple(tokens), first_tokens=tuple(first), finished=tuple(finished)
+            end_s=end,
+            tokens=tuple(tokens),
+            first_tokens=tuple(first),
+            finished=tuple(finished),
+            token_gaps=tuple(gaps.items()),
         )
 
     def run_until_idle(self, start_s: float = 0.0, max_steps: int = 1_000_000) -> list[StepOutcome]:

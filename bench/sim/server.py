@@ -1,4 +1,6 @@
-"""The HTTP layer (aiohttp): OpenAI endpoints, ``/health``, ``/metrics`` and ``/sim/stats``.
+"""The HTTP layer (aiohttp): OpenAI endpoints, ``/health``, ``/metrics``, ``/sim/stats`` and
+``/sim/speed`` (``GET``: ``{"factor": 1.0}``; ``POST {"factor": 0.5}``: from the next step on the
+GPU is half as fast, i.e. step times are 1/factor as long; 400 unless 0 < factor <= 10).
 
 Served with ``handler_cancellation=True``, so that a client disconnect cancels the handler, which
 aborts the request in the engine and frees its slot and KV at once.
@@ -15,7 +17,15 @@ from typing import Final
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from .api import ParsedRequest, Render, SimRequestError, dumps, parse_request, token_usage
+from .api import (
+    ParsedRequest,
+    Render,
+    SimRequestError,
+    dumps,
+    parse_request,
+    parse_speed_factor,
+    token_usage,
+)
 from .engine import RequestHandle, SimEngine
 from .metrics import make_registry
 from .profiles import DEFAULT_MODEL, EngineConfig
@@ -28,6 +38,8 @@ class SimConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     speedup: float = 1.0
     model_name: str = DEFAULT_MODEL
+    # (simulated seconds since start, speed factor), see :class:`~bench.sim.engine.SimEngine`.
+    speed_schedule: tuple[tuple[float, float], ...] = ()
 
 
 ENGINE_KEY: Final = web.AppKey("engine", SimEngine)
@@ -163,10 +175,27 @@ async def sim_stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[ENGINE_KEY].stats_dict())
 
 
+async def get_sim_speed(request: web.Request) -> web.Response:
+    return web.json_response({"factor": request.app[ENGINE_KEY].speed_factor})
+
+
+async def set_sim_speed(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    try:
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise SimRequestError("malformed JSON body") from None
+        engine.set_speed_factor(parse_speed_factor(body))
+    except SimRequestError as exc:
+        return _error(exc)
+    return web.json_response({"factor": engine.speed_factor})
+
+
 def create_app(config: SimConfig = SimConfig()) -> web.Application:
     """The simulator as an aiohttp app. Serve it with ``handler_cancellation=True``."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
-    engine = SimEngine(config.engine, speedup=config.speedup)
+    engine = SimEngine(config.engine, speedup=config.speedup, speed_schedule=config.speed_schedule)
     app[CONFIG_KEY] = config
     app[ENGINE_KEY] = engine
     app[REGISTRY_KEY] = make_registry(engine, config.model_name)
@@ -183,6 +212,8 @@ def create_app(config: SimConfig = SimConfig()) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/sim/stats", sim_stats)
+    app.router.add_get("/sim/speed", get_sim_speed)
+    app.router.add_post("/sim/speed", set_sim_speed)
     return app
 
 

@@ -28,11 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.admission.core import Admission, BucketStats, Ticket, Verdict
-from extproc.config.policy import Policy
+from extproc.admission.core import Admission, BucketStats, PoolStats, Ticket, Verdict
+from extproc.config.policy import Order, Policy
 from extproc.outcome import OUTCOMES, Outcome
 
-__all__ = ["Gate", "Refused", "Slot", "Waiter", "retry_after_s"]
+__all__ = ["POOL", "Gate", "Refused", "Slot", "Waiter", "retry_after_s"]
+
+# The name of the policy's shared pool (one per sidecar: the backend behind it).
+POOL = "pool"
 
 
 def retry_after_s(estimate_s: float, min_s: float, max_s: float, jitter: float, u: float) -> float:
@@ -158,9 +161,51 @@ class Gate:
         self._core.max_queued_bytes = policy.limits.max_queued_bytes
         if not self._policy_buckets:
             return
+        now = self._loop.time()
+        pool = policy.pool
+        if pool is not None:
+            limit = pool.max_concurrency
+            current = self._core.pool_statistics(now).get(POOL)
+            if pool.adaptive is not None and current is not None:
+                # A reload keeps what the controller found, within the new bounds.
+                limit = min(pool.adaptive.max_limit, max(pool.adaptive.min_limit, current.limit))
+            self._hand_over(
+                self._core.set_pool(
+                    POOL,
+                    limit,
+                    now,
+                    max_tokens=pool.max_tokens_in_flight,
+                    fail_fast=pool.fail_fast,
+                )
+            )
         for b in policy.buckets:
             self._queue_timeout[b.name] = b.queue_timeout_s
-            self.set_limits(b.name, b.max_concurrency, b.max_queue)
+            if pool is None:
+                self.set_limits(b.name, b.max_concurrency, b.max_queue)
+                continue
+            self._hand_over(
+                self._core.set_bucket(
+                    b.name,
+                    now,
+                    pool=POOL,
+                    max_queue=b.max_queue,
+                    priority=b.priority,
+                    min_share=b.min_share,
+                    max_share=b.max_share,
+                    cap=b.max_concurrency or None,
+                    cost_order=b.order is Order.COST,
+                )
+            )
+        if pool is None:
+            self._core.remove_pool(POOL)
+
+    def set_pool_limit(self, limit: int) -> None:
+        """The shared pool's limit (the adaptive controller); a raised one admits at once."""
+        self._hand_over(self._core.set_pool_limit(POOL, limit, self._loop.time()))
+
+    def set_cut(self, factor: float) -> None:
+        """Overload: bands below the most urgent hold at most ``factor`` of their cap."""
+        self._hand_over(self._core.set_cut(POOL, factor, self._loop.time()))
 
     def set_limits(
         self, bucket: str, capacity: int, max_queue: int, queue_timeout_s: float = 1.0
@@ -198,15 +243,27 @@ class Gate:
     def _shutting_down(self, bucket: str) -> Refused:
         return Refused(Outcome.REJECTED_SHUTTING_DOWN, bucket, self._retry.min_s, 0, 0.0)
 
-    def enter(self, bucket: str, timeout_s: float, held_bytes: int = 0) -> Slot | Waiter:
+    def enter(
+        self, bucket: str, timeout_s: float, held_bytes: int = 0, cost: int = 0
+    ) -> Slot | Waiter:
         """A slot now, a place in the queue, or ``Refused`` (queue full, or the request's
-        ``held_bytes`` would take the bytes held by queued requests past the policy's bound)."""
+        ``held_bytes`` would take the bytes held by queued requests past the policy's bound,
+        or its predicted wait is longer than ``timeout_s``). ``cost``: estimated prompt +
+        max_tokens, for the pool's token bound and ``cost`` order."""
         if self._closed:
             raise self._shutting_down(bucket)
         now = self._loop.time()
-        decision = self._core.enqueue(bucket, now, timeout_s, held_bytes)
+        decision = self._core.enqueue(bucket, now, timeout_s, held_bytes, cost)
         if decision.verdict is Verdict.ADMITTED:
             return Slot(self, decision.ticket)
+        if decision.verdict is Verdict.WAIT_TOO_LONG:
+            raise Refused(
+                Outcome.REJECTED_WAIT_TOO_LONG,
+                bucket,
+                self._retry_after(bucket),
+                self._core.queued(bucket),
+                decision.predicted_wait_s,
+            )
         if decision.verdict is Verdict.QUEUE_FULL:
             raise Refused(
                 Outcome.REJECTED_QUEUE_FULL,
@@ -224,6 +281,13 @@ class Gate:
 
     def statistics(self) -> dict[str, BucketStats]:
         return self._core.statistics()
+
+    def pool_statistics(self) -> dict[str, PoolStats]:
+        """The shared pool, when the policy has one (else empty)."""
+        return self._core.pool_statistics(self._loop.time())
+
+    def recent_waits(self, bucket: str) -> list[float]:
+        return self._core.recent_waits(bucket)
 
     @property
     def queued_bytes(self) -> int:
@@ -244,7 +308,7 @@ class Gate:
         # Without the cap, the estimate counts waiters that will be evicted rather than served,
         # and under sustained overload sends clients away past their own deadlines
         # (measured in docs/benchmarks.md).
-        estimate = min(self._core.drain_estimate_s(bucket, timeout), timeout)
+        estimate = min(self._core.drain_estimate_s(bucket, timeout, self._loop.time()), timeout)
         return retry_after_s(estimate, ra.min_s, ra.max_s, ra.jitter, self._rand())
 
     def _hand_over(self, tickets: list[Ticket]) -> None:
@@ -294,4 +358,5 @@ class Gate:
                         now - ticket.enqueued_at,
                     )
                 )
+        self._hand_over(self._core.take_admitted())
         self._arm()

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator
 from typing import Any
 
 from envoy.config.cluster.v3 import cluster_pb2
@@ -114,7 +115,15 @@ def extproc_streams(policy: Policy) -> int:
     """How many ext_proc streams the policy can hold open at once: every queued or running
     request is one, plus headroom for requests being parsed or answered. Envoy's circuit
     breakers for the sidecar's cluster and the sidecar's own stream limit both use it."""
-    return sum(b.max_queue + b.max_concurrency for b in policy.buckets) + _STREAM_HEADROOM
+    queued = sum(b.max_queue for b in policy.buckets)
+    pool = policy.pool
+    if pool is None:
+        running = sum(b.max_concurrency for b in policy.buckets)
+    elif pool.adaptive is not None:
+        running = max(pool.adaptive.max_limit, pool.max_concurrency)
+    else:
+        running = pool.max_concurrency
+    return queued + running + _STREAM_HEADROOM
 
 
 def body_buffer_bytes(policy: Policy) -> int:
@@ -263,6 +272,94 @@ def validate(rendered: dict[str, Any]) -> None:
 
 
 ROUTE_CONFIG_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+
+
+def _duration_s(value: object) -> float | None:
+    """An Envoy duration as YAML gives it ("121s", "0.5s", or {seconds, nanos})."""
+    if isinstance(value, str) and value.endswith("s"):
+        try:
+            return float(value[:-1])
+        except ValueError:
+            return None
+    if isinstance(value, dict):
+        return float(value.get("seconds", 0)) + float(value.get("nanos", 0)) / 1e9
+    return None
+
+
+def _walk(node: object) -> Iterator[dict[str, Any]]:
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from _walk(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _walk(value)
+
+
+def _via_sidecar(route: dict[str, Any]) -> bool:
+    """A route whose per-filter config does not disable ext_proc."""
+    per_filter = route.get("typed_per_filter_config") or {}
+    ext = per_filter.get(EXT_PROC_FILTER) if isinstance(per_filter, dict) else None
+    return not (isinstance(ext, dict) and ext.get("disabled") is True)
+
+
+def deadline_problems(policy: Policy, envoy_config: dict[str, Any]) -> list[str]:
+    """Where an Envoy config (a bootstrap, or `render-envoy`'s output) cannot honour the
+    policy's queue deadlines. Each problem is one sentence naming the bucket, the setting and
+    what happens to the request; empty when everything fits.
+
+    - ext_proc ``max_message_timeout`` below a queue timeout + the margin: Envoy refuses the
+      sidecar's timeout override and answers 504 after ``message_timeout`` (1 s), silently;
+    - the ``timeout`` (non-zero) of a route through the sidecar at or below a queue timeout:
+      the route times out first;
+    - HCM ``stream_idle_timeout`` at or below a queue timeout: a queued request sends no bytes,
+      so Envoy resets it while it waits.
+    """
+    problems: list[str] = []
+    nodes = list(_walk(envoy_config))
+    ext = [n for n in nodes if n.get("@type") == EXT_PROC_TYPE]
+    idle = min(
+        (
+            t
+            for n in nodes
+            if "stream_idle_timeout" in n
+            if (t := _duration_s(n["stream_idle_timeout"]))
+        ),
+        default=None,
+    )
+    route = min(
+        (
+            t
+            for n in nodes
+            if isinstance(n.get("route"), dict) and "timeout" in n["route"] and _via_sidecar(n)
+            if (t := _duration_s(n["route"]["timeout"]))
+        ),
+        default=None,
+    )
+    for b in policy.buckets:
+        need = b.queue_timeout_s + MESSAGE_TIMEOUT_MARGIN_S
+        for f in ext:
+            mmt = _duration_s(f.get("max_message_timeout", "0s")) or 0.0
+            if mmt < need:
+                problems.append(
+                    f"bucket {b.name}: queue_timeout {b.queue_timeout_s:g}s needs ext_proc "
+                    f"max_message_timeout >= {need:g}s, but Envoy's is {mmt:g}s: a request "
+                    "that waits longer than message_timeout gets Envoy's 504 instead of a slot"
+                )
+        if idle is not None and idle <= b.queue_timeout_s:
+            problems.append(
+                f"bucket {b.name}: queue_timeout {b.queue_timeout_s:g}s is not below the "
+                f"HTTP connection manager's stream_idle_timeout ({idle:g}s): Envoy resets "
+                "a request that waits that long"
+            )
+        if route is not None and route <= b.queue_timeout_s:
+            problems.append(
+                f"bucket {b.name}: queue_timeout {b.queue_timeout_s:g}s is not below a "
+                f"route timeout of {route:g}s: the route times out (504) before the wait ends"
+            )
+    if not ext:
+        problems.append("no ext_proc filter found in the Envoy config")
+    return problems
 
 
 def to_rds(bootstrap: dict[str, Any], routes_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:

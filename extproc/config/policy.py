@@ -16,7 +16,7 @@ written once, in the dataclass fields below; the embedded default policy
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -29,13 +29,19 @@ from extproc._proto.llm_extproc.v1 import policy_pb2
 from extproc.config.schema import PolicyError, fill, parse_duration
 
 __all__ = [
+    "AdaptivePolicy",
+    "BackendPolicy",
     "BucketPolicy",
+    "ClientDeadlinePolicy",
     "Limits",
     "MatchRule",
     "Mode",
     "OnExcess",
+    "Order",
+    "OverloadPolicy",
     "Policy",
     "PolicyError",
+    "PoolPolicy",
     "RetryAfterPolicy",
     "RouteOverride",
     "TokenPolicy",
@@ -55,6 +61,11 @@ class OnExcess(StrEnum):
 class Mode(StrEnum):
     ENFORCE = "enforce"
     SHADOW = "shadow"
+
+
+class Order(StrEnum):
+    FIFO = "fifo"
+    COST = "cost"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,10 +117,70 @@ class MatchRule:
 class BucketPolicy:
     name: str
     match: MatchRule = field(default_factory=MatchRule)
+    # Without a pool: the bucket's slots (>= 1). With a pool: a cap on top of max_share, or 0.
     max_concurrency: int
     queue_timeout_s: float
     max_queue: int
     trusted: bool = False
+    # With a pool (extproc.admission.core): band, guaranteed and largest share, queue order.
+    priority: int = 0
+    min_share: float = 0.0
+    max_share: float = 1.0
+    order: Order = Order.FIFO
+    # Written into the forwarded body as `priority` (vLLM's --scheduling-policy priority).
+    vllm_priority: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdaptivePolicy:
+    """The pool's limit from the backend's metrics (extproc.backend.adaptive)."""
+
+    min_limit: int = 4
+    max_limit: int = 512
+    initial: int = 32
+    ttft_slo_s: float | None = None
+    ttft_quantile: float = 0.9
+    itl_slo_s: float | None = None
+    itl_quantile: float = 0.9
+    interval_s: float = 0.5
+    window_s: float = 10.0
+    max_kv_usage: float = 0.9
+    stale_after_s: float = 5.0
+    fallback_after_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OverloadPolicy:
+    """Staged recovery after overload (extproc.backend.overload)."""
+
+    enabled: bool = True
+    tighten_eviction_rate: float = 0.05
+    step_hold_s: float = 120.0
+    window_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolPolicy:
+    """One pool per backend that the buckets draw from."""
+
+    # Static limit; with `adaptive`, the fallback when the metrics are gone.
+    max_concurrency: int
+    max_tokens_in_flight: int | None = None
+    fail_fast: bool = True
+    adaptive: AdaptivePolicy | None = None
+    overload: OverloadPolicy = field(default_factory=OverloadPolicy)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BackendPolicy:
+    metrics: tuple[str, ...] = ()
+    scrape_timeout_s: float = 0.5
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientDeadlinePolicy:
+    headers: tuple[str, ...] = ("x-envoy-expected-rq-timeout-ms",)
+    margin_s: float = 0.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,6 +194,8 @@ class RouteOverride:
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
     default_max_tokens: int | None = None
+    # The route's own timeout: caps the queue deadline of the route's requests.
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,6 +206,9 @@ class Policy:
     buckets: tuple[BucketPolicy, ...]
     mode: Mode = Mode.ENFORCE
     trusted_headers: tuple[str, ...] = ()
+    pool: PoolPolicy | None = None
+    backend: BackendPolicy = field(default_factory=BackendPolicy)
+    client_deadline: ClientDeadlinePolicy = field(default_factory=ClientDeadlinePolicy)
 
     def bucket(self, name: str) -> BucketPolicy:
         for bucket in self.buckets:
@@ -187,10 +263,63 @@ class Policy:
                     "queue_timeout": duration(b.queue_timeout_s),
                     "max_queue": b.max_queue,
                     "trusted": b.trusted,
+                    **(
+                        {
+                            "priority": b.priority,
+                            "min_share": b.min_share,
+                            "max_share": b.max_share,
+                            "order": str(b.order),
+                        }
+                        if self.pool is not None
+                        else {}
+                    ),
+                    **({"vllm_priority": b.vllm_priority} if b.vllm_priority is not None else {}),
                 }
                 for b in self.buckets
             ],
+            **({"pool": self._pool_dict(self.pool, duration)} if self.pool is not None else {}),
+            "backend": {
+                "metrics": list(self.backend.metrics),
+                "scrape_timeout": duration(self.backend.scrape_timeout_s),
+            },
+            "client_deadline": {
+                "headers": list(self.client_deadline.headers),
+                "margin": duration(self.client_deadline.margin_s),
+            },
         }
+
+    @staticmethod
+    def _pool_dict(pool: PoolPolicy, duration: Callable[[float], str]) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "max_concurrency": pool.max_concurrency,
+            "max_tokens_in_flight": pool.max_tokens_in_flight,
+            "fail_fast": pool.fail_fast,
+            "overload": {
+                "enabled": pool.overload.enabled,
+                "tighten_eviction_rate": pool.overload.tighten_eviction_rate,
+                "step_hold": duration(pool.overload.step_hold_s),
+                "window": duration(pool.overload.window_s),
+            },
+        }
+        a = pool.adaptive
+        if a is not None:
+            slo: dict[str, Any] = {}
+            if a.ttft_slo_s is not None:
+                slo.update(ttft=duration(a.ttft_slo_s), ttft_quantile=a.ttft_quantile)
+            if a.itl_slo_s is not None:
+                slo.update(inter_token=duration(a.itl_slo_s), inter_token_quantile=a.itl_quantile)
+            out["adaptive"] = {
+                "min": a.min_limit,
+                "max": a.max_limit,
+                "initial": a.initial,
+                "slo": slo,
+                "interval": duration(a.interval_s),
+                "window": duration(a.window_s),
+                "max_kv_usage": a.max_kv_usage,
+                "stale_after": duration(a.stale_after_s),
+                "fallback_after": duration(a.fallback_after_s),
+            }
+        return out
 
 
 # --- resolving the message into the policy --------------------------------------------------
@@ -202,6 +331,8 @@ _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9a-z-]+$")
 # Each default is written once, in the dataclasses above; these instances are where
 # resolving reads them from.
 _TOKENS, _LIMITS, _RETRY_AFTER = TokenPolicy(), Limits(), RetryAfterPolicy()
+_ADAPTIVE, _OVERLOAD, _BACKEND = AdaptivePolicy(), OverloadPolicy(), BackendPolicy()
+_DEADLINE = ClientDeadlinePolicy()
 
 
 def _set_or(msg: Any, name: str, default: Any) -> Any:
@@ -279,8 +410,21 @@ def _resolve(msg: policy_pb2.Policy) -> Policy:
         if b.name in seen:
             raise PolicyError(f"{where}.name: bucket {b.name!r} is defined twice")
         seen.add(b.name)
-        if b.max_concurrency < 1:
-            raise PolicyError(f"{where}.max_concurrency: must be at least 1")
+        if b.max_concurrency < 1 and not msg.HasField("pool"):
+            raise PolicyError(f"{where}.max_concurrency: must be at least 1 (or use a `pool`)")
+        if not msg.HasField("pool"):
+            for name in ("priority", "min_share", "max_share"):
+                if b.HasField(name):
+                    raise PolicyError(f"{where}.{name}: needs a `pool` (the buckets' shared slots)")
+            if b.order != policy_pb2.ORDER_UNSPECIFIED:
+                raise PolicyError(f"{where}.order: needs a `pool` (the buckets' shared slots)")
+        min_share = _set_or(b, "min_share", 0.0)
+        max_share = _set_or(b, "max_share", 1.0)
+        if not 0.0 <= min_share <= 1.0 or not 0.0 < max_share <= 1.0 or min_share > max_share:
+            raise PolicyError(
+                f"{where}: min_share and max_share must satisfy 0 <= min_share <= max_share <= 1 "
+                f"and max_share > 0 (got {min_share:g}, {max_share:g})"
+            )
         if not b.HasField("queue_timeout"):
             raise PolicyError(f"{where}.queue_timeout: required (e.g. 5s)")
         headers = []
@@ -315,6 +459,11 @@ def _resolve(msg: policy_pb2.Policy) -> Policy:
                 queue_timeout_s=_seconds(b.queue_timeout),
                 max_queue=b.max_queue,
                 trusted=b.trusted,
+                priority=_set_or(b, "priority", 0),
+                min_share=min_share,
+                max_share=max_share,
+                order=Order.COST if b.order == policy_pb2.COST else Order.FIFO,
+                vllm_priority=_set_or(b, "vllm_priority", None),
             )
         )
     if not buckets[-1].match.is_catch_all:
@@ -322,6 +471,20 @@ def _resolve(msg: policy_pb2.Policy) -> Policy:
             f"buckets[{len(buckets) - 1}]: the last bucket must have no `match`, so that every "
             "request has a bucket"
         )
+    if sum(b.min_share for b in buckets) > 1.0 + 1e-9:
+        raise PolicyError("buckets: the min_share values add up to more than 1")
+    backend = _resolve_backend(msg.backend)
+    pool = _resolve_pool(msg.pool, backend) if msg.HasField("pool") else None
+    cd = msg.client_deadline
+    deadline_headers: list[str] = []
+    for i, name in enumerate(cd.headers):
+        if not _HEADER_NAME.match(name.lower()):
+            raise PolicyError(f"client_deadline.headers[{i}]: {name!r} is not a valid header name")
+        deadline_headers.append(name.lower())
+    client_deadline = ClientDeadlinePolicy(
+        headers=tuple(deadline_headers) if cd.headers else _DEADLINE.headers,
+        margin_s=_seconds(cd.margin) if cd.HasField("margin") else _DEADLINE.margin_s,
+    )
     return Policy(
         tokens=tokens,
         limits=limits,
@@ -331,6 +494,96 @@ def _resolve(msg: policy_pb2.Policy) -> Policy:
             msg.mode, Mode.ENFORCE
         ),
         trusted_headers=tuple(trusted_headers),
+        pool=pool,
+        backend=backend,
+        client_deadline=client_deadline,
+    )
+
+
+def _duration_or(msg: Any, name: str, default: float) -> float:
+    return _seconds(getattr(msg, name)) if msg.HasField(name) else default
+
+
+def _resolve_backend(msg: policy_pb2.Backend) -> BackendPolicy:
+    for i, url in enumerate(msg.metrics):
+        if not re.match(r"^http://[^/\s:]+(:\d{1,5})?(/\S*)?$", url):
+            raise PolicyError(
+                f"backend.metrics[{i}]: {url!r} must be http://host[:port][/path] (plain HTTP)"
+            )
+    timeout = _duration_or(msg, "scrape_timeout", _BACKEND.scrape_timeout_s)
+    if not 0 < timeout <= 10:
+        raise PolicyError("backend.scrape_timeout: must be above 0 and at most 10s")
+    return BackendPolicy(metrics=tuple(msg.metrics), scrape_timeout_s=timeout)
+
+
+def _resolve_pool(msg: policy_pb2.Pool, backend: BackendPolicy) -> PoolPolicy:
+    adaptive: AdaptivePolicy | None = None
+    if msg.HasField("adaptive"):
+        a, slo, d = msg.adaptive, msg.adaptive.slo, _ADAPTIVE
+        adaptive = AdaptivePolicy(
+            min_limit=_set_or(a, "min", d.min_limit),
+            max_limit=_set_or(a, "max", d.max_limit),
+            initial=_set_or(a, "initial", d.initial),
+            ttft_slo_s=_seconds(slo.ttft) if slo.HasField("ttft") else None,
+            ttft_quantile=_set_or(slo, "ttft_quantile", d.ttft_quantile),
+            itl_slo_s=_seconds(slo.inter_token) if slo.HasField("inter_token") else None,
+            itl_quantile=_set_or(slo, "inter_token_quantile", d.itl_quantile),
+            interval_s=_duration_or(a, "interval", d.interval_s),
+            window_s=_duration_or(a, "window", d.window_s),
+            max_kv_usage=_set_or(a, "max_kv_usage", d.max_kv_usage),
+            stale_after_s=_duration_or(a, "stale_after", d.stale_after_s),
+            fallback_after_s=_duration_or(a, "fallback_after", d.fallback_after_s),
+        )
+        if not 1 <= adaptive.min_limit <= adaptive.initial <= adaptive.max_limit:
+            raise PolicyError("pool.adaptive: need 1 <= min <= initial <= max")
+        for name in ("ttft_slo_s", "itl_slo_s"):
+            value = getattr(adaptive, name)
+            if value is not None and value <= 0:
+                raise PolicyError("pool.adaptive.slo: an objective must be above 0")
+        for name in ("ttft_quantile", "itl_quantile"):
+            if not 0 < getattr(adaptive, name) < 1:
+                raise PolicyError("pool.adaptive.slo: quantiles must be between 0 and 1")
+        if not 0 < adaptive.max_kv_usage <= 1:
+            raise PolicyError("pool.adaptive.max_kv_usage: must be in (0, 1]")
+        if not 0.05 <= adaptive.interval_s <= 60:
+            raise PolicyError("pool.adaptive.interval: must be between 50ms and 60s")
+        if adaptive.window_s < adaptive.interval_s:
+            raise PolicyError("pool.adaptive.window: must not be shorter than the interval")
+        if adaptive.fallback_after_s < adaptive.stale_after_s:
+            raise PolicyError("pool.adaptive.fallback_after: must not be below stale_after")
+        if not backend.metrics:
+            raise PolicyError(
+                "pool.adaptive: needs backend.metrics (the vLLM /metrics URLs to read the "
+                "limit from)"
+            )
+    if msg.HasField("max_concurrency"):
+        limit = msg.max_concurrency
+    elif adaptive is not None:
+        limit = adaptive.initial
+    else:
+        raise PolicyError("pool.max_concurrency: required unless the pool is `adaptive`")
+    if limit < 1:
+        raise PolicyError("pool.max_concurrency: must be at least 1")
+    tokens = _set_or(msg, "max_tokens_in_flight", None)
+    if tokens is not None and tokens < 1:
+        raise PolicyError("pool.max_tokens_in_flight: must be at least 1")
+    o, d_o = msg.overload, _OVERLOAD
+    overload = OverloadPolicy(
+        enabled=_set_or(o, "enabled", d_o.enabled),
+        tighten_eviction_rate=_set_or(o, "tighten_eviction_rate", d_o.tighten_eviction_rate),
+        step_hold_s=_duration_or(o, "step_hold", d_o.step_hold_s),
+        window_s=_duration_or(o, "window", d_o.window_s),
+    )
+    if not 0 < overload.tighten_eviction_rate < 1:
+        raise PolicyError("pool.overload.tighten_eviction_rate: must be between 0 and 1")
+    if overload.window_s <= 0 or overload.step_hold_s <= 0:
+        raise PolicyError("pool.overload: window and step_hold must be above 0")
+    return PoolPolicy(
+        max_concurrency=limit,
+        max_tokens_in_flight=tokens,
+        fail_fast=_set_or(msg, "fail_fast", True),
+        adaptive=adaptive,
+        overload=overload,
     )
 
 
@@ -348,6 +601,7 @@ def route_override_from_mapping(data: object, policy: Policy) -> RouteOverride:
         max_prompt_tokens=_set_or(msg, "max_prompt_tokens", None),
         max_output_tokens=_set_or(msg, "max_output_tokens", None),
         default_max_tokens=_set_or(msg, "default_max_tokens", None),
+        timeout_s=_seconds(msg.timeout) if msg.HasField("timeout") else None,
     )
     if override.bucket is not None and override.bucket not in names:
         raise PolicyError(

@@ -51,7 +51,9 @@ class _QueueCollector(Collector):
                 "llm_extproc_in_flight", "Requests holding a slot.", labels=["bucket"]
             ),
             "capacity": GaugeMetricFamily(
-                "llm_extproc_capacity", "Slots (max_concurrency) of the bucket.", labels=["bucket"]
+                "llm_extproc_capacity",
+                "Slots the bucket may hold now (its max_concurrency, or its cap in the pool).",
+                labels=["bucket"],
             ),
             "max_queue": GaugeMetricFamily(
                 "llm_extproc_queue_limit",
@@ -73,6 +75,40 @@ class _QueueCollector(Collector):
         yield from families.values()
 
 
+# The pool's gauges: name -> help. Values come from the pool controller at scrape time
+# (``extproc.control.PoolControl.gauges``); a name it does not report is left out.
+POOL_GAUGES: dict[str, str] = {
+    "pool_limit": "The shared pool's limit: requests at the backend at once.",
+    "pool_in_flight": "Requests holding a slot of the shared pool.",
+    "pool_queued": "Requests waiting for a slot of the shared pool.",
+    "pool_tokens_limit": "The pool's bound on estimated tokens in flight (0: none).",
+    "pool_tokens_in_flight": "Estimated prompt + max_tokens of the requests in flight.",
+    "pool_release_rate": "Slots freed per second, recently (what predicted waits use).",
+    "overload_state": "0 normal, 1 overloaded, 2 recovering.",
+    "overload_factor": "Share of its cap the least urgent band may hold (1: no cut).",
+    "overload_eviction_rate": "Eviction rate of the protected bands over the window.",
+    "overload_p95_wait_seconds": "P95 queue wait of the protected bands' recent admissions.",
+    "backend_up": "Backend metrics endpoints scraped successfully in the last round.",
+    "backend_waiting": "vllm:num_requests_waiting, summed over the backend's endpoints.",
+    "backend_running": "vllm:num_requests_running, summed over the backend's endpoints.",
+    "backend_kv_usage": "vllm:kv_cache_usage_perc, the highest over the endpoints (0-1).",
+    "backend_ttft_seconds": "Windowed quantile of vLLM's time to first token (the SLO's).",
+    "backend_itl_seconds": "Windowed quantile of vLLM's inter-token latency (the SLO's).",
+    "adaptive_state": "The adaptive limit: 0 tracking, 1 holding (stale), 2 fallback.",
+}
+
+
+class _PoolCollector(Collector):
+    def __init__(self, gauges: Callable[[], dict[str, float]]) -> None:
+        self._gauges = gauges
+
+    def collect(self) -> Iterator[Metric]:
+        for name, value in self._gauges().items():
+            g = GaugeMetricFamily(f"llm_extproc_{name}", POOL_GAUGES[name])
+            g.add_metric([], value)
+            yield g
+
+
 class _Children(NamedTuple):
     requests: Counter
     queue_wait: Histogram
@@ -84,9 +120,32 @@ class _Children(NamedTuple):
 class Metrics:
     """Every metric of one sidecar, in its own registry."""
 
-    def __init__(self, stats: Callable[[], dict[str, BucketStats]]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], dict[str, BucketStats]],
+        pool_gauges: Callable[[], dict[str, float]] | None = None,
+    ) -> None:
         r = self.registry = CollectorRegistry()
         r.register(_QueueCollector(stats))
+        if pool_gauges is not None:
+            r.register(_PoolCollector(pool_gauges))
+        self.overload_transitions = Counter(
+            "llm_extproc_overload_transitions",
+            "Overload state changes of the shared pool, by the state entered.",
+            ["state"],
+            registry=r,
+        )
+        self.backend_scrape_errors = Counter(
+            "llm_extproc_backend_scrape_errors",
+            "Backend metrics endpoints that could not be scraped (one per endpoint and round).",
+            registry=r,
+        )
+        self.adaptive_changes = Counter(
+            "llm_extproc_adaptive_limit_changes",
+            "Changes of the pool's adaptive limit, by reason.",
+            ["reason"],
+            registry=r,
+        )
         self.requests = Counter(
             "llm_extproc_requests",
             "LLM requests finished, by bucket and outcome.",

@@ -9,9 +9,12 @@ Order matters and is fixed:
    (headers, prompt tokens, effective max_tokens);
 Route metadata (``RouteOverride``) may also replace the limits of steps 1-2 and the queue
 timeout for its route.
-4. the body is re-serialised only when max_tokens changed. Each max_tokens key the client sent
-   is set to the effective value; when it sent none, ``max_tokens`` is added (vLLM reads it on
-   both endpoints).
+4. the body is rewritten only when max_tokens changed, or the bucket's ``vllm_priority`` is not
+   what the body says. Each max_tokens key the client sent is set to the effective value; when
+   it sent none, ``max_tokens`` is added (vLLM reads it on both endpoints); ``priority`` is set
+   to the bucket's (vLLM's own queue then orders the same way, with
+   ``--scheduling-policy priority``). A key that is absent is appended to the client's bytes;
+   otherwise the body is re-serialised.
 """
 
 from __future__ import annotations
@@ -89,23 +92,37 @@ def token_counter(tokens: TokenPolicy) -> TokenCounter:
 _WHITESPACE = b" \t\r\n"
 
 
-def _append_max_tokens(req: ParsedRequest, value: int) -> bytes | None:
-    """The body with ``"max_tokens":value`` appended before its closing brace, when the body has
-    no max_tokens key at all (not even null: that would make a duplicate) and no BOM. Keeps the
-    client's bytes as they are and costs a fraction of re-serialising. None: not applicable."""
+def _append(req: ParsedRequest, max_tokens: int | None, priority: int | None) -> bytes | None:
+    """The body with ``"max_tokens":N`` and/or ``"priority":P`` appended before its closing
+    brace, when the body has no such key at all (not even null: that would make a duplicate)
+    and no BOM. Keeps the client's bytes as they are and costs a fraction of re-serialising.
+    None: not applicable."""
     raw = req.raw
-    if "max_tokens" in req.body or not raw or raw.startswith(b"\xef\xbb\xbf"):
+    if not raw or raw.startswith(b"\xef\xbb\xbf"):
+        return None
+    if (max_tokens is not None and "max_tokens" in req.body) or (
+        priority is not None and "priority" in req.body
+    ):
         return None
     end = len(raw.rstrip(_WHITESPACE))
     if raw[end - 1 : end] != b"}":
         return None
-    return raw[: end - 1] + (b"," if req.body else b"") + b'"max_tokens":%d}' % value
+    extra = []
+    if max_tokens is not None:
+        extra.append(b'"max_tokens":%d' % max_tokens)
+    if priority is not None:
+        extra.append(b'"priority":%d' % priority)
+    return raw[: end - 1] + (b"," if req.body else b"") + b",".join(extra) + b"}"
 
 
-def _rewrite(original: dict[str, Any], keys: tuple[str, ...], value: int) -> bytes:
+def _rewrite(
+    original: dict[str, Any], keys: tuple[str, ...], value: int, priority: int | None = None
+) -> bytes:
     body = dict(original)  # shallow copy: the parsed request stays as the client sent it
     for key in keys or ("max_tokens",):
         body[key] = value
+    if priority is not None:
+        body["priority"] = priority
     try:
         text = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
         return text.encode("utf-8")
@@ -164,18 +181,6 @@ def classify(
     else:
         max_tokens, action = requested, MaxTokensAction.KEPT
 
-    # Both keys present with different values also needs a rewrite, so the backend cannot
-    # read the other one.
-    needs_rewrite = action is not MaxTokensAction.KEPT or any(
-        req.body.get(k) != max_tokens for k in req.max_tokens_keys
-    )
-    new_body = None
-    if needs_rewrite:
-        if action is MaxTokensAction.DEFAULTED:
-            new_body = _append_max_tokens(req, max_tokens)
-        if new_body is None:
-            new_body = _rewrite(req.body, req.max_tokens_keys, max_tokens)
-
     if route is not None and route.bucket is not None:
         bucket = policy.bucket(route.bucket)
     else:
@@ -184,6 +189,26 @@ def classify(
                 break
         else:  # pragma: no cover - the policy guarantees a catch-all bucket
             raise AssertionError("policy has no catch-all bucket")
+
+    # Both keys present with different values also needs a rewrite, so the backend cannot
+    # read the other one. A bucket with vllm_priority sets the body's `priority` (whatever the
+    # client sent: the bucket decides, not the client).
+    priority = bucket.vllm_priority
+    needs_rewrite = (
+        action is not MaxTokensAction.KEPT
+        or any(req.body.get(k) != max_tokens for k in req.max_tokens_keys)
+        or (priority is not None and req.body.get("priority") != priority)
+    )
+    new_body = None
+    if needs_rewrite:
+        tokens_kept = action is MaxTokensAction.KEPT and all(
+            req.body.get(k) == max_tokens for k in req.max_tokens_keys
+        )
+        if action is MaxTokensAction.DEFAULTED or tokens_kept:
+            new_body = _append(req, None if tokens_kept else max_tokens, priority)
+        if new_body is None:
+            new_body = _rewrite(req.body, req.max_tokens_keys, max_tokens, priority)
+
     timeout = bucket.queue_timeout_s
     if route is not None and route.queue_timeout_s is not None:
         timeout = route.queue_timeout_s

@@ -10,8 +10,11 @@ from typing import Any, TypeVar
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from bench.sim.__main__ import config_from_args
 from bench.sim.api import SimRequestError, count_prompt_tokens, parse_request
+from bench.sim.metrics import ITL_BUCKETS, BulkHistogram
 from bench.sim.profiles import PROFILES, EngineConfig, Profile
 from bench.sim.scheduler import Scheduler, StepOutcome
 from bench.sim.server import SimConfig, SimServer, start_server
@@ -188,6 +191,65 @@ def test_abort_waiting_request_wastes_nothing() -> None:
     assert s.abort(rid) is not None
     assert s.stats.aborted_requests == 1 and s.stats.aborted_generation_tokens == 0
     assert not s.has_work
+
+
+def test_token_gaps_one_per_token_after_the_first() -> None:
+    s = Scheduler(EngineConfig())
+    s.add(prompt_tokens=100, max_tokens=4, arrival_s=0.0)
+    s.add(prompt_tokens=50, max_tokens=2, arrival_s=0.0)
+    outs = s.run_until_idle()
+    assert outs[0].first_tokens and outs[0].token_gaps == ()  # the prefill step: first tokens
+    # Both decode in the next step, which is one gap of that step's length for each of them.
+    ((gap, n),) = outs[1].token_gaps
+    assert gap == pytest.approx(step(H100, 0, 2)) and n == 2
+    for out in outs[2:]:
+        ((gap, n),) = out.token_gaps
+        assert gap == pytest.approx(step(H100, 0, 1)) and n == 1
+    assert len(outs) == 4
+    assert sum(n for o in outs for _, n in o.token_gaps) == (4 - 1) + (2 - 1)
+
+
+def test_token_gap_after_preemption_spans_the_recompute() -> None:
+    s = Scheduler(EngineConfig(kv_cache_tokens=100, max_model_len=100))
+    s.add(prompt_tokens=40, max_tokens=30, arrival_s=0.0)
+    s.add(prompt_tokens=40, max_tokens=30, arrival_s=0.0)
+    outs = s.run_until_idle()
+    gaps = [(gap, n) for o in outs for gap, n in o.token_gaps]
+    assert s.stats.preemptions == 1 and sum(n for _, n in gaps) == 2 * (30 - 1)
+    # The preempted request waits for the other to finish (19 more decode steps), then
+    # recomputes its prompt and 11 tokens: that one gap is the longest by far.
+    longest = max(gap for gap, _ in gaps)
+    assert longest > 19 * step(H100, 0, 1) + step(H100, 51, 0)
+    assert sorted(gap for gap, _ in gaps)[-2] < 2 * step(H100, 0, 2)
+
+
+def test_speed_factor_applies_from_the_next_step() -> None:
+    s = Scheduler(EngineConfig())
+    s.add(prompt_tokens=100, max_tokens=3, arrival_s=0.0)
+    plan = s.schedule(0.0)
+    assert plan is not None and plan.duration_s == pytest.approx(step(H100, 100, 0))
+    s.set_speed_factor(0.5)  # while the step runs: it keeps its duration
+    out = s.complete(plan)
+    assert out.end_s == pytest.approx(step(H100, 100, 0))
+    plan = s.schedule(out.end_s)
+    assert plan is not None and plan.duration_s == pytest.approx(2 * step(H100, 0, 1))
+    s.set_speed_factor(10)
+    s.complete(plan)
+    plan = s.schedule(out.end_s)
+    assert plan is not None and plan.duration_s == pytest.approx(step(H100, 0, 1) / 10)
+    for bad in (0.0, -1.0, 10.01, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="speed factor must be > 0 and <= 10"):
+            s.set_speed_factor(bad)
+    assert s.speed_factor == 10
+
+
+def test_bulk_histogram_buckets() -> None:
+    h = BulkHistogram((0.01, 0.1))
+    h.observe(0.01, 3)  # on a bound: counted in that bucket (le means <=)
+    h.observe(0.05)
+    h.observe(7.0, 2)
+    assert h.cumulative() == [("0.01", 3.0), ("0.1", 4.0), ("+Inf", 6.0)]
+    assert h.count == 6 and h.sum == pytest.approx(0.03 + 0.05 + 14.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,3 +558,179 @@ def test_speedup_reports_simulated_time() -> None:
         assert stats["speedup"] == 100.0 and stats["lag_s_max"] >= 0.0
 
     run(lambda: with_server(cfg, body))
+
+
+def histogram(text: str, name: str) -> dict[str, float]:
+    """``{"count": ..., "sum": ..., "le=<bound>": ...}`` of one histogram in a /metrics body."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != name:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                out[f"le={sample.labels['le']}"] = sample.value
+            elif sample.name.endswith(("_count", "_sum")):
+                out[sample.name.rsplit("_", 1)[1]] = sample.value
+    return out
+
+
+ITL = "vllm:inter_token_latency_seconds"
+TPOT = "vllm:time_per_output_token_seconds"
+TTFT = "vllm:time_to_first_token_seconds"
+
+
+def test_http_inter_token_latency_histograms() -> None:
+    async def body(server: SimServer, session: aiohttp.ClientSession) -> None:
+        async def metrics() -> str:
+            async with session.get(server.url + "/metrics") as resp:
+                return await resp.text()
+
+        assert histogram(await metrics(), ITL)["count"] == 0
+        k = 7
+        req = {"prompt": "abcd" * 100, "max_tokens": k, "stream": True}
+        async with session.post(server.url + "/v1/completions", json=req) as resp:
+            events = parse_sse(await resp.read())
+        assert len(events) == k + 1  # k tokens and [DONE]
+        text = await metrics()
+        itl, tpot, ttft = histogram(text, ITL), histogram(text, TPOT), histogram(text, TTFT)
+        assert itl == tpot  # the same observations under both names
+        assert itl["count"] == k - 1
+        # Simulated seconds, not wall ones (200x less): each gap is one decode step of one token.
+        assert itl["sum"] == pytest.approx((k - 1) * step(H100, 0, 1))
+        assert [b for b in itl if b.startswith("le=")] == [
+            *(f"le={b}" for b in ITL_BUCKETS),
+            "le=+Inf",
+        ]
+        assert itl["le=0.01"] == k - 1  # an H100 decode step of one request is ~6 ms
+        # TTFT is observed once, when the prefill step (100 prompt tokens) yields the token.
+        assert ttft["count"] == 1 and ttft["sum"] == pytest.approx(step(H100, 100, 0))
+        req = {"prompt": "abcd", "max_tokens": 1}  # a single token has no gap
+        async with session.post(server.url + "/v1/completions", json=req) as resp:
+            assert resp.status == 200
+        assert histogram(await metrics(), ITL)["count"] == k - 1
+
+    run(lambda: with_server(FAST, body))
+
+
+def test_http_gauges_are_live() -> None:
+    # One sequence slot: a long stream runs, a second request waits behind it.
+    cfg = SimConfig(engine=EngineConfig(max_num_seqs=1), speedup=10.0)
+
+    async def body(server: SimServer, session: aiohttp.ClientSession) -> None:
+        def gauge(text: str, name: str) -> float:
+            (family,) = [f for f in text_string_to_metric_families(text) if f.name == name]
+            (sample,) = family.samples
+            return sample.value
+
+        req = {"prompt": "abcd" * 100, "max_tokens": 8000, "stream": True}
+        resp = await session.post(server.url + "/v1/completions", json=req)
+        await resp.content.readany()
+        waiter = asyncio.create_task(
+            session.post(server.url + "/v1/completions", json={"prompt": "abcd", "max_tokens": 2})
+        )
+        await _poll_stats(server, session, lambda s: s["num_requests_waiting"] == 1)
+        async with session.get(server.url + "/metrics") as r:
+            text = await r.text()
+        assert gauge(text, "vllm:num_requests_running") == 1
+        assert gauge(text, "vllm:num_requests_waiting") == 1
+        # The running request holds its prompt and the tokens generated so far.
+        assert 101 / 440_000 <= gauge(text, "vllm:kv_cache_usage_perc") < 8100 / 440_000
+        resp.close()
+        await (await waiter).read()
+        await _poll_stats(server, session, lambda s: s["finished_requests"] == 1)
+        async with session.get(server.url + "/metrics") as r:
+            text = await r.text()
+        assert gauge(text, "vllm:num_requests_running") == 0
+        assert gauge(text, "vllm:num_requests_waiting") == 0
+        assert gauge(text, "vllm:kv_cache_usage_perc") == 0
+
+    run(lambda: with_server(cfg, body))
+
+
+async def _e2e(server: SimServer, session: aiohttp.ClientSession) -> float:
+    """Simulated e2e latency of a 1-token prompt generating 5 tokens (header: 6 decimals)."""
+    req = {"prompt": "abcd", "max_tokens": 5}
+    async with session.post(server.url + "/v1/completions", json=req) as resp:
+        assert resp.status == 200
+        await resp.read()
+        return float(resp.headers["x-sim-e2e-s"])
+
+
+NORMAL_E2E = step(H100, 1, 0) + 4 * step(H100, 0, 1)
+
+
+async def _speed(server: SimServer, session: aiohttp.ClientSession) -> float:
+    async with session.get(server.url + "/sim/speed") as resp:
+        assert resp.status == 200
+        return float((await resp.json())["factor"])
+
+
+def test_http_speed_change() -> None:
+    async def body(server: SimServer, session: aiohttp.ClientSession) -> None:
+        assert await _speed(server, session) == 1.0
+        assert await _e2e(server, session) == pytest.approx(NORMAL_E2E, abs=1e-6)
+        async with session.post(server.url + "/sim/speed", json={"factor": 0.5}) as resp:
+            assert resp.status == 200 and await resp.json() == {"factor": 0.5}
+        assert await _speed(server, session) == 0.5
+        # Half as fast: every step takes twice as long.
+        assert await _e2e(server, session) == pytest.approx(2 * NORMAL_E2E, abs=1e-6)
+        async with session.get(server.url + "/sim/stats") as resp:
+            assert (await resp.json())["speed_factor"] == 0.5
+        async with session.post(server.url + "/sim/speed", json={"factor": 10}) as resp:
+            assert resp.status == 200 and await resp.json() == {"factor": 10.0}
+        assert await _e2e(server, session) == pytest.approx(NORMAL_E2E / 10, abs=1e-6)
+        async with session.post(server.url + "/sim/speed", json={"factor": 1}) as resp:
+            assert resp.status == 200
+        assert await _e2e(server, session) == pytest.approx(NORMAL_E2E, abs=1e-6)
+
+        for bad, message in (
+            ({"factor": 0}, "speed factor must be > 0 and <= 10, got 0"),
+            ({"factor": -1}, "speed factor must be > 0 and <= 10, got -1"),
+            ({"factor": 10.5}, "speed factor must be > 0 and <= 10, got 10.5"),
+            ({"factor": 10**400}, "speed factor must be > 0 and <= 10"),
+            ({"factor": "fast"}, "factor must be a number"),
+            ({"factor": True}, "factor must be a number"),
+            ({"factor": None}, "factor must be a number"),
+            ({"speed": 0.5}, 'body must be a JSON object {"factor": <number>}'),
+            ([0.5], 'body must be a JSON object {"factor": <number>}'),
+        ):
+            async with session.post(server.url + "/sim/speed", json=bad) as resp:
+                assert resp.status == 400, bad
+                err = (await resp.json())["error"]
+            assert err["message"].startswith(message) and err["code"] == 400, (bad, err)
+        for raw in (b"{not json", b'{"factor": NaN}'):
+            async with session.post(server.url + "/sim/speed", data=raw) as resp:
+                assert resp.status == 400, raw
+        assert await _speed(server, session) == 1.0  # nothing bad was applied
+
+    run(lambda: with_server(FAST, body))
+
+
+def test_speed_schedule_option() -> None:
+    # Half as fast from the start, twice as fast from simulated second 60 (0.6 s of wall time at
+    # speedup 100); the changes may be given in any order.
+    config, _, _ = config_from_args(["--speedup", "100", "--speed-schedule", "60:2, 0:0.5"])
+    assert config.speed_schedule == ((0.0, 0.5), (60.0, 2.0))
+
+    async def body(server: SimServer, session: aiohttp.ClientSession) -> None:
+        assert await _speed(server, session) == 0.5
+        assert await _e2e(server, session) == pytest.approx(2 * NORMAL_E2E, abs=1e-6)
+        async with session.get(server.url + "/sim/stats") as resp:
+            stats = await resp.json()
+        assert stats["sim_time_s"] < 60 and stats["speed_factor"] == 0.5
+        for _ in range(300):  # at most ~3 s of wall time
+            if await _speed(server, session) == 2.0:
+                break
+            await asyncio.sleep(0.01)
+        assert await _speed(server, session) == 2.0
+        # The engine was idle at second 60: the change applies to the next step started.
+        assert await _e2e(server, session) == pytest.approx(NORMAL_E2E / 2, abs=1e-6)
+
+    run(lambda: with_server(config, body))
+
+
+@pytest.mark.parametrize("schedule", ["10:0", "10:11", "-1:1", "10", "x:1", "10:nan", "1:1,"])
+def test_speed_schedule_option_rejects(schedule: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        config_from_args([f"--speed-schedule={schedule}"])
+    assert "bad speed change" in capsys.readouterr().err

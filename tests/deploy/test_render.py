@@ -151,3 +151,50 @@ def test_rds_variant_starts_with_its_routes_file() -> None:
     """envoy -c envoy/envoy-rds.yaml from the repository root loads envoy/routes/routes.yaml."""
     out = envoy_validate(Path("envoy/envoy-rds.yaml"))
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+LONG_WAIT = policy_from_yaml(
+    "buckets: [{name: batch, max_concurrency: 4, queue_timeout: 160s, max_queue: 10}]"
+)
+
+
+def test_deadline_check_passes_the_shipped_config_and_what_render_gives() -> None:
+    from extproc.config.envoy import deadline_problems
+
+    assert deadline_problems(default_policy(), shipped_envoy()) == []
+    assert deadline_problems(LONG_WAIT, render(LONG_WAIT)) == []
+
+
+def test_deadline_check_names_every_deadline_envoy_cannot_honour() -> None:
+    """The shipped envoy.yaml (max_message_timeout 121s, stream_idle_timeout 300s, LLM
+    routes 600s) cannot honour a 160 s wait, nor a 400 s or 700 s one."""
+    from extproc.config.envoy import deadline_problems
+
+    problems = deadline_problems(LONG_WAIT, shipped_envoy())
+    assert len(problems) == 1 and "max_message_timeout >= 161s, but Envoy's is 121s" in problems[0]
+    longer = policy_from_yaml(
+        "buckets: [{name: batch, max_concurrency: 4, queue_timeout: 700s, max_queue: 10}]"
+    )
+    text = "\n".join(deadline_problems(longer, shipped_envoy()))
+    assert "max_message_timeout" in text
+    assert "stream_idle_timeout (300s)" in text
+    assert "route timeout of 600s" in text  # the LLM routes; the 60 s catch-all skips ext_proc
+    assert deadline_problems(LONG_WAIT, {}) == ["no ext_proc filter found in the Envoy config"]
+
+
+def test_check_command_exits_1_when_envoy_cannot_honour_a_deadline(tmp_path: Path) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(
+        "buckets: [{name: batch, max_concurrency: 4, queue_timeout: 160s, max_queue: 10}]"
+    )
+    cmd = [sys.executable, "-m", "extproc.cli", "check", "--policy", str(policy)]
+    bad = subprocess.run(
+        [*cmd, "--envoy", str(REPO / "envoy" / "envoy.yaml")], capture_output=True, text=True
+    )
+    assert bad.returncode == 1
+    assert "deadline cannot be honoured: bucket batch" in bad.stderr
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(yaml.safe_dump(render(policy_from_yaml(policy.read_text()))))
+    good = subprocess.run([*cmd, "--envoy", str(rendered)], capture_output=True, text=True)
+    assert good.returncode == 0, good.stderr
+    assert "honours every queue deadline" in good.stdout

@@ -25,6 +25,7 @@ def test_refusals_and_evictions_log_at_info_the_rest_at_debug() -> None:
         Outcome.REJECTED_QUEUE_FULL,
         Outcome.EVICTED_TIMEOUT,
         Outcome.REJECTED_BUSY,
+        Outcome.REJECTED_WAIT_TOO_LONG,
     }
 
 

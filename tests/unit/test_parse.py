@@ -357,3 +357,45 @@ def test_exact_counts_with_a_local_tokenizer_json(tmp_path: Path) -> None:
     assert count(()) == 0
     raw = json.dumps({"messages": [{"role": "user", "content": "hello world"}]}).encode()
     assert classify(policy, count, {}, parse_body(CHAT, raw)).prompt_tokens == 2
+
+
+PRIORITY_POLICY = policy_from_yaml(
+    """
+limits: {default_max_tokens: 64, max_output_tokens: 512}
+pool: {max_concurrency: 4}
+buckets:
+  - {name: urgent, match: {headers: {x-llm-class: interactive}}, vllm_priority: 0,
+     queue_timeout: 1s, max_queue: 5}
+  - {name: rest, vllm_priority: 7, queue_timeout: 1s, max_queue: 5}
+"""
+)
+
+
+@pytest.mark.parametrize(
+    "headers,body,priority",
+    [
+        ({}, chat(max_tokens=10), 7),  # only priority appended
+        ({}, chat(), 7),  # max_tokens and priority appended
+        ({}, chat(max_tokens=10, priority=-100), 7),  # the client's own value is replaced
+        ({"x-llm-class": "interactive"}, chat(max_tokens=10, priority=3), 0),
+    ],
+)
+def test_vllm_priority_is_written_into_the_body(
+    headers: dict[str, str], body: bytes, priority: int
+) -> None:
+    cls = classify(
+        PRIORITY_POLICY, token_counter(PRIORITY_POLICY.tokens), headers, parse_body(CHAT, body)
+    )
+    assert cls.new_body is not None
+    sent = json.loads(cls.new_body)
+    assert sent["priority"] == priority
+    assert sent["max_tokens"] == cls.max_tokens
+    assert sent["messages"] == json.loads(body)["messages"]
+
+
+def test_vllm_priority_already_right_leaves_the_body_alone() -> None:
+    body = chat(max_tokens=10, priority=7)
+    cls = classify(
+        PRIORITY_POLICY, token_counter(PRIORITY_POLICY.tokens), {}, parse_body(CHAT, body)
+    )
+    assert cls.new_body is None

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bllm_extproc/v1/policy.proto\x12\x0ellm_extproc.v1\x1a\x1egoogle/protobuf/duration.proto\"\xef\x01\n\x06Policy\x12&\n\x06tokens\x18\x01 \x01(\x0b\x32\x16.llm_extproc.v1.Tokens\x12&\n\x06limits\x18\x02 \x01(\x0b\x32\x16.llm_extproc.v1.Limits\x12/\n\x0bretry_after\x18\x03 \x01(\x0b\x32\x1a.llm_extproc.v1.RetryAfter\x12\'\n\x07\x62uckets\x18\x04 \x03(\x0b\x32\x16.llm_extproc.v1.Bucket\x12\"\n\x04mode\x18\x05 \x01(\x0e\x32\x14.llm_extproc.v1.Mode\x12\x17\n\x0ftrusted_headers\x18\x06 \x03(\t\"\xcb\x01\n\x06Tokens\x12\x1c\n\x0f\x63hars_per_token\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12!\n\x14non_text_part_tokens\x18\x03 \x01(\rH\x01\x88\x01\x01\x12$\n\x17message_overhead_tokens\x18\x04 \x01(\rH\x02\x88\x01\x01\x42\x12\n\x10_chars_per_tokenB\x17\n\x15_non_text_part_tokensB\x1a\n\x18_message_overhead_tokens\"\x8d\x02\n\x06Limits\x12\x1e\n\x11max_prompt_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x1f\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x1e\n\x11max_output_tokens\x18\x03 \x01(\rH\x02\x88\x01\x01\x12+\n\ton_excess\x18\x04 \x01(\x0e\x32\x18.llm_extproc.v1.OnExcess\x12\x1d\n\x10max_queued_bytes\x18\x05 \x01(\x04H\x03\x88\x01\x01\x42\x14\n\x12_max_prompt_tokensB\x15\n\x13_default_max_tokensB\x14\n\x12_max_output_tokensB\x13\n\x11_max_queued_bytes\"|\n\nRetryAfter\x12&\n\x03min\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12&\n\x03max\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x13\n\x06jitter\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\t\n\x07_jitter\"\xca\x01\n\x05Match\x12\x33\n\x07headers\x18\x01 \x03(\x0b\x32\".llm_extproc.v1.Match.HeadersEntry\x12\x1e\n\x11max_prompt_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x01\x88\x01\x01\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x14\n\x12_max_prompt_tokensB\r\n\x0b_max_tokens\"\xab\x01\n\x06\x42ucket\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05match\x18\x02 \x01(\x0b\x32\x15.llm_extproc.v1.Match\x12\x17\n\x0fmax_concurrency\x18\x03 \x01(\r\x12\x30\n\rqueue_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x11\n\tmax_queue\x18\x05 \x01(\r\x12\x0f\n\x07trusted\x18\x06 \x01(\x08\"\xcd\x02\n\rRouteOverride\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\t\x12\x1c\n\x0fmax_concurrency\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tmax_queue\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x30\n\rqueue_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1e\n\x11max_prompt_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x1e\n\x11max_output_tokens\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x1f\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x07 \x01(\rH\x04\x88\x01\x01\x42\x12\n\x10_max_concurrencyB\x0c\n\n_max_queueB\x14\n\x12_max_prompt_tokensB\x14\n\x12_max_output_tokensB\x15\n\x13_default_max_tokens*5\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x45NFORCE\x10\x01\x12\n\n\x06SHADOW\x10\x02*<\n\x08OnExcess\x12\x19\n\x15ON_EXCESS_UNSPECIFIED\x10\x00\x12\t\n\x05\x43LAMP\x10\x01\x12\n\n\x06REJECT\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bllm_extproc/v1/policy.proto\x12\x0ellm_extproc.v1\x1a\x1egoogle/protobuf/duration.proto\"\xf6\x02\n\x06Policy\x12&\n\x06tokens\x18\x01 \x01(\x0b\x32\x16.llm_extproc.v1.Tokens\x12&\n\x06limits\x18\x02 \x01(\x0b\x32\x16.llm_extproc.v1.Limits\x12/\n\x0bretry_after\x18\x03 \x01(\x0b\x32\x1a.llm_extproc.v1.RetryAfter\x12\'\n\x07\x62uckets\x18\x04 \x03(\x0b\x32\x16.llm_extproc.v1.Bucket\x12\"\n\x04mode\x18\x05 \x01(\x0e\x32\x14.llm_extproc.v1.Mode\x12\x17\n\x0ftrusted_headers\x18\x06 \x03(\t\x12\"\n\x04pool\x18\x07 \x01(\x0b\x32\x14.llm_extproc.v1.Pool\x12(\n\x07\x62\x61\x63kend\x18\x08 \x01(\x0b\x32\x17.llm_extproc.v1.Backend\x12\x37\n\x0f\x63lient_deadline\x18\t \x01(\x0b\x32\x1e.llm_extproc.v1.ClientDeadline\"\xf2\x01\n\x04Pool\x12\x1c\n\x0fmax_concurrency\x18\x01 \x01(\rH\x00\x88\x01\x01\x12!\n\x14max_tokens_in_flight\x18\x02 \x01(\x04H\x01\x88\x01\x01\x12\x16\n\tfail_fast\x18\x03 \x01(\x08H\x02\x88\x01\x01\x12*\n\x08\x61\x64\x61ptive\x18\x04 \x01(\x0b\x32\x18.llm_extproc.v1.Adaptive\x12*\n\x08overload\x18\x05 \x01(\x0b\x32\x18.llm_extproc.v1.OverloadB\x12\n\x10_max_concurrencyB\x17\n\x15_max_tokens_in_flightB\x0c\n\n_fail_fast\"\xc8\x01\n\x03Slo\x12\'\n\x04ttft\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1a\n\rttft_quantile\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12.\n\x0binter_token\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12!\n\x14inter_token_quantile\x18\x04 \x01(\x01H\x01\x88\x01\x01\x42\x10\n\x0e_ttft_quantileB\x17\n\x15_inter_token_quantile\"\xe9\x02\n\x08\x41\x64\x61ptive\x12\x10\n\x03min\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x03max\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x14\n\x07initial\x18\x03 \x01(\rH\x02\x88\x01\x01\x12 \n\x03slo\x18\x04 \x01(\x0b\x32\x13.llm_extproc.v1.Slo\x12+\n\x08interval\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x06window\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x19\n\x0cmax_kv_usage\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12.\n\x0bstale_after\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x31\n\x0e\x66\x61llback_after\x18\t \x01(\x0b\x32\x19.google.protobuf.DurationB\x06\n\x04_minB\x06\n\x04_maxB\n\n\x08_initialB\x0f\n\r_max_kv_usage\"\xc3\x01\n\x08Overload\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\"\n\x15tighten_eviction_rate\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12,\n\tstep_hold\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x06window\x18\x04 \x01(\x0b\x32\x19.google.protobuf.DurationB\n\n\x08_enabledB\x18\n\x16_tighten_eviction_rate\"M\n\x07\x42\x61\x63kend\x12\x0f\n\x07metrics\x18\x01 \x03(\t\x12\x31\n\x0escrape_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"L\n\x0e\x43lientDeadline\x12\x0f\n\x07headers\x18\x01 \x03(\t\x12)\n\x06margin\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xcb\x01\n\x06Tokens\x12\x1c\n\x0f\x63hars_per_token\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12!\n\x14non_text_part_tokens\x18\x03 \x01(\rH\x01\x88\x01\x01\x12$\n\x17message_overhead_tokens\x18\x04 \x01(\rH\x02\x88\x01\x01\x42\x12\n\x10_chars_per_tokenB\x17\n\x15_non_text_part_tokensB\x1a\n\x18_message_overhead_tokens\"\x8d\x02\n\x06Limits\x12\x1e\n\x11max_prompt_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x1f\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x1e\n\x11max_output_tokens\x18\x03 \x01(\rH\x02\x88\x01\x01\x12+\n\ton_excess\x18\x04 \x01(\x0e\x32\x18.llm_extproc.v1.OnExcess\x12\x1d\n\x10max_queued_bytes\x18\x05 \x01(\x04H\x03\x88\x01\x01\x42\x14\n\x12_max_prompt_tokensB\x15\n\x13_default_max_tokensB\x14\n\x12_max_output_tokensB\x13\n\x11_max_queued_bytes\"|\n\nRetryAfter\x12&\n\x03min\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12&\n\x03max\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x13\n\x06jitter\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\t\n\x07_jitter\"\xca\x01\n\x05Match\x12\x33\n\x07headers\x18\x01 \x03(\x0b\x32\".llm_extproc.v1.Match.HeadersEntry\x12\x1e\n\x11max_prompt_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x01\x88\x01\x01\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x14\n\x12_max_prompt_tokensB\r\n\x0b_max_tokens\"\xef\x02\n\x06\x42ucket\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05match\x18\x02 \x01(\x0b\x32\x15.llm_extproc.v1.Match\x12\x17\n\x0fmax_concurrency\x18\x03 \x01(\r\x12\x30\n\rqueue_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x11\n\tmax_queue\x18\x05 \x01(\r\x12\x0f\n\x07trusted\x18\x06 \x01(\x08\x12\x15\n\x08priority\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tmin_share\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x16\n\tmax_share\x18\t \x01(\x01H\x02\x88\x01\x01\x12$\n\x05order\x18\n \x01(\x0e\x32\x15.llm_extproc.v1.Order\x12\x1a\n\rvllm_priority\x18\x0b \x01(\x05H\x03\x88\x01\x01\x42\x0b\n\t_priorityB\x0c\n\n_min_shareB\x0c\n\n_max_shareB\x10\n\x0e_vllm_priority\"\xf9\x02\n\rRouteOverride\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\t\x12\x1c\n\x0fmax_concurrency\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tmax_queue\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x30\n\rqueue_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1e\n\x11max_prompt_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x1e\n\x11max_output_tokens\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x1f\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x07 \x01(\rH\x04\x88\x01\x01\x12*\n\x07timeout\x18\x08 \x01(\x0b\x32\x19.google.protobuf.DurationB\x12\n\x10_max_concurrencyB\x0c\n\n_max_queueB\x14\n\x12_max_prompt_tokensB\x14\n\x12_max_output_tokensB\x15\n\x13_default_max_tokens*2\n\x05Order\x12\x15\n\x11ORDER_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46IFO\x10\x01\x12\x08\n\x04\x43OST\x10\x02*5\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x45NFORCE\x10\x01\x12\n\n\x06SHADOW\x10\x02*<\n\x08OnExcess\x12\x19\n\x15ON_EXCESS_UNSPECIFIED\x10\x00\x12\t\n\x05\x43LAMP\x10\x01\x12\n\n\x06REJECT\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,24 +34,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MATCH_HEADERSENTRY']._loaded_options = None
   _globals['_MATCH_HEADERSENTRY']._serialized_options = b'8\001'
-  _globals['_MODE']._serialized_start=1640
-  _globals['_MODE']._serialized_end=1693
-  _globals['_ONEXCESS']._serialized_start=1695
-  _globals['_ONEXCESS']._serialized_end=1755
+  _globals['_ORDER']._serialized_start=3182
+  _globals['_ORDER']._serialized_end=3232
+  _globals['_MODE']._serialized_start=3234
+  _globals['_MODE']._serialized_end=3287
+  _globals['_ONEXCESS']._serialized_start=3289
+  _globals['_ONEXCESS']._serialized_end=3349
   _globals['_POLICY']._serialized_start=80
-  _globals['_POLICY']._serialized_end=319
-  _globals['_TOKENS']._serialized_start=322
-  _globals['_TOKENS']._serialized_end=525
-  _globals['_LIMITS']._serialized_start=528
-  _globals['_LIMITS']._serialized_end=797
-  _globals['_RETRYAFTER']._serialized_start=799
-  _globals['_RETRYAFTER']._serialized_end=923
-  _globals['_MATCH']._serialized_start=926
-  _globals['_MATCH']._serialized_end=1128
-  _globals['_MATCH_HEADERSENTRY']._serialized_start=1045
-  _globals['_MATCH_HEADERSENTRY']._serialized_end=1091
-  _globals['_BUCKET']._serialized_start=1131
-  _globals['_BUCKET']._serialized_end=1302
-  _globals['_ROUTEOVERRIDE']._serialized_start=1305
-  _globals['_ROUTEOVERRIDE']._serialized_end=1638
+  _globals['_POLICY']._serialized_end=454
+  _globals['_POOL']._serialized_start=457
+  _globals['_POOL']._serialized_end=699
+  _globals['_SLO']._serialized_start=702
+  _globals['_SLO']._serialized_end=902
+  _globals['_ADAPTIVE']._serialized_start=905
+  _globals['_ADAPTIVE']._serialized_end=1266
+  _globals['_OVERLOAD']._serialized_start=1269
+  _globals['_OVERLOAD']._serialized_end=1464
+  _globals['_BACKEND']._serialized_start=1466
+  _globals['_BACKEND']._serialized_end=1543
+  _globals['_CLIENTDEADLINE']._serialized_start=1545
+  _globals['_CLIENTDEADLINE']._serialized_end=1621
+  _globals['_TOKENS']._serialized_start=1624
+  _globals['_TOKENS']._serialized_end=1827
+  _globals['_LIMITS']._serialized_start=1830
+  _globals['_LIMITS']._serialized_end=2099
+  _globals['_RETRYAFTER']._serialized_start=2101
+  _globals['_RETRYAFTER']._serialized_end=2225
+  _globals['_MATCH']._serialized_start=2228
+  _globals['_MATCH']._serialized_end=2430
+  _globals['_MATCH_HEADERSENTRY']._serialized_start=2347
+  _globals['_MATCH_HEADERSENTRY']._serialized_end=2393
+  _globals['_BUCKET']._serialized_start=2433
+  _globals['_BUCKET']._serialized_end=2800
+  _globals['_ROUTEOVERRIDE']._serialized_start=2803
+  _globals['_ROUTEOVERRIDE']._serialized_end=3180
 # @@protoc_insertion_point(module_scope)

@@ -10,6 +10,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Order(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ORDER_UNSPECIFIED: _ClassVar[Order]
+    FIFO: _ClassVar[Order]
+    COST: _ClassVar[Order]
+
 class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MODE_UNSPECIFIED: _ClassVar[Mode]
@@ -21,6 +27,9 @@ class OnExcess(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ON_EXCESS_UNSPECIFIED: _ClassVar[OnExcess]
     CLAMP: _ClassVar[OnExcess]
     REJECT: _ClassVar[OnExcess]
+ORDER_UNSPECIFIED: Order
+FIFO: Order
+COST: Order
 MODE_UNSPECIFIED: Mode
 ENFORCE: Mode
 SHADOW: Mode
@@ -29,20 +38,102 @@ CLAMP: OnExcess
 REJECT: OnExcess
 
 class Policy(_message.Message):
-    __slots__ = ("tokens", "limits", "retry_after", "buckets", "mode", "trusted_headers")
+    __slots__ = ("tokens", "limits", "retry_after", "buckets", "mode", "trusted_headers", "pool", "backend", "client_deadline")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     TRUSTED_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     tokens: Tokens
     limits: Limits
     retry_after: RetryAfter
     buckets: _containers.RepeatedCompositeFieldContainer[Bucket]
     mode: Mode
     trusted_headers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tokens: _Optional[_Union[Tokens, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., retry_after: _Optional[_Union[RetryAfter, _Mapping]] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., mode: _Optional[_Union[Mode, str]] = ..., trusted_headers: _Optional[_Iterable[str]] = ...) -> None: ...
+    pool: Pool
+    backend: Backend
+    client_deadline: ClientDeadline
+    def __init__(self, tokens: _Optional[_Union[Tokens, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., retry_after: _Optional[_Union[RetryAfter, _Mapping]] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., mode: _Optional[_Union[Mode, str]] = ..., trusted_headers: _Optional[_Iterable[str]] = ..., pool: _Optional[_Union[Pool, _Mapping]] = ..., backend: _Optional[_Union[Backend, _Mapping]] = ..., client_deadline: _Optional[_Union[ClientDeadline, _Mapping]] = ...) -> None: ...
+
+class Pool(_message.Message):
+    __slots__ = ("max_concurrency", "max_tokens_in_flight", "fail_fast", "adaptive", "overload")
+    MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    FAIL_FAST_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    OVERLOAD_FIELD_NUMBER: _ClassVar[int]
+    max_concurrency: int
+    max_tokens_in_flight: int
+    fail_fast: bool
+    adaptive: Adaptive
+    overload: Overload
+    def __init__(self, max_concurrency: _Optional[int] = ..., max_tokens_in_flight: _Optional[int] = ..., fail_fast: _Optional[bool] = ..., adaptive: _Optional[_Union[Adaptive, _Mapping]] = ..., overload: _Optional[_Union[Overload, _Mapping]] = ...) -> None: ...
+
+class Slo(_message.Message):
+    __slots__ = ("ttft", "ttft_quantile", "inter_token", "inter_token_quantile")
+    TTFT_FIELD_NUMBER: _ClassVar[int]
+    TTFT_QUANTILE_FIELD_NUMBER: _ClassVar[int]
+    INTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    INTER_TOKEN_QUANTILE_FIELD_NUMBER: _ClassVar[int]
+    ttft: _duration_pb2.Duration
+    ttft_quantile: float
+    inter_token: _duration_pb2.Duration
+    inter_token_quantile: float
+    def __init__(self, ttft: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., ttft_quantile: _Optional[float] = ..., inter_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., inter_token_quantile: _Optional[float] = ...) -> None: ...
+
+class Adaptive(_message.Message):
+    __slots__ = ("min", "max", "initial", "slo", "interval", "window", "max_kv_usage", "stale_after", "fallback_after")
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    MAX_KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    STALE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_AFTER_FIELD_NUMBER: _ClassVar[int]
+    min: int
+    max: int
+    initial: int
+    slo: Slo
+    interval: _duration_pb2.Duration
+    window: _duration_pb2.Duration
+    max_kv_usage: float
+    stale_after: _duration_pb2.Duration
+    fallback_after: _duration_pb2.Duration
+    def __init__(self, min: _Optional[int] = ..., max: _Optional[int] = ..., initial: _Optional[int] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., window: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_kv_usage: _Optional[float] = ..., stale_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fallback_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class Overload(_message.Message):
+    __slots__ = ("enabled", "tighten_eviction_rate", "step_hold", "window")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    TIGHTEN_EVICTION_RATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_HOLD_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    tighten_eviction_rate: float
+    step_hold: _duration_pb2.Duration
+    window: _duration_pb2.Duration
+    def __init__(self, enabled: _Optional[bool] = ..., tighten_eviction_rate: _Optional[float] = ..., step_hold: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., window: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class Backend(_message.Message):
+    __slots__ = ("metrics", "scrape_timeout")
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    SCRAPE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    metrics: _containers.RepeatedScalarFieldContainer[str]
+    scrape_timeout: _duration_pb2.Duration
+    def __init__(self, metrics: _Optional[_Iterable[str]] = ..., scrape_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class ClientDeadline(_message.Message):
+    __slots__ = ("headers", "margin")
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
+    MARGIN_FIELD_NUMBER: _ClassVar[int]
+    headers: _containers.RepeatedScalarFieldContainer[str]
+    margin: _duration_pb2.Duration
+    def __init__(self, headers: _Optional[_Iterable[str]] = ..., margin: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("chars_per_token", "tokenizer", "non_text_part_tokens", "message_overhead_tokens")
@@ -98,23 +189,33 @@ class Match(_message.Message):
     def __init__(self, headers: _Optional[_Mapping[str, str]] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class Bucket(_message.Message):
-    __slots__ = ("name", "match", "max_concurrency", "queue_timeout", "max_queue", "trusted")
+    __slots__ = ("name", "match", "max_concurrency", "queue_timeout", "max_queue", "trusted", "priority", "min_share", "max_share", "order", "vllm_priority")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     TRUSTED_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MIN_SHARE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SHARE_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    VLLM_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     name: str
     match: Match
     max_concurrency: int
     queue_timeout: _duration_pb2.Duration
     max_queue: int
     trusted: bool
-    def __init__(self, name: _Optional[str] = ..., match: _Optional[_Union[Match, _Mapping]] = ..., max_concurrency: _Optional[int] = ..., queue_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_queue: _Optional[int] = ..., trusted: _Optional[bool] = ...) -> None: ...
+    priority: int
+    min_share: float
+    max_share: float
+    order: Order
+    vllm_priority: int
+    def __init__(self, name: _Optional[str] = ..., match: _Optional[_Union[Match, _Mapping]] = ..., max_concurrency: _Optional[int] = ..., queue_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_queue: _Optional[int] = ..., trusted: _Optional[bool] = ..., priority: _Optional[int] = ..., min_share: _Optional[float] = ..., max_share: _Optional[float] = ..., order: _Optional[_Union[Order, str]] = ..., vllm_priority: _Optional[int] = ...) -> None: ...
 
 class RouteOverride(_message.Message):
-    __slots__ = ("bucket", "max_concurrency", "max_queue", "queue_timeout", "max_prompt_tokens", "max_output_tokens", "default_max_tokens")
+    __slots__ = ("bucket", "max_concurrency", "max_queue", "queue_timeout", "max_prompt_tokens", "max_output_tokens", "default_max_tokens", "timeout")
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +223,7 @@ class RouteOverride(_message.Message):
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     bucket: str
     max_concurrency: int
     max_queue: int
@@ -129,4 +231,5 @@ class RouteOverride(_message.Message):
     max_prompt_tokens: int
     max_output_tokens: int
     default_max_tokens: int
-    def __init__(self, bucket: _Optional[str] = ..., max_concurrency: _Optional[int] = ..., max_queue: _Optional[int] = ..., queue_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_prompt_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ...) -> None: ...
+    timeout: _duration_pb2.Duration
+    def __init__(self, bucket: _Optional[str] = ..., max_concurrency: _Optional[int] = ..., max_queue: _Optional[int] = ..., queue_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_prompt_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,317 @@
+"""The pool's concurrency limit, found from vLLM's signals and the user's latency objectives.
+
+A static concurrency limit is either too low (GPUs idle while clients get 429s) or too high
+(vLLM queues internally, where our deadlines and priorities no longer apply, and TTFT grows for
+everyone). ``AdaptiveLimit`` searches for the highest limit at which vLLM still runs everything
+it is given within the objectives, and keeps the queue on our side of the wire.
+
+Control law (one ``update`` per scrape; ``L`` is the limit)
+-----------------------------------------------------------
+Decrease, ``L := floor(L * 0.8)``, when any of these holds, the first one named in ``reason``:
+
+- ``ttft`` / ``itl``: the windowed quantile is above its objective, over at least
+  ``min_observations`` (10) observations: fewer, and a p90 is the latency of one request;
+- ``vllm_queue``: vLLM's own waiting queue (summed over endpoints) is longer than
+  ``floor(0.02 * L)``: vLLM could not take in everything we admitted. The small tolerance keeps
+  a high limit from being cut for the odd request caught between two scheduler steps (with
+  ``L < 50`` it is 0: any queue counts);
+- ``kv``: the fullest endpoint's KV cache is at or above ``max_kv_usage`` (0.9): past it vLLM
+  preempts running requests and recomputes them, which costs more than it serves.
+
+After a decrease the limit holds, up or down, for ``cooldown_s`` (10 s, the scraper's default
+window): the windowed quantiles still hold observations from the old limit, and the requests
+admitted under it finish only over their own duration (lowering the limit stops no running
+request), so the signals need that long to show the effect. One breach therefore costs at most
+one cut per cooldown, never a collapse to ``min_limit``.
+
+Increase, ``L := L + max(1, floor(0.05 * L))``, when all of these hold:
+
+- every objective holds with headroom: the quantile is below ``0.9 *`` its objective, or there
+  is no observation in the window (nothing is slow). Between 0.9x and 1x the limit holds: the
+  quantiles lag by up to the window, so climbing until the objective breaks overshoots;
+- vLLM's waiting queue is empty and KV usage is below ``max_kv_usage``;
+- there is demand: requests wait in our queue, or ``in_flight >= L - max(1, floor(0.1 * L))``.
+  Without demand nothing tests the higher limit, and a limit nobody uses would climb forever
+  on good signals that say nothing about it.
+
+The step is 5% of the limit (at least 1), so the climb takes the same number of rounds at any
+scale (about 14 rounds to double); the 0.8 cut takes back about four steps at once, the usual
+asymmetry of AIMD that keeps a shared backend stable. Otherwise the limit holds. It is always
+clamped to ``[min_limit, max_limit]``.
+
+Stale data
+----------
+``signals`` None, no endpoint answering, or signals older than ``stale_after_s`` are no data.
+For ``stale_after_s`` (5 s) after the last good scrape the limit simply holds (a missed scrape
+is normal), then the state is ``holding``; after ``fallback_after_s`` (30 s) the limit moves to
+``fallback_limit`` (by default ``initial``, the operator's static limit): the sidecar neither
+freezes on a limit found under conditions long gone nor fails closed. Never 0. When data
+returns, tracking resumes at once from the limit in force.
+
+Pure: ``update`` takes ``now`` from the caller; no clock, no I/O. ``Poller`` is the asyncio shell
+that scrapes on an interval and feeds ``update``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+from enum import StrEnum
+from typing import Protocol
+
+from extproc.backend.scrape import Signals
+
+__all__ = ["AdaptiveLimit", "LimitState", "Poller", "SignalSource"]
+
+log = logging.getLogger("extproc.backend")
+
+
+class LimitState(StrEnum):
+    TRACKING = "tracking"  # fresh data: the control law runs
+    HOLDING = "holding"  # data stale for stale_after_s: the last limit holds
+    FALLBACK = "fallback"  # data stale for fallback_after_s: the fallback limit
+
+
+class AdaptiveLimit:
+    def __init__(
+        self,
+        *,
+        min_limit: int,
+        max_limit: int,
+        initial: int,
+        ttft_slo_s: float | None = None,
+        itl_slo_s: float | None = None,
+        max_kv_usage: float = 0.9,
+        stale_after_s: float = 5.0,
+        fallback_after_s: float = 30.0,
+        fallback_limit: int | None = None,
+        cooldown_s: float = 10.0,
+        increase_fraction: float = 0.05,
+        decrease_factor: float = 0.8,
+        headroom: float = 0.9,
+        min_observations: int = 10,
+        queue_tolerance: float = 0.02,
+        demand_margin: float = 0.1,
+    ) -> None:
+        """``None`` for an objective: no objective on that latency. ``fallback_limit`` defaults
+        to ``initial``. The law's constants are keywords so tests and operators can see them."""
+        if min_limit < 1 or max_limit < min_limit:
+            raise ValueError("need 1 <= min_limit <= max_limit")
+        if not 0.0 < decrease_factor < 1.0 or increase_fraction < 0 or not 0 < headroom <= 1:
+            raise ValueError(
+                "need 0 < decrease_factor < 1, increase_fraction >= 0, headroom in (0, 1]"
+            )
+        if fallback_after_s < stale_after_s:
+            raise ValueError("fallback_after_s must not be shorter than stale_after_s")
+        self.min_limit = min_limit
+        self.max_limit = max_limit
+        self.ttft_slo_s = ttft_slo_s
+        self.itl_slo_s = itl_slo_s
+        self.max_kv_usage = max_kv_usage
+        self.stale_after_s = stale_after_s
+        self.fallback_after_s = fallback_after_s
+        self.fallback_limit = self._clamp(initial if fallback_limit is None else fallback_limit)
+        self.cooldown_s = cooldown_s
+        self.increase_fraction = increase_fraction
+        self.decrease_factor = decrease_factor
+        self.headroom = headroom
+        self.min_observations = min_observations
+        self.queue_tolerance = queue_tolerance
+        self.demand_margin = demand_margin
+        self._limit = self._clamp(initial)
+        self._state = LimitState.TRACKING
+        self._reason = "initial"
+        self._last_good: float | None = None  # time of the last good scrape
+        self._decreased_at: float | None = None
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @property
+    def state(self) -> LimitState:
+        return self._state
+
+    @property
+    def reason(self) -> str:
+        """Why the limit or the state last changed: 'initial', 'increase', 'ttft', 'itl',
+        'vllm_queue', 'kv', 'stale', 'fallback' or 'resumed'."""
+        return self._reason
+
+    def update(self, now: float, signals: Signals | None, *, in_flight: int, waiting: int) -> int:
+        """One control step; returns the limit. ``in_flight`` and ``waiting`` are our own
+        requests to the pool (holding a slot, queued for one)."""
+        if signals is None or signals.endpoints_ok == 0 or now - signals.at >= self.stale_after_s:
+            return self._no_data(now)
+        self._last_good = (
+            signals.at if self._last_good is None else max(self._last_good, signals.at)
+        )
+        if self._state is not LimitState.TRACKING:
+            self._state = LimitState.TRACKING
+            self._reason = "resumed"
+        cooling = self._decreased_at is not None and now - self._decreased_at < self.cooldown_s
+        breach = self._breach(signals)
+        if breach is not None:
+            if not cooling:
+                cut = self._clamp(math.floor(self._limit * self.decrease_factor))
+                if cut < self._limit:
+                    self._limit = cut
+                    self._reason = breach
+                    self._decreased_at = now
+            return self._limit
+        if not cooling and self._may_grow(signals, in_flight, waiting):
+            step = max(1, math.floor(self._limit * self.increase_fraction))
+            grown = self._clamp(self._limit + step)
+            if grown > self._limit:
+                self._limit = grown
+                self._reason = "increase"
+        return self._limit
+
+    def __repr__(self) -> str:
+        return f"<AdaptiveLimit {self._limit} {self._state} ({self._reason})>"
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _clamp(self, limit: int) -> int:
+        return min(self.max_limit, max(self.min_limit, limit))
+
+    def _no_data(self, now: float) -> int:
+        if self._last_good is None:
+            self._last_good = now  # no scrape ever succeeded: count from the first update
+        age = now - self._last_good
+        if age >= self.fallback_after_s:
+            if self._state is not LimitState.FALLBACK:
+                self._state = LimitState.FALLBACK
+                self._limit = self.fallback_limit
+                self._reason = "fallback"
+        elif age >= self.stale_after_s and self._state is LimitState.TRACKING:
+            self._state = LimitState.HOLDING
+            self._reason = "stale"
+        return self._limit
+
+    def _slo_breached(self, q: float | None, count: int, slo: float | None) -> bool:
+        return slo is not None and q is not None and count >= self.min_observations and q > slo
+
+    def _slo_has_headroom(self, q: float | None, slo: float | None) -> bool:
+        return slo is None or q is None or q < self.headroom * slo
+
+    def _breach(self, s: Signals) -> str | None:
+        if self._slo_breached(s.ttft_s, s.ttft_count, self.ttft_slo_s):
+            return "ttft"
+        if self._slo_breached(s.itl_s, s.itl_count, self.itl_slo_s):
+            return "itl"
+        if s.waiting > math.floor(self.queue_tolerance * self._limit):
+            return "vllm_queue"
+        if s.kv_usage >= self.max_kv_usage:
+            return "kv"
+        return None
+
+    def _may_grow(self, s: Signals, in_flight: int, waiting: int) -> bool:
+        margin = max(1, math.floor(self.demand_margin * self._limit))
+        return (
+            self._slo_has_headroom(s.ttft_s, self.ttft_slo_s)
+            and self._slo_has_headroom(s.itl_s, self.itl_slo_s)
+            and s.waiting == 0
+            and s.kv_usage < self.max_kv_usage
+            and (waiting > 0 or in_flight >= self._limit - margin)
+        )
+
+
+# --- the asyncio shell -------------------------------------------------------------------------
+
+
+class SignalSource(Protocol):
+    """What the poller scrapes: a ``Scraper``, or a fake in tests."""
+
+    async def scrape(self, now: float) -> Signals: ...
+
+
+class Poller:
+    """Scrape every ``interval_s``, update the limit, hand it to ``on_update``.
+
+    Rounds run one after another in one task, so there is never more than one scrape in flight;
+    a round that takes longer than the interval delays the next one rather than overlapping it.
+    An exception in a round (scrape, ``demand``, ``on_update``) is logged and the loop goes on: a
+    scrape that raised counts as no data, so the limit degrades to holding and fallback.
+    """
+
+    def __init__(
+        self,
+        scraper: SignalSource,
+        adaptive: AdaptiveLimit,
+        interval_s: float,
+        on_update: Callable[[int, Signals | None], None],
+        demand: Callable[[], tuple[int, int]],
+    ) -> None:
+        """``demand()`` returns our (in_flight, waiting) for the pool, read at each round."""
+        if interval_s <= 0:
+            raise ValueError("interval_s must be positive")
+        self.scraper = scraper
+        self.adaptive = adaptive
+        self.interval_s = interval_s
+        self._on_update = on_update
+        self._demand = demand
+        self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self._errors: tuple[str, ...] = ()  # the last round's endpoint errors, logged on change
+        self.rounds = 0
+
+    def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError("poller already started")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="backend-poller")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def poll_once(self) -> int:
+        """One round: scrape, update, notify; returns the limit."""
+        async with self._lock:
+            loop = asyncio.get_running_loop()
+            signals: Signals | None = None
+            try:
+                signals = await self.scraper.scrape(loop.time())
+            except Exception:
+                log.exception("backend scrape failed")
+            try:
+                in_flight, waiting = self._demand()
+            except Exception:
+                log.exception("backend demand callback failed")
+                in_flight, waiting = 0, 0  # no increase; decreases and staleness still apply
+            before = (self.adaptive.limit, self.adaptive.state)
+            limit = self.adaptive.update(loop.time(), signals, in_flight=in_flight, waiting=waiting)
+            self.rounds += 1
+            self._log_round(before, signals)
+            try:
+                self._on_update(limit, signals)
+            except Exception:
+                log.exception("backend on_update callback failed")
+            return limit
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            await self.poll_once()
+            next_at += self.interval_s
+            now = loop.time()
+            next_at = max(next_at, now)  # late: start the next round now, do not catch up
+            await asyncio.sleep(next_at - now)
+
+    def _log_round(self, before: tuple[int, LimitState], signals: Signals | None) -> None:
+        a = self.adaptive
+        if (a.limit, a.state) != before:
+            log.info("backend limit %d -> %d, %s (%s)", before[0], a.limit, a.state, a.reason)
+        errors = signals.errors if signals is not None else ()
+        if errors != self._errors:
+            self._errors = errors
+            if errors:
+                log.warning("backend scrape: %s", "; ".join(errors))

@@ -1,0 +1,292 @@
+"""The shared pool's two controllers, on the sidecar's event loop.
+
+- The adaptive limit (``pool.adaptive``): ``extproc.backend.adaptive.Poller`` scrapes the
+  backend's metrics (``backend.metrics``) every ``interval`` and gives the limit it finds to
+  ``Gate.set_pool_limit``.
+- Staged recovery (``pool.overload``): once a second, ``extproc.backend.overload.OverloadMonitor``
+  reads the counts of the protected traffic, every band but the least urgent, from the gate
+  (admitted, evicted, refused, the p95 of recent waits, the queue) and, when its state or factor
+  changes, gives the factor to ``Gate.set_cut``: while overloaded, the least urgent band holds
+  no more than its guaranteed share; when it clears, its cap comes back 50% -> 80% -> 100%,
+  each step held ``step_hold``. A policy whose buckets share one priority has nothing to
+  protect and no cut.
+
+Each transition is one log line (``extproc.control``); the state, the limit and the signals are
+gauges (``gauges``, read by the metrics collector at scrape time) and part of /debug/queues.
+A policy reload rebuilds a controller only when its own settings changed, and the adaptive
+limit carries on from the limit in force.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from extproc.admission.gate import POOL, Gate
+from extproc.backend.adaptive import AdaptiveLimit, LimitState, Poller
+from extproc.backend.overload import Overload, OverloadMonitor, OverloadState
+from extproc.backend.scrape import Scraper, Signals
+from extproc.config.policy import AdaptivePolicy, BackendPolicy, OverloadPolicy, Policy
+from extproc.ops.metrics import Metrics
+
+__all__ = ["OVERLOAD_TICK_S", "PoolControl"]
+
+log = logging.getLogger("extproc.control")
+
+OVERLOAD_TICK_S = 1.0
+_STATE_CODE = {OverloadState.NORMAL: 0, OverloadState.OVERLOADED: 1, OverloadState.RECOVERING: 2}
+_LIMIT_CODE = {LimitState.TRACKING: 0, LimitState.HOLDING: 1, LimitState.FALLBACK: 2}
+
+
+def _p95(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+
+
+class PoolControl:
+    def __init__(self, gate: Gate, metrics: Metrics) -> None:
+        self._gate = gate
+        self._metrics = metrics
+        self._policy: Policy | None = None
+        self._poller: Poller | None = None
+        self._poller_key: tuple[AdaptivePolicy, BackendPolicy, int] | None = None
+        self._monitor: OverloadMonitor | None = None
+        self._monitor_key: OverloadPolicy | None = None
+        self._overload: Overload | None = None
+        self._signals: Signals | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._started = False
+
+    # --- life --------------------------------------------------------------------------------
+
+    def apply(self, policy: Policy) -> None:
+        """Follow a (re)loaded policy; the gate has been reconfigured already."""
+        self._policy = policy
+        pool = policy.pool
+        adaptive = pool.adaptive if pool is not None else None
+        key = (adaptive, policy.backend, pool.max_concurrency) if adaptive and pool else None
+        if key != self._poller_key:
+            self._stop_poller()
+            self._poller_key = key
+            if adaptive is not None and pool is not None:
+                self._poller = self._make_poller(adaptive, policy.backend, pool.max_concurrency)
+                if self._started:
+                    self._poller.start()
+        overload = pool.overload if pool is not None and pool.overload.enabled else None
+        if overload != self._monitor_key:
+            self._monitor_key = overload
+            self._overload = None
+            if pool is not None:
+                self._gate.set_cut(1.0)
+            self._monitor = (
+                OverloadMonitor(
+                    window_s=overload.window_s,
+                    tighten_rate=overload.tighten_eviction_rate,
+                    clear_rate=min(0.01, overload.tighten_eviction_rate),
+                    step_hold_s=overload.step_hold_s,
+                )
+                if overload is not None
+                else None
+            )
+
+    def start(self) -> None:
+        self._started = True
+        if self._poller is not None:
+            self._poller.start()
+        self._task = asyncio.get_running_loop().create_task(self._tick_loop(), name="overload")
+
+    async def stop(self) -> None:
+        self._started = False
+        self._stop_poller()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def _stop_poller(self) -> None:
+        poller, self._poller = self._poller, None
+        if poller is not None:
+            asyncio.get_running_loop().create_task(poller.stop())
+
+    # --- the adaptive limit ------------------------------------------------------------------
+
+    def _make_poller(self, a: AdaptivePolicy, backend: BackendPolicy, fallback: int) -> Poller:
+        current = self._gate.pool_statistics().get(POOL)
+        initial = a.initial if current is None else current.limit
+        limit = AdaptiveLimit(
+            min_limit=a.min_limit,
+            max_limit=a.max_limit,
+            initial=min(a.max_limit, max(a.min_limit, initial)),
+            ttft_slo_s=a.ttft_slo_s,
+            itl_slo_s=a.itl_slo_s,
+            max_kv_usage=a.max_kv_usage,
+            stale_after_s=a.stale_after_s,
+            fallback_after_s=a.fallback_after_s,
+            fallback_limit=min(a.max_limit, max(a.min_limit, fallback)),
+            cooldown_s=a.window_s,
+        )
+        scraper = Scraper(
+            backend.metrics,
+            timeout_s=backend.scrape_timeout_s,
+            window_s=a.window_s,
+            ttft_quantile=a.ttft_quantile,
+            itl_quantile=a.itl_quantile,
+        )
+        self._gate.set_pool_limit(limit.limit)
+        return Poller(scraper, limit, a.interval_s, self._on_limit, self._demand)
+
+    def _demand(self) -> tuple[int, int]:
+        """(in flight, waiting) for the adaptive limit. Waiters count as demand only while the
+        pool is full: those held back by a bucket's cap or the overload cut would not use a
+        higher limit, so they must not raise it."""
+        s = self._gate.pool_statistics().get(POOL)
+        if s is None:
+            return (0, 0)
+        return (s.in_flight, s.queued if s.in_flight >= s.limit else 0)
+
+    def _on_limit(self, limit: int, signals: Signals | None) -> None:
+        self._signals = signals
+        if signals is not None and signals.endpoints_failed:
+            self._metrics.backend_scrape_errors.inc(signals.endpoints_failed)
+        current = self._gate.pool_statistics().get(POOL)
+        if current is not None and current.limit != limit:
+            assert self._poller is not None
+            self._metrics.adaptive_changes.labels(self._poller.adaptive.reason).inc()
+            self._gate.set_pool_limit(limit)
+
+    # --- overload ----------------------------------------------------------------------------
+
+    async def _tick_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(OVERLOAD_TICK_S)
+            try:
+                self.tick(loop.time())
+            except Exception:
+                log.exception("overload tick failed")
+
+    def tick(self, now: float) -> Overload | None:
+        """One look at the protected bands; apply the factor when it changes."""
+        policy, monitor = self._policy, self._monitor
+        if policy is None or policy.pool is None or monitor is None:
+            return None
+        stats = self._gate.statistics()
+        least = max(b.priority for b in policy.buckets)
+        protected = [b for b in policy.buckets if b.priority < least and b.name in stats]
+        if not protected:
+            return None  # one band: nothing to protect it from
+        waits: list[float] = []
+        for b in protected:
+            waits.extend(self._gate.recent_waits(b.name))
+        verdict = monitor.update(
+            now,
+            admitted=sum(stats[b.name].admitted_total for b in protected),
+            evicted=sum(stats[b.name].evicted_total for b in protected),
+            refused=sum(stats[b.name].refused_total for b in protected),
+            p95_wait_s=_p95(waits),
+            queued=sum(stats[b.name].queued for b in protected),
+            deadline_s=max((b.queue_timeout_s for b in protected), default=0.0),
+        )
+        previous, self._overload = self._overload, verdict
+        if verdict.changed:
+            self._gate.set_cut(verdict.factor)
+            if previous is None or previous.state is not verdict.state:
+                self._metrics.overload_transitions.labels(str(verdict.state)).inc()
+            rate = "-" if verdict.eviction_rate is None else f"{verdict.eviction_rate:.1%}"
+            log.warning(
+                "pool %s: least urgent band at %.0f%% of its cap (%s; eviction rate %s, "
+                "p95 wait %s s%s)",
+                verdict.state,
+                100 * verdict.factor,
+                verdict.reason,
+                rate,
+                "-" if verdict.p95_wait_s is None else f"{verdict.p95_wait_s:.2f}",
+                "; the backend needs capacity" if verdict.needs_capacity else "",
+            )
+        return verdict
+
+    # --- views -------------------------------------------------------------------------------
+
+    def gauges(self) -> dict[str, float]:
+        """The pool's gauges (``extproc.ops.metrics.POOL_GAUGES``); empty without a pool."""
+        s = self._gate.pool_statistics().get(POOL)
+        if s is None:
+            return {}
+        out: dict[str, float] = {
+            "pool_limit": s.limit,
+            "pool_in_flight": s.in_flight,
+            "pool_queued": s.queued,
+            "pool_tokens_limit": s.max_tokens or 0,
+            "pool_tokens_in_flight": s.tokens_in_flight,
+        }
+        if s.release_rate is not None:
+            out["pool_release_rate"] = s.release_rate
+        o = self._overload
+        out["overload_state"] = _STATE_CODE[o.state] if o is not None else 0
+        out["overload_factor"] = o.factor if o is not None else s.cut
+        if o is not None and o.eviction_rate is not None:
+            out["overload_eviction_rate"] = o.eviction_rate
+        if o is not None and o.p95_wait_s is not None:
+            out["overload_p95_wait_seconds"] = o.p95_wait_s
+        if self._poller is not None:
+            out["adaptive_state"] = _LIMIT_CODE[self._poller.adaptive.state]
+        sig = self._signals
+        if sig is not None:
+            out["backend_up"] = sig.endpoints_ok
+            if sig.endpoints_ok:
+                out["backend_waiting"] = sig.waiting
+                out["backend_running"] = sig.running
+                out["backend_kv_usage"] = sig.kv_usage
+            if sig.ttft_s is not None:
+                out["backend_ttft_seconds"] = sig.ttft_s
+            if sig.itl_s is not None:
+                out["backend_itl_seconds"] = sig.itl_s
+        return out
+
+    def debug(self) -> dict[str, Any] | None:
+        """The pool for /debug/queues; None without a pool."""
+        s = self._gate.pool_statistics().get(POOL)
+        if s is None:
+            return None
+        o = self._overload
+        out: dict[str, Any] = {
+            "limit": s.limit,
+            "in_flight": s.in_flight,
+            "queued": s.queued,
+            "max_tokens_in_flight": s.max_tokens,
+            "tokens_in_flight": s.tokens_in_flight,
+            "release_rate": s.release_rate,
+            "overload": {
+                "state": str(o.state) if o is not None else "normal",
+                "factor": o.factor if o is not None else s.cut,
+                "reason": o.reason if o is not None else None,
+                "eviction_rate": o.eviction_rate if o is not None else None,
+                "p95_wait_s": o.p95_wait_s if o is not None else None,
+                "needs_capacity": o.needs_capacity if o is not None else False,
+            },
+        }
+        if self._poller is not None:
+            a = self._poller.adaptive
+            sig = self._signals
+            out["adaptive"] = {
+                "state": str(a.state),
+                "reason": a.reason,
+                "signals": None
+                if sig is None
+                else {
+                    "endpoints_ok": sig.endpoints_ok,
+                    "endpoints_failed": sig.endpoints_failed,
+                    "waiting": sig.waiting,
+                    "running": sig.running,
+                    "kv_usage": sig.kv_usage,
+                    "ttft_s": sig.ttft_s,
+                    "itl_s": sig.itl_s,
+                    "errors": list(sig.errors),
+                },
+            }
+        return out

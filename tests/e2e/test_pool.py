@@ -1,0 +1,241 @@
+"""The shared pool through the real Envoy and the real sidecar: borrowing, priority across
+buckets, the vLLM priority field, client deadlines, and an adaptive limit whose metrics are
+unreachable (it falls back; traffic keeps flowing)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from testing.harness import outcomes, running_stack, start_stack, wait_idle
+from testing.stack import Stack, free_port
+from tests.e2e.test_e2e import INTERACTIVE, chat, post, run, slow_stream
+
+POLICY = """
+pool: {max_concurrency: 2}
+client_deadline: {headers: [x-envoy-expected-rq-timeout-ms, x-request-deadline-ms]}
+buckets:
+  - name: interactive
+    match: {headers: {x-llm-class: interactive}}
+    priority: 0
+    queue_timeout: 3s
+    max_queue: 10
+  - name: batch
+    priority: 10
+    vllm_priority: 5
+    queue_timeout: 3s
+    max_queue: 10
+"""
+
+
+@pytest.fixture(scope="module")
+def stack(module_tmp: Path) -> Iterator[Stack]:
+    yield from start_stack(module_tmp / "pool", POLICY)
+
+
+@pytest.fixture(autouse=True)
+def idle_after(stack: Stack) -> Iterator[None]:
+    yield
+    wait_idle(stack)
+
+
+def debug_queues(stack: Stack) -> dict[str, Any]:
+    url = stack.metrics_url.removesuffix("/metrics") + "/debug/queues"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def test_idle_capacity_is_borrowed_and_the_pool_is_shown(stack: Stack) -> None:
+    async def main() -> None:
+        async with aiohttp.ClientSession() as s:
+            url = f"{stack.url}/v1/chat/completions"
+            held = [
+                asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(3, 200)))
+                for _ in range(2)
+            ]
+            await asyncio.sleep(0.3)
+            q = await asyncio.to_thread(debug_queues, stack)
+            # Both slots went to batch: nobody else wanted them.
+            assert q["batch"]["in_flight"] == 2 and q["batch"]["pool"] == "pool"
+            assert q["/pool"]["limit"] == 2 and q["/pool"]["in_flight"] == 2
+            assert [(await h).status for h in held] == [200, 200]
+
+    run(main())
+
+
+def test_a_freed_slot_goes_to_the_more_urgent_bucket_first(stack: Stack) -> None:
+    async def main() -> None:
+        async with aiohttp.ClientSession() as s:
+            url = f"{stack.url}/v1/chat/completions"
+            first = asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(3, 200)))
+            second = asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(6, 200)))
+            await asyncio.sleep(0.2)
+            batch = asyncio.ensure_future(post(s, url, chat()))  # waits first ...
+            await asyncio.sleep(0.1)
+            urgent = asyncio.ensure_future(  # ... then this one, which holds its slot ~0.6 s
+                post(s, url, chat(stream=True), {**INTERACTIVE, **slow_stream(3, 200)})
+            )
+            u, b = await urgent, await batch
+            assert (u.status, b.status) == (200, 200)
+            # The first holder ends at ~0.6 s: its slot goes to the interactive request, which
+            # came later; batch waits for the second holder (~1.2 s).
+            first_chunk = json.loads(u.body.split(b"\n\n")[0].removeprefix(b"data: "))
+            u_ms = int(first_chunk["echo"]["headers"]["x-llm-queue-ms"])
+            b_ms = int(b.echo["headers"]["x-llm-queue-ms"])
+            assert u_ms < 700 and b_ms > u_ms + 300, (u_ms, b_ms)
+            assert [(await first).status, (await second).status] == [200, 200]
+
+    run(main())
+
+
+def test_the_bucket_priority_is_written_for_vllm(stack: Stack) -> None:
+    async def main() -> None:
+        async with aiohttp.ClientSession() as s:
+            url = f"{stack.url}/v1/chat/completions"
+            b = await post(s, url, chat(max_tokens=10, priority=-3))
+            i = await post(s, url, chat(max_tokens=10), INTERACTIVE)
+            sent = json.loads(b.echo["body"])
+            assert sent["priority"] == 5  # the bucket's, not the client's -3
+            assert int(b.echo["headers"]["content-length"]) == len(b.echo["body"].encode())
+            assert "priority" not in json.loads(i.echo["body"])  # interactive sets none
+
+    run(main())
+
+
+async def deadline_429(stack: Stack, header: str, value: str) -> tuple[int, float, str]:
+    """With the pool full for ~1.5 s, a request stating ``header: value``: its status, time
+    taken, and the error message (empty when admitted)."""
+    async with aiohttp.ClientSession() as s:
+        url = f"{stack.url}/v1/chat/completions"
+        held = [
+            asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(5, 300)))
+            for _ in range(2)
+        ]
+        await asyncio.sleep(0.2)
+        r = await post(s, url, chat(), {header: value})
+        assert [(await h).status for h in held] == [200, 200]
+        message = r.json()["error"]["message"] if r.status != 200 else ""
+        return r.status, r.elapsed, message
+
+
+def limit_in(message: str) -> float:
+    m = re.search(r"\(limit ([\d.]+)s\)", message)
+    assert m, message
+    return float(m.group(1))
+
+
+def test_a_stated_client_deadline_caps_the_queue_wait(stack: Stack) -> None:
+    """A deadline header the policy names, 1.2 s less the 0.5 s margin: evicted after ~0.7 s
+    instead of the bucket's 3 s. An unreadable value is ignored."""
+    status, elapsed, message = run(deadline_429(stack, "x-request-deadline-ms", "1200"))
+    assert status == 429 and 0.5 < elapsed < 1.3, (status, elapsed)
+    assert limit_in(message) == pytest.approx(0.7, abs=0.05)
+    assert run(deadline_429(stack, "x-request-deadline-ms", "soon"))[0] == 200
+
+
+def test_envoy_strips_a_client_sent_expected_timeout_header(stack: Stack) -> None:
+    """Envoy sanitizes x-envoy-expected-rq-timeout-ms on requests from external clients
+    (127.0.0.1 is not internal unless internal_address_config says so): the sidecar never
+    sees a client's own value, and the request waits as long as its bucket allows."""
+    status, elapsed, _ = run(deadline_429(stack, "x-envoy-expected-rq-timeout-ms", "1200"))
+    assert status == 200 and elapsed > 1.2
+
+
+def trust_localhost(cfg: dict[str, Any]) -> None:
+    """The Envoy in front is trusted: requests from 127.0.0.1 are internal."""
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    hcm["typed_config"]["use_remote_address"] = True
+    hcm["typed_config"]["internal_address_config"] = {
+        "cidr_ranges": [{"address_prefix": "127.0.0.1", "prefix_len": 32}]
+    }
+
+
+def test_an_expected_timeout_from_a_trusted_envoy_caps_the_queue_wait(module_tmp: Path) -> None:
+    with running_stack(module_tmp / "trusted", POLICY, envoy_patch=trust_localhost) as stack:
+        status, elapsed, message = run(
+            deadline_429(stack, "x-envoy-expected-rq-timeout-ms", "1200")
+        )
+        assert status == 429 and 0.5 < elapsed < 1.3, (status, elapsed)
+        assert limit_in(message) == pytest.approx(0.7, abs=0.05)
+
+
+def test_unreachable_backend_metrics_fall_back_and_never_stop_traffic(
+    module_tmp: Path,
+) -> None:
+    """Adaptive limit with a metrics URL nobody listens on: the limit holds, then falls back
+    to pool.max_concurrency; requests are served throughout."""
+    policy = f"""
+pool:
+  max_concurrency: 3
+  adaptive: {{min: 1, max: 64, initial: 8, interval: 100ms, window: 1s, stale_after: 500ms,
+             fallback_after: 1s, slo: {{ttft: 1s}}}}
+backend: {{metrics: ["http://127.0.0.1:{free_port()}/metrics"]}}
+buckets:
+  - {{name: all, queue_timeout: 2s, max_queue: 50}}
+"""
+    with running_stack(module_tmp / "fallback", policy) as stack:
+
+        async def main() -> None:
+            async with aiohttp.ClientSession() as s:
+                url = f"{stack.url}/v1/chat/completions"
+                t0 = time.monotonic()
+                statuses = []
+                while time.monotonic() - t0 < 2.0:
+                    statuses.append((await post(s, url, chat())).status)
+                assert set(statuses) == {200} and len(statuses) > 5
+
+        run(main())
+        q = debug_queues(stack)["/pool"]
+        assert (q["limit"], q["adaptive"]["state"]) == (3, "fallback")
+        assert q["adaptive"]["signals"]["endpoints_failed"] == 1
+        text = urllib.request.urlopen(stack.metrics_url, timeout=5).read().decode()
+        assert "llm_extproc_adaptive_state 2.0" in text
+        assert "llm_extproc_backend_up 0.0" in text
+        assert outcomes(stack).get(("all", "admitted"), 0) > 5
+
+
+def test_the_limit_follows_the_simulator(module_tmp: Path) -> None:
+    """Against the vLLM-like simulator with room to spare: demand and met objectives raise
+    the limit from its initial 2."""
+    policy_dir = module_tmp / "adaptive"
+    policy_dir.mkdir(parents=True, exist_ok=True)
+    backend = [sys.executable, "-m", "bench.sim", "--port", "{port}", "--speedup", "20"]
+    stack = Stack(backend_argv=backend, log_dir=policy_dir)
+    path = policy_dir / "policy.yaml"
+    path.write_text(
+        f"""
+pool:
+  adaptive: {{min: 1, max: 32, initial: 2, interval: 100ms, window: 2s,
+             slo: {{ttft: 2s, inter_token: 1s}}}}
+backend: {{metrics: ["{stack.backend_url}/metrics"]}}
+buckets:
+  - {{name: all, queue_timeout: 5s, max_queue: 500}}
+"""
+    )
+    stack.policy_path = path
+    with stack:
+
+        async def main() -> list[int]:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+                url = f"{stack.url}/v1/chat/completions"
+                tasks = [
+                    asyncio.ensure_future(post(s, url, chat(max_tokens=64), limit_s=30))
+                    for _ in range(200)
+                ]
+                return [(await t).status for t in tasks]
+
+        statuses = run(main())
+        assert statuses.count(200) >= 190, statuses
+        q = debug_queues(stack)["/pool"]
+        assert q["limit"] > 2 and q["adaptive"]["state"] == "tracking", q
+        assert q["adaptive"]["signals"]["endpoints_ok"] == 1

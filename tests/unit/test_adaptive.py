@@ -1,0 +1,257 @@
+"""The adaptive pool limit: the control law with plain numbers, and the poller that feeds it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+
+import pytest
+
+from extproc.backend.adaptive import AdaptiveLimit, LimitState, Poller
+from extproc.backend.scrape import Signals
+
+
+def run(coro: Awaitable[None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def sig(
+    at: float,
+    *,
+    ok: int = 1,
+    waiting: int = 0,
+    kv: float = 0.2,
+    ttft: float | None = 0.1,
+    ttft_n: int = 100,
+    itl: float | None = 0.02,
+    itl_n: int = 100,
+) -> Signals:
+    return Signals(
+        at=at,
+        endpoints_ok=ok,
+        endpoints_failed=0,
+        waiting=waiting,
+        running=10,
+        kv_usage=kv,
+        ttft_s=ttft,
+        itl_s=itl,
+        ttft_count=ttft_n if ttft is not None else 0,
+        itl_count=itl_n if itl is not None else 0,
+    )
+
+
+def limiter(initial: int = 100, **kw: object) -> AdaptiveLimit:
+    settings: dict[str, object] = {
+        "min_limit": 4,
+        "max_limit": 400,
+        "initial": initial,
+        "ttft_slo_s": 1.0,
+        "itl_slo_s": 0.05,
+    }
+    settings.update(kw)
+    return AdaptiveLimit(**settings)  # type: ignore[arg-type]
+
+
+def test_rises_under_demand_while_every_objective_holds() -> None:
+    a = limiter(initial=10)
+    seen = [a.update(float(t), sig(t), in_flight=a.limit, waiting=0) for t in range(8)]
+    assert seen == [11, 12, 13, 14, 15, 16, 17, 18]  # +max(1, 5%)
+    assert (a.state, a.reason) == (LimitState.TRACKING, "increase")
+    big = limiter(initial=200)
+    assert big.update(0.0, sig(0), in_flight=0, waiting=3) == 210  # queued with us: demand
+
+
+def test_no_observations_is_no_objective_broken() -> None:
+    a = limiter(initial=10)
+    assert a.update(0.0, sig(0, ttft=None, itl=None), in_flight=10, waiting=0) == 11
+
+
+def test_does_not_rise_without_demand() -> None:
+    a = limiter(initial=100)
+    # margin: max(1, 10% of 100) = 10; 89 in flight is below 100 - 10
+    for t in range(5):
+        assert a.update(float(t), sig(t), in_flight=89, waiting=0) == 100
+    assert a.update(5.0, sig(5), in_flight=90, waiting=0) == 105
+    assert limiter(initial=10).update(0.0, sig(0), in_flight=8, waiting=0) == 10  # margin 1
+
+
+@pytest.mark.parametrize(
+    ("signals", "why"),
+    [
+        ({"ttft": 0.95}, "inside the 0.9x headroom band"),
+        ({"itl": 0.046}, "inside the 0.9x headroom band"),
+        ({"ttft": 2.0, "ttft_n": 9}, "too few observations to break the objective"),
+        ({"waiting": 2}, "vLLM queues within the tolerance of floor(2% of 100)"),
+    ],
+)
+def test_holds_between_increase_and_decrease(signals: dict[str, float], why: str) -> None:
+    a = limiter(initial=100)
+    for t in range(3):
+        assert a.update(float(t), sig(t, **signals), in_flight=100, waiting=5) == 100, why  # type: ignore[arg-type]
+    assert a.reason == "initial"
+
+
+@pytest.mark.parametrize(
+    ("signals", "reason"),
+    [
+        ({"ttft": 1.01}, "ttft"),
+        ({"itl": 0.051}, "itl"),
+        ({"waiting": 3}, "vllm_queue"),
+        ({"kv": 0.9}, "kv"),
+        ({"ttft": 5.0, "waiting": 50, "kv": 1.0}, "ttft"),  # the first one named
+    ],
+)
+def test_falls_on_each_breach(signals: dict[str, float], reason: str) -> None:
+    a = limiter(initial=100)
+    assert a.update(0.0, sig(0, **signals), in_flight=100, waiting=10) == 80  # type: ignore[arg-type]
+    assert a.reason == reason
+
+
+def test_any_vllm_queue_counts_below_a_limit_of_50() -> None:
+    a = limiter(initial=40)
+    assert a.update(0.0, sig(0, waiting=1), in_flight=40, waiting=0) == 32
+
+
+def test_objectives_are_optional() -> None:
+    a = limiter(initial=100, ttft_slo_s=None, itl_slo_s=None)
+    assert a.update(0.0, sig(0, ttft=60.0, itl=9.0), in_flight=100, waiting=0) == 105
+
+
+def test_cooldown_after_a_decrease() -> None:
+    a = limiter(initial=100, cooldown_s=10.0)
+    assert a.update(0.0, sig(0, ttft=3.0), in_flight=100, waiting=9) == 80
+    for t in (1.0, 5.0, 9.9):
+        # Still breaking (the window lags): no second cut; all fine: no climb either.
+        assert a.update(t, sig(t, ttft=3.0), in_flight=100, waiting=9) == 80
+        assert a.update(t, sig(t), in_flight=100, waiting=9) == 80
+    assert a.update(10.0, sig(10, ttft=3.0), in_flight=100, waiting=9) == 64
+    assert a.update(20.0, sig(20), in_flight=100, waiting=9) == 67  # 64 + floor(3.2)
+
+
+def test_bounds() -> None:
+    assert limiter(initial=1000).limit == 400
+    assert limiter(initial=1).limit == 4
+    a = limiter(initial=5, cooldown_s=0.0)
+    assert a.update(0.0, sig(0, kv=0.95), in_flight=5, waiting=0) == 4
+    assert a.update(1.0, sig(1, kv=0.95), in_flight=5, waiting=0) == 4  # never below min
+    top = limiter(initial=399)
+    assert top.update(0.0, sig(0), in_flight=399, waiting=1) == 400
+    assert top.update(1.0, sig(1), in_flight=400, waiting=1) == 400
+    with pytest.raises(ValueError):
+        limiter(min_limit=0)
+    with pytest.raises(ValueError):
+        limiter(min_limit=10, max_limit=5)
+    with pytest.raises(ValueError):
+        limiter(stale_after_s=10.0, fallback_after_s=5.0)
+
+
+def test_stale_data_holds_then_falls_back_then_tracks_again() -> None:
+    a = limiter(initial=100, fallback_limit=50)
+    assert a.update(0.0, sig(0), in_flight=100, waiting=1) == 105
+    # A missed scrape is normal: the limit and the state stay.
+    assert a.update(1.0, None, in_flight=100, waiting=1) == 105
+    assert a.update(4.9, sig(4.9, ok=0), in_flight=100, waiting=1) == 105
+    assert a.state is LimitState.TRACKING
+    assert a.update(5.0, None, in_flight=100, waiting=1) == 105
+    assert (a.state, a.reason) == (LimitState.HOLDING, "stale")
+    # Signals that are themselves old are no data either.
+    assert a.update(29.9, sig(20.0), in_flight=100, waiting=1) == 105
+    assert a.state is LimitState.HOLDING
+    assert a.update(30.0, None, in_flight=100, waiting=1) == 50
+    assert (a.state, a.reason) == (LimitState.FALLBACK, "fallback")
+    assert a.update(300.0, None, in_flight=100, waiting=1) == 50
+    # Data again: tracking at once, from the fallback limit.
+    assert a.update(301.0, sig(301), in_flight=0, waiting=0) == 50
+    assert (a.state, a.reason) == (LimitState.TRACKING, "resumed")
+    assert a.update(302.0, sig(302), in_flight=50, waiting=0) == 52
+    assert a.update(303.0, None, in_flight=50, waiting=0) == 52  # the clock starts again
+
+
+def test_never_any_data_counts_from_the_first_update() -> None:
+    a = limiter(initial=100)  # fallback: the initial limit
+    assert a.update(1000.0, None, in_flight=0, waiting=0) == 100
+    assert a.state is LimitState.TRACKING
+    a.update(1005.0, None, in_flight=0, waiting=0)
+    assert a.state is LimitState.HOLDING
+    assert a.update(1030.0, None, in_flight=0, waiting=0) == 100
+    assert a.state is LimitState.FALLBACK
+    assert repr(a) == "<AdaptiveLimit 100 fallback (fallback)>"
+
+
+# --- the poller --------------------------------------------------------------------------------
+
+
+class FakeScraper:
+    """Answers from a script: a Signals, an exception to raise, or a delay first."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.calls = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def scrape(self, now: float) -> Signals:
+        self.calls += 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay_s)
+            if self.calls % 2 == 0:
+                raise RuntimeError("scrape broke")
+            return sig(now)
+        finally:
+            self.in_flight -= 1
+
+
+def test_poller_rounds_survive_exceptions(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        scraper = FakeScraper()
+        updates: list[tuple[int, Signals | None]] = []
+
+        def on_update(limit: int, signals: Signals | None) -> None:
+            updates.append((limit, signals))
+            if len(updates) == 3:
+                raise RuntimeError("callback broke")
+
+        demands = iter([(10, 0), (11, 0)])
+
+        def demand() -> tuple[int, int]:
+            return next(demands)  # StopIteration from the third round on: logged, (0, 0)
+
+        poller = Poller(scraper, limiter(initial=10), 0.01, on_update, demand)
+        poller.start()
+        for _ in range(500):  # bounded: 5 s at most
+            if len(updates) >= 6:
+                break
+            await asyncio.sleep(0.01)
+        await poller.stop()
+        await poller.stop()  # idempotent
+        assert len(updates) >= 6
+        assert [u[1] is None for u in updates[:4]] == [False, True, False, True]
+        # Round 2 had no data (hold); round 3 would have climbed, but demand() broke: no demand.
+        assert [u[0] for u in updates[:3]] == [11, 11, 11]
+
+    with caplog.at_level(logging.ERROR, logger="extproc.backend"):
+        run(main())
+    messages = [r.getMessage() for r in caplog.records]
+    assert "backend scrape failed" in messages
+    assert "backend demand callback failed" in messages
+    assert "backend on_update callback failed" in messages
+
+
+def test_poller_never_overlaps_scrapes() -> None:
+    async def main() -> None:
+        scraper = FakeScraper(delay_s=0.05)  # five intervals per scrape
+        poller = Poller(scraper, limiter(), 0.01, lambda limit, s: None, lambda: (0, 0))
+        poller.start()
+        extra = asyncio.ensure_future(poller.poll_once())  # a round from outside waits its turn
+        await asyncio.sleep(0.3)
+        await poller.stop()
+        await extra
+        assert scraper.max_in_flight == 1
+        assert 2 <= scraper.calls <= 8
+        with pytest.raises(ValueError):
+            Poller(scraper, limiter(), 0.0, lambda limit, s: None, lambda: (0, 0))
+
+    run(main())
