@@ -239,3 +239,33 @@ buckets:
         q = debug_queues(stack)["/pool"]
         assert q["limit"] > 2 and q["adaptive"]["state"] == "tracking", q
         assert q["adaptive"]["signals"]["endpoints_ok"] == 1
+
+
+def test_a_wait_that_cannot_fit_the_deadline_is_refused_at_once(stack: Stack) -> None:
+    """Ten quick requests teach the pool how fast slots free up; with the pool then held and
+    eight requests queued, one that may wait only 0.5 s (1 s deadline less the margin) would need
+    about a second: 429 queue_wait_too_long at once, with Retry-After. (Eight queued: the
+    bucket's queue holds ten.)"""
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as s:
+            url = f"{stack.url}/v1/chat/completions"
+            for _ in range(10):
+                assert (await post(s, url, chat())).status == 200
+            held = [
+                asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(5, 300)))
+                for _ in range(2)
+            ]
+            await asyncio.sleep(0.2)
+            queued = [asyncio.ensure_future(post(s, url, chat())) for _ in range(8)]
+            await asyncio.sleep(0.3)
+            r = await post(s, url, chat(), {"x-request-deadline-ms": "1000"})
+            assert r.status == 429 and r.elapsed < 0.3, (r.status, r.elapsed, r.body)
+            err = r.json()["error"]
+            assert (err["code"], err["type"]) == ("queue_wait_too_long", "rate_limit_error")
+            assert int(r.headers["retry-after"]) >= 1
+            assert [(await h).status for h in held] == [200, 200]
+            assert [(await q).status for q in queued] == [200] * 8
+
+    run(main())
+    assert outcomes(stack)[("batch", "rejected_wait_too_long")] >= 1

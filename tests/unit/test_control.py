@@ -1,0 +1,110 @@
+"""PoolControl on a real Gate: the overload monitor reads the protected band, cuts the least
+urgent one, logs each transition once and shows it in the gauges; recovery in steps."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from extproc.admission.gate import Gate, Refused, Slot, Waiter
+from extproc.config.policy import policy_from_yaml
+from extproc.control import PoolControl
+from extproc.ops.metrics import Metrics
+
+POLICY = policy_from_yaml(
+    """
+pool:
+  max_concurrency: 4
+  overload: {step_hold: 10s, window: 5s}
+buckets:
+  - {name: chat, match: {headers: {x: y}}, priority: 0, queue_timeout: 1s, max_queue: 100}
+  - {name: batch, priority: 10, min_share: 0.25, queue_timeout: 1s, max_queue: 100}
+"""
+)
+
+
+def test_overload_cuts_the_least_urgent_band_and_recovers_in_steps(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        gate = Gate(POLICY)
+        control = PoolControl(gate, Metrics(gate.statistics, lambda: control.gauges()))
+        control.apply(POLICY)
+        held = [gate.enter("batch", 1.0) for _ in range(4)]  # batch borrowed the whole pool
+        assert all(isinstance(s, Slot) for s in held)
+        assert control.tick(0.0) is not None  # the first totals: nothing to compare yet
+        waiters = [gate.enter("chat", 0.01) for _ in range(25)]
+        for w in waiters:
+            assert isinstance(w, Waiter)
+            with pytest.raises(Refused):
+                await w.admitted()  # evicted at the deadline: all 25
+        assert control.gauges()["overload_state"] == 0
+        verdict = control.tick(1.0)
+        assert verdict is not None and str(verdict.state) == "overloaded"
+        assert control.gauges()["overload_state"] == 1 and control.gauges()["overload_factor"] == 0
+        busy = gate.enter("chat", 5.0)  # protected traffic waiting: the cut applies
+        assert isinstance(busy, Waiter)
+        assert gate.statistics()["batch"].capacity == 1  # its guaranteed quarter of 4
+        for s in held:
+            assert isinstance(s, Slot)
+            s.release()
+        slot = await busy.admitted()
+        assert gate.enter("batch", 1.0) is not None  # one batch request (its guarantee)
+        assert isinstance(gate.enter("batch", 0.5), Waiter)  # the cut holds the second
+        # Clear from here on: no more evictions. Steps after 10 s each.
+        states = []
+        for t in range(2, 50):
+            v = control.tick(float(t))
+            assert v is not None
+            if v.changed:
+                states.append((t, str(v.state), v.factor))
+        assert [s[1:] for s in states] == [
+            ("recovering", 0.5),
+            ("recovering", 0.8),
+            ("normal", 1.0),
+        ]
+        assert states[0][0] >= 11 and states[1][0] - states[0][0] >= 10
+        slot.release()
+        debug = control.debug()
+        assert debug is not None and debug["overload"]["state"] == "normal"
+        text = control._metrics.render().decode()
+        assert 'llm_extproc_overload_transitions_total{state="overloaded"} 1.0' in text
+        assert 'llm_extproc_overload_transitions_total{state="normal"} 1.0' in text
+        assert "llm_extproc_pool_limit 4.0" in text
+        await control.stop()
+
+    with caplog.at_level(logging.WARNING, logger="extproc.control"):
+        asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if r.name == "extproc.control"]
+    assert len(lines) == 4, lines  # overloaded, 50 %, 80 %, normal: one line each
+    assert "pool overloaded: least urgent band at 0% of its cap (evictions" in lines[0]
+
+
+def test_one_band_has_nothing_to_protect() -> None:
+    policy = policy_from_yaml(
+        "pool: {max_concurrency: 2}\nbuckets: [{name: a, queue_timeout: 1s, max_queue: 5}]"
+    )
+
+    async def main() -> None:
+        gate = Gate(policy)
+        control = PoolControl(gate, Metrics(gate.statistics))
+        control.apply(policy)
+        assert control.tick(0.0) is None
+        assert control.gauges()["pool_limit"] == 2
+
+    asyncio.run(main())
+
+
+def test_without_a_pool_there_is_nothing_to_control() -> None:
+    policy = policy_from_yaml("buckets: [{name: a, max_concurrency: 1, queue_timeout: 1s}]")
+
+    async def main() -> None:
+        gate = Gate(policy)
+        control = PoolControl(gate, Metrics(gate.statistics))
+        control.apply(policy)
+        assert control.tick(0.0) is None
+        assert control.gauges() == {} and control.debug() is None
+
+    asyncio.run(main())
