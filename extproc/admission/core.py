@@ -47,9 +47,10 @@ than half its queue timeout: anything that arrived more than that after it goes 
 heap per bucket, so admission stays O(log n).
 
 Predicted wait (``fail_fast``): the requests ahead of this one in its band and above, plus
-itself, over the rate at which the pool's slots were freed in the last ``_RATE_WINDOW_S``
-(the latest releases over the time since the oldest of them). Beyond the deadline, the
-request is refused at once instead of after waiting the whole deadline.
+itself, over the rate at which the full pool frees slots, ``limit / mean hold`` (Little's law,
+with the running mean of hold times over releases, so it does not drift down while the pool
+sits idle, as a rate of recent releases would). Beyond the deadline, the request is refused at
+once instead of after waiting the whole deadline.
 
 Rules (the invariants tests check):
 1. A slot is taken only by ``enqueue`` or by a hand-over from ``_fill``; it is given back only
@@ -86,15 +87,15 @@ __all__ = ["Admission", "BucketStats", "Decision", "PoolStats", "Ticket", "Verdi
 _HOLD_EWMA_ALPHA = 0.2
 # Weight of the newest cost in a bucket's running mean cost (the ``cost`` order's c0).
 _COST_EWMA_ALPHA = 0.05
-# The slot-release rate behind predicted waits: the latest _RATE_RELEASES releases over the time
-# from the oldest of them to now (so it decays while nothing is released), trusted once it has
-# _RATE_MIN_RELEASES of them no older than _RATE_MAX_AGE_S (fewer: no prediction, nobody is
-# refused for it).
-_RATE_RELEASES = 64
+# Predicted waits use the pool's running mean hold time (same weight as above), trusted once it
+# has seen this many releases (fewer: no prediction, nobody is refused for it).
 _RATE_MIN_RELEASES = 8
-_RATE_MAX_AGE_S = 120.0
 # Recent admissions' waits kept per bucket, for the p95 the overload monitor reads.
 _WAIT_SAMPLES = 512
+
+
+def _ewma(mean: float | None, value: float) -> float:
+    return value if mean is None else (1 - _HOLD_EWMA_ALPHA) * mean + _HOLD_EWMA_ALPHA * value
 
 
 class Verdict(StrEnum):
@@ -167,6 +168,7 @@ class _Pool:
         "fail_fast",
         "limit",
         "max_tokens",
+        "mean_hold_s",
         "name",
         "releases",
         "running",
@@ -182,15 +184,15 @@ class _Pool:
         self.running = 0
         self.tokens = 0
         self.buckets: list[_Bucket] = []
-        self.releases: deque[float] = deque(maxlen=_RATE_RELEASES)
+        self.mean_hold_s: float | None = None
+        self.releases = 0
 
-    def release_rate(self, now: float) -> float | None:
-        r = self.releases
-        while r and r[0] < now - _RATE_MAX_AGE_S:
-            r.popleft()
-        if len(r) < _RATE_MIN_RELEASES:
+    def release_rate(self) -> float | None:
+        """Slots freed per second while the pool is full: limit / mean hold (Little's law;
+        the mean is over releases, so short requests weigh as often as they free a slot)."""
+        if self.releases < _RATE_MIN_RELEASES or not self.mean_hold_s:
             return None
-        return len(r) / max(now - r[0], 1e-3)
+        return self.limit / self.mean_hold_s
 
 
 class _Bucket:
@@ -335,13 +337,10 @@ class Admission:
         pool.running -= 1
         pool.tokens -= ticket.cost
         b.tokens -= ticket.cost
-        pool.releases.append(now)
         hold = max(0.0, now - admitted_at)
-        b.mean_hold_s = (
-            hold
-            if b.mean_hold_s is None
-            else (1 - _HOLD_EWMA_ALPHA) * b.mean_hold_s + _HOLD_EWMA_ALPHA * hold
-        )
+        b.mean_hold_s = _ewma(b.mean_hold_s, hold)
+        pool.mean_hold_s = _ewma(pool.mean_hold_s, hold)
+        pool.releases += 1
         return self._fill(pool, now)
 
     def cancel(self, ticket_id: int, now: float) -> list[Ticket]:
@@ -531,7 +530,7 @@ class Admission:
                 tokens_in_flight=p.tokens,
                 queued=sum(len(b.waiting) for b in p.buckets),
                 cut=p.cut,
-                release_rate=p.release_rate(now),
+                release_rate=p.release_rate(),
             )
             for name, p in self._pools.items()
         }
@@ -585,7 +584,7 @@ class Admission:
         return ticket.enqueued_at + delay
 
     def _predicted_wait_s(self, b: _Bucket, now: float, exclude: int = 0) -> float | None:
-        rate = b.pool.release_rate(now)
+        rate = b.pool.release_rate()
         if rate is None:
             return None
         if len(b.running) < b.min_slots(b.pool.limit):

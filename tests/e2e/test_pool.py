@@ -242,16 +242,17 @@ buckets:
 
 
 def test_a_wait_that_cannot_fit_the_deadline_is_refused_at_once(stack: Stack) -> None:
-    """Ten quick requests teach the pool how fast slots free up; with the pool then held and
-    eight requests queued, one that may wait only 0.5 s (1 s deadline less the margin) would need
-    about a second: 429 queue_wait_too_long at once, with Retry-After. (Eight queued: the
-    bucket's queue holds ten.)"""
+    """Ten requests holding ~0.3 s teach the pool how fast it frees slots (2 / 0.3 s); with
+    the pool then held and eight requests queued, one that may wait only 0.5 s (1 s deadline
+    less the margin) would need about 1.3 s: 429 queue_wait_too_long at once, with
+    Retry-After. (Eight queued: the bucket's queue holds ten.)"""
 
     async def main() -> None:
         async with aiohttp.ClientSession() as s:
             url = f"{stack.url}/v1/chat/completions"
-            for _ in range(10):
-                assert (await post(s, url, chat())).status == 200
+            for _ in range(5):  # ten releases after ~0.3 s holds: about 6.7 slots/s
+                pair = [post(s, url, chat(stream=True), slow_stream(1, 300)) for _ in range(2)]
+                assert [r.status for r in await asyncio.gather(*pair)] == [200, 200]
             held = [
                 asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(5, 300)))
                 for _ in range(2)
@@ -265,7 +266,8 @@ def test_a_wait_that_cannot_fit_the_deadline_is_refused_at_once(stack: Stack) ->
             assert (err["code"], err["type"]) == ("queue_wait_too_long", "rate_limit_error")
             assert int(r.headers["retry-after"]) >= 1
             assert [(await h).status for h in held] == [200, 200]
-            assert [(await q).status for q in queued] == [200] * 8
+            done = [await q for q in queued]
+            assert [q.status for q in done] == [200] * 8, [q.body for q in done]
 
     run(main())
     assert outcomes(stack)[("batch", "rejected_wait_too_long")] >= 1
