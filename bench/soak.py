@@ -3,13 +3,14 @@
 ``python -m bench.soak --minutes 60`` (``make soak``; CI runs ``--minutes 5``).
 
 Stack: the echo backend (testing/backend.py: every request takes a fixed ``--backend-ms``), the
-sidecar with SOAK_POLICY (interactive 8 slots, batch 4 slots), the real Envoy. Capacity is
+sidecar with SOAK_POLICY (one pool of 12 slots and 4,000 tokens, two bands), the real Envoy. Capacity is
 therefore known: slots / service time. Clients arrive open-loop (Poisson) at ``--load`` times
 that capacity, half interactive, half batch, a share streamed, and ``--abort-share`` of them give
 up at a random moment. Every ``--every`` seconds it samples the sidecar's RSS (from /proc),
 the in-flight and queued gauges, and the latency of the requests finished in the window.
 
-It fails (exit 1) when, after the load stops, anything is still in flight or queued; when the
+It fails (exit 1) when, after the load stops, anything is still in flight or queued (bucket
+gauges, and the pool's slots and tokens); when the
 outcome counters do not add up to the requests the sidecar saw; when RSS grew by more than
 ``--max-rss-growth-mb`` between the first and last sample; or when the p50 latency of admitted
 requests drifted: the median of the window p50s in the last third of the run above twice that
@@ -34,14 +35,20 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.common.stats import percentile
 from testing.stack import REPO, Stack
 
+# One shared pool of 12 with two bands, a token bound that binds now and then (requests cost
+# up to ~500 tokens), cost order and predicted-wait refusals: every path that takes or gives
+# back a slot runs.
 SOAK_POLICY = """
+pool: {max_concurrency: 12, max_tokens_in_flight: 4000}
 buckets:
   - name: interactive
     match: {headers: {x-llm-class: interactive}}
-    max_concurrency: 8
+    priority: 0
+    min_share: 0.5
     queue_timeout: 1s
     max_queue: 100
-  - {name: batch, max_concurrency: 4, queue_timeout: 5s, max_queue: 200}
+  - {name: batch, priority: 10, min_share: 0.25, max_share: 0.75, order: cost,
+     queue_timeout: 5s, max_queue: 200}
 """
 SLOTS = 12
 
@@ -76,7 +83,9 @@ def gauges(stack: Stack) -> dict[str, float]:
     out: dict[str, float] = {"in_flight": 0.0, "queued": 0.0, "finished": 0.0}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name == "llm_extproc_in_flight":
+            if s.name in ("llm_extproc_pool_in_flight", "llm_extproc_pool_tokens_in_flight"):
+                out[s.name.removeprefix("llm_extproc_")] = s.value
+            elif s.name == "llm_extproc_in_flight":
                 out["in_flight"] += s.value
             elif s.name == "llm_extproc_queue_depth":
                 out["queued"] += s.value
@@ -211,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         "counted_by_sidecar": g["finished"],
         "in_flight_after": g["in_flight"],
         "queued_after": g["queued"],
+        "pool_in_flight_after": g.get("pool_in_flight"),
+        "pool_tokens_in_flight_after": g.get("pool_tokens_in_flight"),
         "rss_mb_first_sample": round(windows[1 if len(windows) > 1 else 0].rss_mb, 1),
         "rss_mb_end": round(final_rss, 1),
         "p50_s_first_third": p50_first,
@@ -218,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(report, indent=1))
     problems = []
-    if g["in_flight"] or g["queued"]:
-        problems.append("slots or queue entries left behind")
+    if g["in_flight"] or g["queued"] or g.get("pool_in_flight") or g.get("pool_tokens_in_flight"):
+        problems.append("slots, tokens or queue entries left behind")
     if not sent - report["aborted"] <= g["finished"] <= sent:
         problems.append("outcome counters do not add up")
     if growth > args.max_rss_growth_mb:
