@@ -3,7 +3,7 @@
 ``python -m bench.soak --minutes 60`` (``make soak``; CI runs ``--minutes 5``).
 
 Stack: the echo backend (testing/backend.py: every request takes a fixed ``--backend-ms``), the
-sidecar with SOAK_POLICY (one pool of 12 slots and 4,000 tokens, two bands), the real Envoy. Capacity is
+sidecar with SOAK_POLICY (one pool: 12 slots, 4,000 tokens, two bands), the real Envoy. Capacity is
 therefore known: slots / service time. Clients arrive open-loop (Poisson) at ``--load`` times
 that capacity, half interactive, half batch, a share streamed, and ``--abort-share`` of them give
 up at a random moment. Every ``--every`` seconds it samples the sidecar's RSS (from /proc),

@@ -2,29 +2,49 @@
 
 What it measures
 ----------------
-Three ways to put an LLM server under load, each run against a *fresh* simulator
-(:mod:`bench.sim`, one profile, one speedup) with the *same* open-loop schedule
-(:mod:`bench.load.workload`, one seed) at each offered load:
+Admission strategies, each run against a *fresh* simulator (:mod:`bench.sim`, one profile, one
+speedup) with the *same* open-loop schedule (:mod:`bench.load.workload`, one seed) on each run
+of each scenario (:mod:`.scenarios`: ``steady`` at each offered load, ``shift``, ``halve``,
+``spike``). The strategies (exact configurations in :mod:`.strategies`):
 
 ``direct``
     The clients talk to the simulator. Its own FCFS waiting queue is the only admission
     control (vLLM has no other): under overload the queue grows until clients give up.
+``envoy-cb-default``
+    Envoy without ext_proc, backend circuit breakers at the engine's ``max_num_seqs`` (what an
+    operator sets without a model), the same pending queue as ``envoy-cb``.
 ``envoy-cb``
-    Envoy in front, no ext_proc filter, circuit breakers on the backend cluster set the way an
-    operator would: ``max_connections = max_requests = C`` (HTTP/1.1 upstream: one request per
-    connection, so C requests run at once) and ``max_pending_requests = P``, a modest FIFO in
-    Envoy; beyond it Envoy answers 503 (``x-envoy-overloaded``). Built by transforming
-    ``envoy/envoy.yaml`` in code (:func:`testing.envoy.render_envoy_config`, ``ext_proc=False``).
+    Envoy without ext_proc, circuit breakers set from the capacity model:
+    ``max_connections = max_requests = C`` (HTTP/1.1 upstream: one request per connection, so
+    C requests run at once) and ``max_pending_requests = P``, a modest FIFO in Envoy; beyond
+    it Envoy answers 503 (``x-envoy-overloaded``).
+``envoy-adaptive``
+    Envoy without ext_proc, with its adaptive_concurrency filter (gradient controller, the
+    example values of Envoy's docs) in the HTTP filter chain.
+``priority-gateway``
+    :mod:`bench.gateway`: a small aiohttp gateway of ours, one pool of C workers, short
+    requests first, queue timeouts checked at dequeue. Clients talk to it directly (no
+    Envoy): it proxies itself, and an Envoy in front would add a hop and CPU on a two-core host
+    without changing a single admission decision.
+``sidecar-static``
+    Envoy + llm-extproc with the per-bucket policy: ``interactive`` (header
+    ``x-llm-class: interactive``) and a catch-all ``batch`` whose slots add up to C.
 ``sidecar``
-    Envoy + llm-extproc with a generated policy: an ``interactive`` bucket (header
-    ``x-llm-class: interactive``) and a catch-all ``batch`` bucket whose slots add up to the same
-    C, each with a queue deadline that fits its clients (see
-    :func:`.strategies.sidecar_policy`).
+    Envoy + llm-extproc with one shared pool whose limit the sidecar derives from the
+    simulators' own metrics against latency objectives; the model gives only the static
+    fallback (C).
+
+Every Envoy with the sidecar runs with what ``render(policy)`` derives (max_message_timeout,
+stream_idle_timeout, route timeouts, the sidecar cluster's breakers), so a queue deadline above
+envoy.yaml's is honoured.
 
 Clients are :mod:`bench.load`'s: interactive requests are streamed and give up after 30 s,
 batch requests are not streamed and give up after 300 s, and by default they retry like the
 OpenAI SDK (2 retries, Retry-After honoured). A request is *good* if its final answer is a
-complete 200 within its class's timeout counted from the original arrival (retries included).
+complete 200 within its class's timeout counted from the original arrival (retries included);
+it meets its *SLO* if it is good and, when interactive, its first token came within 2 s of the
+original arrival (:func:`.summary.meets_slo`). ``--mix long`` swaps the traces' lengths for
+long prompts (~2.5k tokens) and ~300-token answers (up to 4k).
 
 Capacity, honestly
 ------------------
@@ -41,7 +61,10 @@ and 90th percentile of completion times (warm-up and drain excluded).
   model still finishes 99 % of interactive requests within the client timeout *minus* the
   interactive queue deadline (a request admitted at its deadline still makes it) and 99 % of
   batch requests within theirs minus the batch deadline. Found by bisection (p99 latency grows
-  with ``c``). Both envoy-cb and the sidecar get this same C.
+  with ``c``). envoy-cb, the priority gateway and sidecar-static get this same C; the
+  adaptive sidecar only as its fallback.
+* each class's own saturation throughput (req/s and tokens/s, that class alone at
+  ``max_num_seqs``): the ``shift`` scenario floods one class at a time.
 
 A short live saturation run (``--live-capacity-s``; ``max_num_seqs`` requests kept in flight
 against the real simulator process at the chosen speedup) is printed next to the model's figure:
@@ -50,23 +73,27 @@ it shows whether this host can drive the simulator at that speedup.
 Time and the measurement window
 -------------------------------
 Everything reported is in simulated seconds. The simulator and the load generator scale by
-``--speedup`` themselves; Envoy and the sidecar run on the wall clock, so the sidecar policy's
-queue deadlines are written as ``simulated / speedup``. Retry-After is the exception: the
-sidecar computes it from wall-clock slot hold times and the load generator reads it as simulated
-seconds, so at speedup S the adaptive part of Retry-After is S times too short in simulated
-time (the 1 s floor and 60 s ceiling are left unscaled, so they are right). Clients therefore
-come back sooner than the sidecar asked: more retry pressure, never less.
+``--speedup`` themselves; Envoy, the gateway and the sidecar run on the wall clock, so their
+deadlines and timers (queue timeouts, the pool's scrape interval and windows, the adaptive
+filter's intervals) are written as ``simulated / speedup``; the pool's latency objectives are
+compared with the simulator's histograms, which are simulated seconds, and are not scaled.
+Retry-After is the exception: the sidecar computes it from wall-clock slot hold times and the
+load generator reads it as simulated seconds, so at speedup S the adaptive part of Retry-After
+is S times too short in simulated time (the 1 s floor and 60 s ceiling are left unscaled, so
+they are right). Clients therefore come back sooner than the sidecar asked: more retry pressure,
+never less.
 
-Arrivals run for ``--duration`` (+1 s); the run is then cut. Everything is measured over the
-steady-state window ``[--warmup, --duration)``: a request counts in it if its *final* outcome
-(last byte, last refusal, or giving up) falls inside. Goodput is the rate of good outcomes in
-the window, so work queued during the run and drained after it cannot inflate it (counting good
-answers per second of *arrivals* would, by up to the drain time over the window). The default
-warm-up, (retries + 1) x the interactive timeout = 90 s, is the longest an interactive request
-takes to end, so the interactive outcome mix is in steady state inside the window. Batch
-requests may take 3 x 300 s: their queues (in the simulator for ``direct``, in the sidecar) are
-still filling at the end of a few-minute run, so batch figures there are those of a system
-heading into overload, not of its steady state (see docs/benchmarks.md).
+Arrivals run for ``--duration`` (+1 s, default 200 s in every scenario); the run is then cut.
+Everything is measured over the steady-state window ``[--warmup, --duration)``: a request counts
+in it if its *final* outcome (last byte, last refusal, or giving up) falls inside. Goodput is
+the rate of good outcomes in the window, so work queued during the run and drained after it
+cannot inflate it (counting good answers per second of *arrivals* would, by up to the drain time
+over the window). The default warm-up, (retries + 1) x the interactive timeout = 90 s, is the
+longest an interactive request takes to end, so the interactive outcome mix is in steady state
+inside the window. Batch requests may take 3 x 300 s: their queues (in the simulator for
+``direct``, in the sidecar) are still filling at the end of a few-minute run, so batch figures
+there are those of a system heading into overload, not of its steady state (see
+docs/benchmarks.md).
 
 Wasted work is read from the simulator's ``/sim/stats``: tokens generated for requests that were
 aborted because their client disconnected (gave up), as a share of all tokens generated, from
@@ -79,14 +106,27 @@ Every run reports the simulator's engine lag (how late step results reached the 
 load generator's send lag; a run where either exceeds ``--max-lag-s`` is flagged, because its
 latencies include the host's, not only the backend's.
 
-Outputs (``--out``, default ``bench/results/``): ``compare.json`` (settings, capacity, policy,
-per-run summaries, target checks), ``records.json`` (per-request outcomes), ``goodput.png``
-(goodput and interactive p99 TTFT vs offered load per strategy), ``latency_cdf.png`` (per class
-and load, the fraction of requests answered within t, per strategy).
+During each run the backend (``/sim/stats``), the sidecar's ``llm_extproc_pool_limit`` gauge
+and Envoy's adaptive ``concurrency_limit`` gauge are sampled every ``--sample-every`` simulated
+seconds (:class:`.timeline.Sample`); the scenarios' figures (recovery after a burst, a slowdown
+or a spike; how fast the pool limit settles; how much idle capacity batch uses) come from those
+samples and the per-request records (:mod:`.timeline`). The targets are in :mod:`.targets`.
+
+Outputs (``--out``, default ``bench/results/``): ``compare.json`` (settings, capacity, every
+strategy's configuration, per-run summaries, target checks), ``records.json`` (per-request
+outcomes), ``timelines.json`` (the samples), ``goodput.png`` (steady: goodput, SLO goodput and
+interactive p99 TTFT vs offered load per strategy), ``latency_cdf.png`` (steady: per class and
+load, the fraction of requests answered within t), ``timeline_<scenario>.png`` (the others:
+p99 TTFT in 10 s windows, requests running, the limit, over time).
+
+Length: the default (steady, 4 loads, 7 strategies) is 28 runs of about 72 s at speedup 3,
+about 35 minutes; each other scenario adds 7 runs (about 9 minutes); ``--quick`` halves every
+length.
 
 Modules: :mod:`.options` (the options, the simulator's command line), :mod:`.capacity` (the
-closed-loop model, C, the live check), :mod:`.strategies` (the sidecar policy, Envoy's breakers,
-each strategy's stack), :mod:`.run` (one strategy at one load, counters), :mod:`.summary` (window
-statistics, pure), :mod:`.targets`, :mod:`.report` (tables, plots) and ``__main__`` (the whole
-comparison, the CLI).
+closed-loop model, C, the live check), :mod:`.scenarios` (each run's rates and events, pure),
+:mod:`.strategies` (configurations, each strategy's processes), :mod:`.run` (one strategy on
+one run: counters, samples, speed changes), :mod:`.summary` (window statistics, pure),
+:mod:`.timeline` (figures over time, pure), :mod:`.targets`, :mod:`.report` (tables, plots) and
+``__main__`` (the whole comparison, the CLI).
 """

@@ -14,15 +14,25 @@ from types import FrameType
 from typing import Any
 
 from bench.load.summary import LoadResult, RequestRecord
+from bench.load.workload import MIXES
 from bench.sim.profiles import PROFILES
 
-from .capacity import determine_capacity, live_capacity
-from .options import STRATEGIES, Options, Strategy
-from .report import format_admission, format_runs, format_targets, plot
+from .capacity import Capacity, determine_capacity, live_capacity
+from .options import SCENARIOS, STRATEGIES, Options, ScenarioName, Strategy
+from .report import format_admission, format_runs, format_scenarios, format_targets, plot
 from .run import run_one
-from .strategies import envoy_breakers, sidecar_policy
+from .scenarios import plan
+from .strategies import (
+    adaptive_concurrency,
+    envoy_breakers,
+    envoy_default_breakers,
+    gateway_thresholds,
+    pool_policy,
+    sidecar_policy,
+)
 from .summary import RunSummary, pct
 from .targets import check_targets
+from .timeline import Sample
 
 
 def _record_dict(r: RequestRecord) -> dict[str, Any]:
@@ -36,55 +46,63 @@ def _record_dict(r: RequestRecord) -> dict[str, Any]:
         "attempts": r.attempts,
         "good": r.good,
         "output_tokens": r.output_tokens,
+        "prompt_tokens": r.prompt_tokens,
     }
 
 
 def compare(opts: Options, *, plots: bool = True, command: str | None = None) -> dict[str, Any]:
-    """Run every strategy at every load; write JSON and plots; return the JSON document.
-
-    Process logs, Envoy configs and policies of each run stay in ``<out>/logs/<strategy>-<load>``.
-    """
+    """Run every strategy on every run of every scenario; write JSON and plots; return the JSON
+    document. Process logs, Envoy configs and policies of each run stay in
+    ``<out>/logs/<run>/<strategy>``."""
     started = time.monotonic()
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     logs = opts.out_dir / "logs"
     print(
         f"bench.compare: {opts.profile} simulator at speedup {opts.speedup:g}, "
-        f"{opts.duration_s:g} s of arrivals, measured over [{opts.warmup_s:g} s, "
-        f"{opts.duration_s:g} s), loads {', '.join(f'{x:g}x' for x in opts.loads)}, "
-        f"{opts.arrivals} arrivals, {opts.interactive_share:.0%} interactive, "
-        f"client timeouts {opts.interactive_timeout_s:g}/{opts.batch_timeout_s:g} s, "
-        f"{opts.max_retries} retries",
+        f"scenarios {', '.join(opts.scenarios)}, {opts.duration_s:g} s of arrivals, measured "
+        f"over [{opts.warmup_s:g} s, {opts.duration_s:g} s), steady loads "
+        f"{', '.join(f'{x:g}x' for x in opts.loads)}, {opts.mix} mix, {opts.arrivals} "
+        f"arrivals, {opts.interactive_share:.0%} interactive, client timeouts "
+        f"{opts.interactive_timeout_s:g}/{opts.batch_timeout_s:g} s, {opts.max_retries} retries; "
+        f"strategies {', '.join(opts.strategies)}",
         flush=True,
     )
     cap = determine_capacity(opts)
     if opts.live_capacity_s > 0:
         cap = live_capacity(cap, opts, logs / "live-capacity")
-    policy = sidecar_policy(cap, opts)
-    breakers = envoy_breakers(cap, opts)
-    print(f"envoy-cb breakers on the backend cluster: {breakers}")
-    print("sidecar policy:\n" + "\n".join("  " + line for line in policy.splitlines()), flush=True)
+    config = _configs(cap, opts)
+    for name, value in config.items():
+        text = value if isinstance(value, str) else json.dumps(value)
+        print(f"{name}:\n" + "\n".join("  " + line for line in text.splitlines()), flush=True)
 
     rows: list[RunSummary] = []
-    results: dict[tuple[str, float], LoadResult] = {}
-    for load in opts.loads:
-        for strategy in opts.strategies:
-            print(
-                f"-- {strategy} at {load:g}x ({load * cap.capacity_rps:.2f} req/s) ...",
-                end=" ",
-                flush=True,
-            )
-            summary, result = run_one(strategy, load, cap, opts, logs / f"{strategy}-{load:g}x")
-            rows.append(summary)
-            results[(strategy, load)] = result
-            print(
-                f"good {summary.goodput_rps:.2f} req/s, waste {pct(summary.wasted_frac)}, "
-                f"{summary.wall_s:.0f} s wall"
-                + ("" if summary.harness_ok else "  [harness lagged]"),
-                flush=True,
-            )
-    direct = {r.load: r.goodput_rps for r in rows if r.strategy == "direct"}
+    results: dict[tuple[str, str], LoadResult] = {}
+    timelines: dict[tuple[str, str], list[Sample]] = {}
+    for scenario in opts.scenarios:
+        for run in plan(scenario, cap, opts):
+            for strategy in opts.strategies:
+                print(
+                    f"-- {strategy} on {run.key} ({run.offered_rps:.2f} req/s on average) ...",
+                    end=" ",
+                    flush=True,
+                )
+                summary, result, samples = run_one(
+                    strategy, run, cap, opts, logs / run.key / strategy
+                )
+                rows.append(summary)
+                results[(run.key, strategy)] = result
+                timelines[(run.key, strategy)] = samples
+                print(
+                    f"good {summary.goodput_rps:.2f} req/s, SLO {summary.slo_goodput_rps:.2f} "
+                    f"req/s, waste {pct(summary.wasted_frac)}, {summary.wall_s:.0f} s wall"
+                    + ("" if summary.harness_ok else "  [harness lagged]"),
+                    flush=True,
+                )
+    direct = {(r.scenario, r.label): r.goodput_rps for r in rows if r.strategy == "direct"}
     rows = [
-        replace(r, ratio_to_direct=r.goodput_rps / direct[r.load]) if direct.get(r.load) else r
+        replace(r, ratio_to_direct=r.goodput_rps / d)
+        if (d := direct.get((r.scenario, r.label)))
+        else r
         for r in rows
     ]
     checks = check_targets(rows)
@@ -93,8 +111,7 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
         "command": command,
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()},
         "capacity": asdict(cap),
-        "sidecar_policy": policy,
-        "envoy_cb_breakers": breakers,
+        "configs": config,
         "runs": [r.to_dict() for r in rows],
         "targets": [asdict(c) for c in checks],
         "wall_s": elapsed,
@@ -103,19 +120,27 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
     (opts.out_dir / "records.json").write_text(
         json.dumps(
             {
-                f"{s}@{load:g}x": [_record_dict(r) for r in res.records]
-                for (s, load), res in results.items()
+                f"{key}/{s}": [_record_dict(r) for r in res.records]
+                for (key, s), res in results.items()
             }
         )
         + "\n"
     )
-    written = [opts.out_dir / "compare.json", opts.out_dir / "records.json"]
+    (opts.out_dir / "timelines.json").write_text(
+        json.dumps({f"{key}/{s}": [asdict(x) for x in ss] for (key, s), ss in timelines.items()})
+        + "\n"
+    )
+    written = [opts.out_dir / n for n in ("compare.json", "records.json", "timelines.json")]
     if plots:
-        written += plot(rows, results, cap, opts, opts.out_dir)
+        written += plot(rows, results, timelines, cap, opts, opts.out_dir)
     print()
     print(format_runs(rows))
     print()
     print(format_admission(rows))
+    scenarios = format_scenarios(rows)
+    if scenarios:
+        print()
+        print(scenarios)
     print()
     print(format_targets(checks))
     bad = [r for r in rows if not r.harness_ok]
@@ -127,6 +152,32 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
         )
     print(f"\nwrote {', '.join(str(p) for p in written)}; {elapsed:.0f} s wall in all")
     return doc
+
+
+def _configs(cap: Capacity, opts: Options) -> dict[str, Any]:
+    """Each strategy's configuration, as it runs (the pool policy's metrics URLs are the run's
+    own simulators'; shown here with a placeholder)."""
+    out: dict[str, Any] = {}
+    s = set(opts.strategies)
+    if "envoy-cb-default" in s:
+        out["envoy-cb-default breakers"] = envoy_default_breakers(cap, opts)
+    if "envoy-cb" in s:
+        out["envoy-cb breakers"] = envoy_breakers(cap, opts)
+    if "envoy-adaptive" in s:
+        out["envoy-adaptive filter"] = adaptive_concurrency(opts.speedup)
+    if "priority-gateway" in s:
+        prompt, output = gateway_thresholds(opts)
+        out["priority-gateway"] = {
+            "workers": cap.concurrency,
+            "short_prompt_below": prompt,
+            "short_max_tokens_below": output,
+            "queue_timeout_s": opts.queue_timeouts_s,
+        }
+    if "sidecar-static" in s:
+        out["sidecar-static policy"] = sidecar_policy(cap, opts)
+    if "sidecar" in s:
+        out["sidecar policy"] = pool_policy(cap, opts, ["http://127.0.0.1:PORT/metrics"])
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,16 +203,50 @@ def _strategies(text: str) -> tuple[Strategy, ...]:
     return names  # type: ignore[return-value]
 
 
+def _scenarios(text: str) -> tuple[ScenarioName, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if names == ("all",):
+        return SCENARIOS
+    for n in names:
+        if n not in SCENARIOS:
+            raise argparse.ArgumentTypeError(f"unknown scenario {n!r} (known: {SCENARIOS}, all)")
+    return names  # type: ignore[return-value]
+
+
+# --quick: every length halved, the live check skipped, a smaller model; anything given
+# explicitly on the command line wins.
+QUICK_FACTOR = 0.5
+
+
 def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
     d = Options()
     p = argparse.ArgumentParser(
         prog="python -m bench.compare",
-        description="Admission strategies side by side (direct, envoy-cb, sidecar) on the same "
-        "workload and simulator; times are simulated seconds.",
+        description="Admission strategies side by side on the same workload and simulator, "
+        "in steady and time-varying scenarios; times are simulated seconds.",
     )
     p.add_argument("--profile", choices=sorted(PROFILES), default=d.profile)
     p.add_argument("--speedup", type=float, default=d.speedup)
-    p.add_argument("--duration", type=float, default=d.duration_s, help="arrivals, simulated s")
+    p.add_argument(
+        "--scenario",
+        type=_scenarios,
+        default=d.scenarios,
+        help=f"comma-separated, or all: {', '.join(SCENARIOS)} (default steady)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="halve every length (duration, warm-up, spike), skip the live check, smaller model",
+    )
+    p.add_argument(
+        "--mix", choices=MIXES, default=d.mix, help="request lengths (long: ~2.5k-token prompts)"
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help=f"arrivals, simulated s (default {d.duration_s:g})",
+    )
     p.add_argument(
         "--warmup",
         type=float,
@@ -169,7 +254,23 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         help="not measured: the window is [warmup, duration); default: (max retries + 1) x "
         "the interactive timeout, the longest an interactive request takes to end",
     )
-    p.add_argument("--loads", type=_loads, default=d.loads, help="e.g. 0.5,1,2,4 (x capacity)")
+    p.add_argument(
+        "--loads", type=_loads, default=d.loads, help="steady: e.g. 0.5,1,2,4 (x capacity)"
+    )
+    p.add_argument("--base-load", type=float, default=d.base_load, help="halve, spike, shift's end")
+    p.add_argument(
+        "--flood-load", type=float, default=d.flood_load, help="shift, of each class's own capacity"
+    )
+    p.add_argument("--spike-load", type=float, default=d.spike_load)
+    p.add_argument("--spike-s", type=float, default=None, help=f"default {d.spike_s:g}")
+    p.add_argument("--slow-factor", type=float, default=d.slow_factor, help="halve: speed after")
+    p.add_argument("--sample-every", type=float, default=d.sample_every_s, help="simulated s")
+    p.add_argument(
+        "--gateway-short-prompt", type=int, default=None, help="default: the mix's median"
+    )
+    p.add_argument(
+        "--gateway-short-output", type=int, default=None, help="default: the mix's median"
+    )
     p.add_argument("--strategies", type=_strategies, default=d.strategies)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--arrivals", choices=("poisson", "trace"), default=d.arrivals)
@@ -197,20 +298,29 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         help="envoy-cb max_pending_requests = this many seconds of throughput at C",
     )
     p.add_argument("--concurrency", type=int, default=None, help="override the derived C")
-    p.add_argument("--model-requests", type=int, default=d.model_requests)
+    p.add_argument("--model-requests", type=int, default=None, help=f"default {d.model_requests}")
     p.add_argument(
         "--live-capacity-s",
         type=float,
-        default=d.live_capacity_s,
-        help="live saturation check length, simulated s (0: skip)",
+        default=None,
+        help=f"live saturation check length, simulated s (0: skip; default {d.live_capacity_s:g})",
     )
     p.add_argument("--max-lag-s", type=float, default=d.max_lag_s)
     p.add_argument("--traces-dir", default=None)
     p.add_argument("--out", type=Path, default=d.out_dir)
     p.add_argument("--no-plots", action="store_true")
     a = p.parse_args(argv)
+    q = QUICK_FACTOR if a.quick else 1.0
+    if a.duration is None:
+        a.duration = d.duration_s * q
     if a.warmup is None:
-        a.warmup = (a.max_retries + 1) * a.interactive_timeout
+        a.warmup = (a.max_retries + 1) * a.interactive_timeout * q
+    if a.spike_s is None:
+        a.spike_s = d.spike_s * q
+    if a.live_capacity_s is None:
+        a.live_capacity_s = 0.0 if a.quick else d.live_capacity_s
+    if a.model_requests is None:
+        a.model_requests = d.model_requests // 2 if a.quick else d.model_requests
     if not 0 <= a.warmup < a.duration:
         p.error("need 0 <= --warmup < --duration")
     opts = Options(
@@ -220,6 +330,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         warmup_s=a.warmup,
         loads=a.loads,
         strategies=a.strategies,
+        scenarios=a.scenario,
+        mix=a.mix,
         seed=a.seed,
         arrivals=a.arrivals,
         interactive_share=a.interactive_share,
@@ -236,7 +348,17 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         max_lag_s=a.max_lag_s,
         traces_dir=a.traces_dir,
         out_dir=a.out,
+        base_load=a.base_load,
+        flood_load=a.flood_load,
+        spike_load=a.spike_load,
+        spike_s=a.spike_s,
+        slow_factor=a.slow_factor,
+        sample_every_s=a.sample_every,
+        gateway_short_prompt=a.gateway_short_prompt,
+        gateway_short_output=a.gateway_short_output,
     )
+    if opts.mix == "long" and opts.arrivals != "poisson":
+        p.error("--mix long needs Poisson arrivals")
     return opts, not a.no_plots
 
 

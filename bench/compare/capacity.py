@@ -9,7 +9,7 @@ import itertools
 import json
 import urllib.request
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -31,17 +31,22 @@ class ClosedLoopPoint:
 
     concurrency: int
     throughput_rps: float
+    tokens_per_s: float  # prompt + output tokens of the requests completed, per second
     class_rps: dict[str, float]
     in_flight: dict[str, float]  # mean requests in flight per class (Little's law)
     ttft_p99_s: dict[str, float | None]
     e2e_p99_s: dict[str, float | None]
 
 
-def workload_mix(opts: Options) -> list[PlannedRequest]:
+def workload_mix(opts: Options, only: str | None = None) -> list[PlannedRequest]:
     """The workload's length mix (the first ``model_requests`` requests of the schedule), without
-    the requests the simulator refuses outright (prompt + output above ``max_model_len``)."""
+    the requests the simulator refuses outright (prompt + output above ``max_model_len``).
+    ``only``: the mix of that class alone (as many requests, all of it)."""
+    classes = opts.classes(10.0)
+    if only is not None:
+        classes = tuple(c for c in classes if c.name == only)
     schedule = build_schedule(
-        opts.classes(10.0),
+        classes,
         duration_s=1e9,
         max_requests=opts.model_requests,
         seed=opts.seed,
@@ -97,6 +102,7 @@ def closed_loop(
     return ClosedLoopPoint(
         concurrency=concurrency,
         throughput_rps=len(done_in) / span,
+        tokens_per_s=sum(f.prompt_tokens + f.output_tokens for f in done_in) / span,
         class_rps={n: sum(1 for f in done_in if cls_of[f.rid] == n) / span for n in names},
         in_flight=in_flight,
         ttft_p99_s={
@@ -119,6 +125,9 @@ class Capacity:
     at_concurrency: ClosedLoopPoint
     concurrency_rule: str
     sweep: tuple[ClosedLoopPoint, ...]
+    # Each class alone at max_num_seqs (the shift scenario floods one class at a time).
+    class_capacity_rps: dict[str, float] = field(default_factory=dict)
+    class_capacity_tokens_s: dict[str, float] = field(default_factory=dict)
     live_rps: float | None = None
     live_note: str = ""
 
@@ -140,6 +149,14 @@ class Capacity:
                 for p in self.sweep
             ),
         ]
+        if self.class_capacity_rps:
+            lines.append(
+                "  each class alone at max_num_seqs: "
+                + ", ".join(
+                    f"{k} {v:.2f} req/s, {self.class_capacity_tokens_s.get(k, 0.0):.0f} tok/s"
+                    for k, v in self.class_capacity_rps.items()
+                )
+            )
         if self.live_rps is not None:
             lines.append(
                 f"  live check: {self.live_rps:.2f} req/s with max_num_seqs in flight against "
@@ -192,6 +209,10 @@ def determine_capacity(opts: Options, *, log: bool = True) -> Capacity:
         if lo == 0:
             rule += "; nothing fits, using 8"
     sweep_cs = sorted({16, 32, 64, 128, top, best} & set(range(1, top + 1)))
+    alone = {
+        c.name: closed_loop(engine, workload_mix(opts, only=c.name), top)
+        for c in opts.classes(10.0)
+    }
     cap = Capacity(
         profile=opts.profile,
         capacity_rps=saturation.throughput_rps,
@@ -200,6 +221,8 @@ def determine_capacity(opts: Options, *, log: bool = True) -> Capacity:
         at_concurrency=point(best),
         concurrency_rule=rule,
         sweep=tuple(point(c) for c in sweep_cs),
+        class_capacity_rps={n: p.throughput_rps for n, p in alone.items()},
+        class_capacity_tokens_s={n: p.tokens_per_s for n, p in alone.items()},
     )
     if log:
         print(cap.describe(), flush=True)

@@ -7,12 +7,36 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final, Literal
 
-from bench.load.workload import ClassSpec, default_classes
+from bench.load.workload import ClassSpec, Mix, default_classes
 from bench.sim.profiles import PROFILES, EngineConfig
 from testing.stack import REPO
 
-Strategy = Literal["direct", "envoy-cb", "sidecar"]
-STRATEGIES: Final[tuple[Strategy, ...]] = ("direct", "envoy-cb", "sidecar")
+Strategy = Literal[
+    "direct",
+    "envoy-cb-default",
+    "envoy-cb",
+    "envoy-adaptive",
+    "priority-gateway",
+    "sidecar-static",
+    "sidecar",
+]
+STRATEGIES: Final[tuple[Strategy, ...]] = (
+    "direct",
+    "envoy-cb-default",
+    "envoy-cb",
+    "envoy-adaptive",
+    "priority-gateway",
+    "sidecar-static",
+    "sidecar",
+)
+# The strategies whose Envoy runs the ext_proc filter and the sidecar.
+SIDECAR_STRATEGIES: Final[frozenset[Strategy]] = frozenset({"sidecar-static", "sidecar"})
+# Envoy in front without ext_proc.
+PLAIN_ENVOY_STRATEGIES: Final[frozenset[Strategy]] = frozenset(
+    {"envoy-cb-default", "envoy-cb", "envoy-adaptive"}
+)
+ScenarioName = Literal["steady", "shift", "halve", "spike"]
+SCENARIOS: Final[tuple[ScenarioName, ...]] = ("steady", "shift", "halve", "spike")
 DEFAULT_OUT: Final = REPO / "bench" / "results"
 CLASSES: Final = ("interactive", "batch")
 
@@ -25,8 +49,10 @@ class Options:
     speedup: float = 3.0
     duration_s: float = 200.0  # arrivals; the measurement window is [warmup_s, duration_s)
     warmup_s: float = 90.0  # (max_retries + 1) x the interactive timeout
-    loads: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
+    loads: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)  # the steady scenario's offered loads
     strategies: tuple[Strategy, ...] = STRATEGIES
+    scenarios: tuple[ScenarioName, ...] = ("steady",)
+    mix: Mix = "default"
     seed: int = 0
     arrivals: Literal["poisson", "trace"] = "poisson"
     interactive_share: float = 0.8
@@ -44,13 +70,26 @@ class Options:
     traces_dir: str | None = None
     out_dir: Path = DEFAULT_OUT
     max_requests: int = 200_000
+    # The time-varying scenarios (see bench.compare.scenarios): multiples of capacity.
+    base_load: float = 1.0  # halve and spike: the load before and after the change
+    flood_load: float = 2.0  # shift: batch's flood and interactive's burst, of each one's capacity
+    spike_load: float = 4.0
+    spike_s: float = 30.0
+    slow_factor: float = 0.5  # halve: the backend's speed after the change
+    sample_every_s: float = 2.0  # backend and limit gauges sampled this often during a run
+    # priority-gateway: short = prompt and max_tokens both below these; None = the mix's medians.
+    gateway_short_prompt: int | None = None
+    gateway_short_output: int | None = None
 
     def classes(self, rate: float) -> tuple[ClassSpec, ...]:
         """The two-class mix at ``rate`` requests per simulated second, with our timeouts."""
         return tuple(
             replace(c, timeout_s=self.timeouts_s[c.name])
             for c in default_classes(
-                rate, interactive_share=self.interactive_share, arrivals=self.arrivals
+                rate,
+                interactive_share=self.interactive_share,
+                arrivals=self.arrivals,
+                mix=self.mix,
             )
         )
 

@@ -1,5 +1,5 @@
-"""What a comparison prints and draws: the table per strategy and load, the admission events,
-the target checks, and the plots."""
+"""What a comparison prints and draws: the table per strategy and run, the admission events,
+the scenarios' figures, the target checks, and the plots."""
 
 from __future__ import annotations
 
@@ -15,14 +15,17 @@ from .capacity import Capacity
 from .options import STRATEGIES, Options
 from .summary import RunSummary, Window, pct
 from .targets import TTFT_TARGET_S, TargetCheck
+from .timeline import WINDOW_S, Sample, ttft_windows
 
 RUN_HEADERS: Final = (
-    "load", "strategy", "offer/s", "good/s", "xdirect", "tok/s", "ttft99i", "1st99i", "e2e99i",
-    "e2e99b", "good", "late", "429", "5xx", "tmo", "oth", "waste", "lag",
+    "run", "strategy", "offer/s", "good/s", "xdirect", "tok/s", "slo/s", "ttft99i", "1st99i",
+    "e2e99i", "e2e99b", "good", "late", "429", "5xx", "tmo", "oth", "waste", "lag",
 )  # fmt: skip
 RUN_LEGEND: Final = (
-    "good/s: complete 200s within the client timeout per second; xdirect: good/s over "
-    "direct's; tok/s: their output tokens per second;\nttft99i: interactive p99 TTFT from "
+    "run: the steady load (x capacity) or the scenario; good/s: complete 200s within the client "
+    "timeout per second; xdirect: good/s over direct's; tok/s: their output tokens per second;\n"
+    "slo/s: SLO goodput, good answers whose first token (interactive) came within 2 s of the "
+    "original arrival, per second;\nttft99i: interactive p99 TTFT from "
     "the original arrival (retries included); 1st99i: the same over requests answered at "
     "their first attempt;\ne2e99i/b: p99 end to end of answered requests per class; shares "
     "of final outcomes: good, late (200 after the client's timeout), 429, 5xx, tmo (the "
@@ -38,12 +41,13 @@ def _run_row(r: RunSummary) -> list[str]:
     lag = max(r.loadgen_lag_s_max, r.sim_lag_s_max or 0.0)
     e2e = {c: s.e2e_p99_s for c, s in r.per_class.items()}
     return [
-        f"{r.load:g}x",
+        r.label if r.scenario == "steady" else r.scenario,
         r.strategy,
         f"{r.offered_rps:.2f}",
         f"{r.goodput_rps:.2f}",
         fmt(r.ratio_to_direct),
         f"{r.overall.goodput_tokens_per_s:.0f}",
+        f"{r.slo_goodput_rps:.2f}",
         fmt(r.ttft_p99_s),
         fmt(r.ttft_p99_first_attempt_s),
         fmt(e2e.get("interactive"), 1),
@@ -56,21 +60,55 @@ def _run_row(r: RunSummary) -> list[str]:
 
 
 def format_runs(rows: Sequence[RunSummary]) -> str:
-    """One row per strategy and load (a blank line between loads), then the legend."""
+    """One row per strategy and run (a blank line between runs), then the legend."""
     w0, w1 = rows[0].window_s if rows else (0.0, 0.0)
     cells: list[list[str]] = []
     for i, r in enumerate(rows):
-        if i and r.load != rows[i - 1].load:
+        if i and (r.scenario, r.label) != (rows[i - 1].scenario, rows[i - 1].label):
             cells.append([""] * len(RUN_HEADERS))
         cells.append(_run_row(r))
     return "\n".join(
         [
-            f"per strategy and offered load, over the window [{w0:g} s, {w1:g} s) (simulated "
-            "seconds; requests counted when their final outcome falls in the window):",
+            f"per strategy and run, over the window [{w0:g} s, {w1:g} s) (simulated seconds; "
+            "requests counted when their final outcome falls in the window):",
             format_table(RUN_HEADERS, cells),
             RUN_LEGEND,
         ]
     )
+
+
+def _admission_text(r: RunSummary) -> str:
+    a = r.admission
+
+    def n(key: str) -> int:
+        return int(a.get(key, 0))
+
+    if r.strategy in ("sidecar", "sidecar-static"):
+        # Every outcome the sidecar counted, summed over its buckets (admitted first).
+        outcomes: dict[str, int] = {}
+        for k, v in a.items():
+            if "/" in k:
+                outcome = k.split("/", 1)[1]
+                outcomes[outcome] = outcomes.get(outcome, 0) + int(v)
+        admitted = outcomes.pop("admitted", 0)
+        rest = ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()) if v)
+        return f"admitted {admitted}" + (f", {rest}" if rest else "")
+    if r.strategy == "priority-gateway":
+        return (
+            f"admitted {n('admitted')} ({n('admitted_short')} short), 503 expired at dequeue "
+            f"{n('expired')}, 503 queue full {n('rejected_full')}, left while queued "
+            f"{n('cancelled_queued')}"
+        )
+    if r.strategy.startswith("envoy-"):
+        text = (
+            f"to backend {n('upstream_rq_total')}, queued in Envoy "
+            f"{n('upstream_rq_pending_total')}, 503 overflow {n('upstream_rq_pending_overflow')}, "
+            f"left while queued {n('upstream_rq_cancelled')}"
+        )
+        if r.strategy == "envoy-adaptive":
+            text += f", 503 blocked by the filter {n('adaptive.rq_blocked')}"
+        return text
+    return "no admission control (simulator FCFS queue)"
 
 
 def format_admission(rows: Sequence[RunSummary]) -> str:
@@ -79,92 +117,146 @@ def format_admission(rows: Sequence[RunSummary]) -> str:
         "admission events over the window (attempts, retries included; attempts = those of the "
         "requests resolved in the window):"
     ]
-    for r in rows:
-        a = r.admission
-        if r.strategy == "sidecar":
-
-            def get(outcome: str, a: Mapping[str, float] = a) -> int:
-                return int(sum(v for k, v in a.items() if k.endswith("/" + outcome)))
-
-            text = (
-                f"admitted {get('admitted')}, 429 queue_full {get('rejected_queue_full')}, "
-                f"429 queue_timeout {get('evicted_timeout')}, left while queued "
-                f"{get('cancelled_while_queued')}, 413 {get('rejected_too_large')}"
-            )
-        elif r.strategy == "envoy-cb":
-            text = (
-                f"to backend {int(a.get('upstream_rq_total', 0))}, queued in Envoy "
-                f"{int(a.get('upstream_rq_pending_total', 0))}, 503 overflow "
-                f"{int(a.get('upstream_rq_pending_overflow', 0))}, left while queued "
-                f"{int(a.get('upstream_rq_cancelled', 0))}"
-            )
-        else:
-            text = "no admission control (simulator FCFS queue)"
-        lines.append(f"{r.load:>4g}x {r.strategy:<9} attempts {r.overall.attempts:>6}: {text}")
+    lines.extend(
+        f"{r.label:>6} {r.strategy:<16} attempts {r.overall.attempts:>6}: {_admission_text(r)}"
+        for r in rows
+    )
     return "\n".join(lines)
+
+
+SCENARIO_HEADERS: Final = (
+    "scenario", "strategy", "recover_s", "settle_s", "limit", "idle_use", "busy",
+)  # fmt: skip
+
+
+def format_scenarios(rows: Sequence[RunSummary]) -> str:
+    """The time-varying scenarios' figures (see bench.compare.scenarios); empty without any."""
+    cells = []
+    for r in rows:
+        if r.scenario == "steady":
+            continue
+        f = r.scenario_figures
+        limit = "-"
+        if f.get("limit_final") is not None:
+            limit = f"{fmt(f.get('limit_before'), 0)}->{fmt(f.get('limit_final'), 0)}"
+        cells.append(
+            [
+                r.scenario,
+                r.strategy,
+                fmt(f.get("recovery_s"), 0, none="never" if "recovery_s" in f else "-"),
+                fmt(f.get("limit_settle_s"), 0),
+                limit,
+                pct(f.get("idle_use")),
+                pct(f.get("busy_frac")),
+            ]
+        )
+    if not cells:
+        return ""
+    return "\n".join(
+        [
+            "scenarios (simulated seconds): recover_s: from the burst (shift), the change (halve) "
+            "or the spike's end until interactive p99 TTFT in 10 s windows stays under 2 s; "
+            "settle_s: until the limit stays within 20 % of its final value; limit: median "
+            "before the change -> final; idle_use: batch's answered tokens per second while "
+            "interactive is quiet, of batch's saturation tokens/s; busy: the engine's busy "
+            "share then",
+            format_table(SCENARIO_HEADERS, cells),
+        ]
+    )
 
 
 def format_targets(checks: Sequence[TargetCheck]) -> str:
     lines = ["targets (sidecar; indented: the same target read another way, for context):"]
     lines.extend(
-        f"{'  ' if c.primary else '      '}{'PASS' if c.passed else 'MISS'}  {c.load:>4g}x  "
-        f"{c.name:<44} {c.detail}"
+        f"{'  ' if c.primary else '      '}{'PASS' if c.passed else 'MISS'}  "
+        f"{c.label if c.scenario == 'steady' else c.scenario:>6}  {c.name:<46} {c.detail}"
         for c in checks
     )
     return "\n".join(lines)
 
 
+COLORS: Final = {
+    "direct": "tab:red",
+    "envoy-cb-default": "tab:brown",
+    "envoy-cb": "tab:orange",
+    "envoy-adaptive": "tab:purple",
+    "priority-gateway": "tab:green",
+    "sidecar-static": "tab:cyan",
+    "sidecar": "tab:blue",
+}
+
+
 def plot(
     rows: Sequence[RunSummary],
-    results: Mapping[tuple[str, float], LoadResult],
+    results: Mapping[tuple[str, str], LoadResult],
+    samples: Mapping[tuple[str, str], Sequence[Sample]],
     cap: Capacity,
     opts: Options,
     out_dir: Path,
 ) -> list[Path]:
-    """goodput.png and latency_cdf.png (requests resolved in the measurement window)."""
-    window = Window(start_s=opts.warmup_s, end_s=opts.duration_s)
+    """goodput.png and latency_cdf.png for the steady runs (requests resolved in the window),
+    timeline_<scenario>.png for each other scenario. ``results`` and ``samples`` are keyed by
+    (run key, strategy)."""
     import matplotlib
 
     matplotlib.use("Agg")
+    paths: list[Path] = []
+    steady = [r for r in rows if r.scenario == "steady"]
+    if steady:
+        paths += _plot_steady(steady, results, cap, opts, out_dir)
+    for scenario in dict.fromkeys(r.scenario for r in rows if r.scenario != "steady"):
+        paths.append(
+            _plot_timeline(
+                scenario, [r for r in rows if r.scenario == scenario], results, samples, out_dir
+            )
+        )
+    return paths
+
+
+def _key(r: RunSummary) -> str:
+    return f"steady-{r.label}" if r.scenario == "steady" else r.scenario
+
+
+def _plot_steady(
+    rows: Sequence[RunSummary],
+    results: Mapping[tuple[str, str], LoadResult],
+    cap: Capacity,
+    opts: Options,
+    out_dir: Path,
+) -> list[Path]:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
-    colors = {"direct": "tab:red", "envoy-cb": "tab:orange", "sidecar": "tab:blue"}
+    window = Window(start_s=opts.warmup_s, end_s=opts.duration_s)
     strategies = [s for s in STRATEGIES if any(r.strategy == s for r in rows)]
-    loads = sorted({r.load for r in rows})
+    labels = list(dict.fromkeys(r.label for r in sorted(rows, key=lambda r: r.load)))
     paths: list[Path] = []
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
     for s in strategies:
         rs = sorted((r for r in rows if r.strategy == s), key=lambda r: r.load)
         x = [r.offered_rps for r in rs]
-        axes[0].plot(x, [r.goodput_rps for r in rs], "o-", color=colors[s], label=s)
-        axes[1].plot(
-            x, [r.overall.goodput_tokens_per_s for r in rs], "o-", color=colors[s], label=s
-        )
-        axes[2].plot(x, [r.ttft_p99_s or math.nan for r in rs], "o-", color=colors[s], label=s)
-    for ax in axes[:2]:
+        c = COLORS[s]
+        axes[0].plot(x, [r.goodput_rps for r in rs], "o-", color=c, label=s)
+        axes[1].plot(x, [r.overall.goodput_tokens_per_s for r in rs], "o-", color=c, label=s)
+        axes[2].plot(x, [r.slo_goodput_rps for r in rs], "o-", color=c, label=s)
+        axes[3].plot(x, [r.ttft_p99_s or math.nan for r in rs], "o-", color=c, label=s)
+    for ax in axes[:3]:
         ax.axvline(cap.capacity_rps, color="grey", ls=":", lw=1)
     axes[0].axhline(cap.capacity_rps, color="grey", ls=":", lw=1, label="capacity")
-    axes[0].axhline(
-        cap.at_concurrency.throughput_rps,
-        color="grey",
-        ls="-.",
-        lw=1,
-        label=f"model at C={cap.concurrency}",
-    )
     axes[0].set_ylabel("goodput, req/s (good = complete within timeout)")
     axes[1].set_ylabel("goodput, output tokens/s")
-    axes[2].axhline(TTFT_TARGET_S, color="grey", ls="--", lw=1, label="2 s target")
-    axes[2].set_yscale("log")
-    axes[2].set_ylabel("interactive p99 TTFT, s (from arrival)")
+    axes[2].set_ylabel("SLO goodput, req/s (interactive TTFT <= 2 s)")
+    axes[3].axhline(TTFT_TARGET_S, color="grey", ls="--", lw=1, label="2 s target")
+    axes[3].set_yscale("log")
+    axes[3].set_ylabel("interactive p99 TTFT, s (from arrival)")
     for ax in axes:
         ax.set_xlabel("offered load, req/s (simulated)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.suptitle(
-        f"{opts.profile} simulator, capacity {cap.capacity_rps:.2f} req/s, C={cap.concurrency}; "
-        f"loads {', '.join(f'{x:g}x' for x in loads)}"
+        f"{opts.profile} simulator, {opts.mix} mix, capacity {cap.capacity_rps:.2f} req/s, "
+        f"C={cap.concurrency}; loads {', '.join(labels)}"
     )
     fig.tight_layout()
     path = out_dir / "goodput.png"
@@ -178,13 +270,13 @@ def plot(
         ("batch", "e2e", "batch end to end", opts.batch_timeout_s),
     ]
     fig, axes = plt.subplots(
-        len(panels), len(loads), figsize=(4 * len(loads), 3.2 * len(panels)), squeeze=False
+        len(panels), len(labels), figsize=(4 * len(labels), 3.2 * len(panels)), squeeze=False
     )
     for row, (cls, metric, title, timeout) in enumerate(panels):
-        for col, load in enumerate(loads):
+        for col, label in enumerate(labels):
             ax = axes[row][col]
             for s in strategies:
-                res = results.get((s, load))
+                res = results.get((f"steady-{label}", s))
                 if res is None:
                     continue
                 recs = [r for r in res.records if r.cls == cls and window.holds(r)]
@@ -197,7 +289,7 @@ def plot(
                 if not recs:
                     continue
                 ys = [(i + 1) / len(recs) for i in range(len(vals))]
-                ax.step(vals, ys, where="post", color=colors[s], label=s)
+                ax.step(vals, ys, where="post", color=COLORS[s], label=s)
             ax.axvline(timeout, color="grey", ls="--", lw=1)
             if metric == "ttft":
                 ax.axvline(TTFT_TARGET_S, color="grey", ls=":", lw=1)
@@ -205,16 +297,61 @@ def plot(
             ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_ylim(0, 1.02)
             ax.grid(alpha=0.3)
-            ax.set_title(f"{title}, {load:g}x", fontsize=9)
+            ax.set_title(f"{title}, {label}", fontsize=9)
             if col == 0:
                 ax.set_ylabel("share answered (200) within t")
             if row == len(panels) - 1:
                 ax.set_xlabel("t, simulated s")
             if row == 0 and col == 0:
-                ax.legend(fontsize=8)
+                ax.legend(fontsize=7)
     fig.tight_layout()
     path = out_dir / "latency_cdf.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
     paths.append(path)
     return paths
+
+
+def _plot_timeline(
+    scenario: str,
+    rows: Sequence[RunSummary],
+    results: Mapping[tuple[str, str], LoadResult],
+    samples: Mapping[tuple[str, str], Sequence[Sample]],
+    out_dir: Path,
+) -> Path:
+    """Per strategy over time: interactive p99 TTFT in 10 s windows (by arrival), requests
+    running in the backend, and the limit where the strategy has one."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
+    for r in rows:
+        c = COLORS.get(r.strategy, "black")
+        res = results.get((scenario, r.strategy))
+        if res is not None:
+            wins = ttft_windows(res.records, start_s=0.0, end_s=max(r.window_s[1], WINDOW_S))
+            axes[0].plot(
+                [w.start_s + WINDOW_S / 2 for w in wins],
+                [w.p99_s if w.p99_s is not None else math.nan for w in wins],
+                color=c,
+                label=r.strategy,
+            )
+        ss = samples.get((scenario, r.strategy), ())
+        axes[1].plot([x.t_s for x in ss], [x.running for x in ss], color=c, label=r.strategy)
+        lim = [(x.t_s, x.limit) for x in ss if x.limit is not None]
+        if lim:
+            axes[2].plot([t for t, _ in lim], [v for _, v in lim], color=c, label=r.strategy)
+    axes[0].axhline(TTFT_TARGET_S, color="grey", ls="--", lw=1)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("interactive p99 TTFT, s\n(10 s windows, by arrival)")
+    axes[1].set_ylabel("running in the backend")
+    axes[2].set_ylabel("limit (pool / adaptive)")
+    axes[2].set_xlabel("t, simulated s from the start of the arrivals")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"scenario {scenario}")
+    fig.tight_layout()
+    path = out_dir / f"timeline_{scenario}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

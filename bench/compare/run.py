@@ -1,24 +1,26 @@
-"""Running one strategy at one load: a fresh stack, one load-generator run, the counters
-snapshotted at the window's edges, teardown."""
+"""Running one strategy on one scenario run: a fresh deployment, one load-generator run, the
+counters snapshotted at the window's edges, the backend and the limit sampled all along, the
+backend's speed changed on cue, teardown."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.load.runner import LoadConfig, run_load
 from bench.load.summary import LoadResult
-from testing.stack import Stack
 
 from .capacity import Capacity
 from .options import Options, Strategy
-from .strategies import stack_for
+from .scenarios import ScenarioRun
+from .strategies import Deployment, deploy
 from .summary import RunSummary, Window, summarize_run
+from .timeline import Sample
 
 _SIM_KEYS: Final = (
     "generation_tokens",
@@ -31,89 +33,185 @@ _SIM_KEYS: Final = (
     "preemptions",
     "busy_s",
 )
-_ENVOY_STATS: Final = (
+_ENVOY_CLUSTER_STATS: Final = (
     "upstream_rq_total",
     "upstream_rq_pending_total",
     "upstream_rq_pending_overflow",
     "upstream_rq_cancelled",
     "upstream_rq_503",
 )
+_ADAPTIVE: Final = "http.llm.adaptive_concurrency.gradient_controller."
+_ADAPTIVE_STATS: Final = ("rq_blocked", "concurrency_limit")
+_ENVOY_FILTER: Final = (
+    "^(cluster\\.backend\\.("
+    + "|".join(_ENVOY_CLUSTER_STATS)
+    + ")|http\\.llm\\.adaptive_concurrency\\.gradient_controller\\.("
+    + "|".join(_ADAPTIVE_STATS)
+    + "))$"
+)
+POOL_LIMIT_GAUGE: Final = "llm_extproc_pool_limit"
+_TIMEOUT: Final = aiohttp.ClientTimeout(total=10)
 
 
-async def _snapshot(
-    session: aiohttp.ClientSession, strategy: Strategy, stack: Stack
-) -> dict[str, float]:
-    """The counters of the run, flat: ``sim.*``, ``sidecar.<bucket>/<outcome>``, ``envoy.*``."""
+async def _json(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with session.get(url, timeout=_TIMEOUT) as r:
+        data = await r.json(content_type=None)
+    return data if isinstance(data, dict) else {}
+
+
+async def _sidecar_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Outcome counters as ``sidecar.<bucket>/<outcome>``; the pool limit as ``pool_limit``."""
+    async with session.get(url, timeout=_TIMEOUT) as r:
+        text = await r.text()
     out: dict[str, float] = {}
-    timeout = aiohttp.ClientTimeout(total=10)
-    async with session.get(f"{stack.backend_url}/sim/stats", timeout=timeout) as r:
-        stats = await r.json()
-    for key in _SIM_KEYS:
-        out[f"sim.{key}"] = float(stats.get(key, 0.0))
-    out["sim.lag_s_max"] = float(stats.get("lag_s_max", 0.0))
-    out["sim.lag_s_mean"] = float(stats.get("lag_s_mean", 0.0))
-    for gauge in ("num_requests_running", "num_requests_waiting"):
-        out[f"gauge.{gauge}"] = float(stats.get(gauge, 0.0))
-    if strategy == "sidecar":
-        async with session.get(stack.metrics_url, timeout=timeout) as r:
-            text = await r.text()
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == "llm_extproc_requests_total":
-                    key = f"sidecar.{s.labels.get('bucket')}/{s.labels.get('outcome')}"
-                    out[key] = out.get(key, 0.0) + s.value
-    elif strategy == "envoy-cb":
-        pattern = "^cluster\\.backend\\.(" + "|".join(_ENVOY_STATS) + ")$"
-        url = f"http://127.0.0.1:{stack.admin_port}/stats"
-        async with session.get(url, params={"filter": pattern}, timeout=timeout) as r:
-            text = await r.text()
-        for line in text.splitlines():
-            name, _, value = line.partition(": ")
-            if name.startswith("cluster.backend."):
-                out["envoy." + name.removeprefix("cluster.backend.")] = float(value)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "llm_extproc_requests_total":
+                key = f"sidecar.{s.labels.get('bucket')}/{s.labels.get('outcome')}"
+                out[key] = out.get(key, 0.0) + s.value
+            elif s.name == POOL_LIMIT_GAUGE:
+                out["pool_limit"] = out.get("pool_limit", 0.0) + s.value
     return out
 
 
-async def _drive(
-    cfg: LoadConfig, strategy: Strategy, stack: Stack, window: Window
-) -> tuple[LoadResult, list[dict[str, float]]]:
-    """The load-generator run, with the counters snapshotted at its start and at the window's
-    start and end."""
+async def _envoy_stats(session: aiohttp.ClientSession, admin_url: str) -> dict[str, float]:
+    """Backend-cluster counters as ``envoy.<stat>``; the adaptive filter's as
+    ``envoy.adaptive.<stat>``."""
+    url = f"{admin_url}/stats"
+    async with session.get(url, params={"filter": _ENVOY_FILTER}, timeout=_TIMEOUT) as r:
+        text = await r.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(": ")
+        if name.startswith("cluster.backend."):
+            out["envoy." + name.removeprefix("cluster.backend.")] = float(value)
+        elif name.startswith(_ADAPTIVE):
+            out["envoy.adaptive." + name.removeprefix(_ADAPTIVE)] = float(value)
+    return out
+
+
+async def _snapshot(session: aiohttp.ClientSession, dep: Deployment) -> dict[str, float]:
+    """The run's counters, flat: ``sim.*`` (summed over the replicas; lag: the worst),
+    ``gauge.*``, ``sidecar.<bucket>/<outcome>``, ``envoy.*``, ``gateway.*``, ``pool_limit``."""
+    out: dict[str, float] = {}
+    for url in dep.backend_urls:
+        stats = await _json(session, f"{url}/sim/stats")
+        for key in _SIM_KEYS:
+            out[f"sim.{key}"] = out.get(f"sim.{key}", 0.0) + float(stats.get(key, 0.0))
+        for key in ("lag_s_max", "lag_s_mean"):
+            out[f"sim.{key}"] = max(out.get(f"sim.{key}", 0.0), float(stats.get(key, 0.0)))
+        for gauge in ("num_requests_running", "num_requests_waiting"):
+            out[f"gauge.{gauge}"] = out.get(f"gauge.{gauge}", 0.0) + float(stats.get(gauge, 0.0))
+        out["gauge.speed_factor"] = float(stats.get("speed_factor", 1.0))
+    if dep.sidecar_metrics_url is not None:
+        out.update(await _sidecar_metrics(session, dep.sidecar_metrics_url))
+    if dep.envoy_admin_url is not None:
+        out.update(await _envoy_stats(session, dep.envoy_admin_url))
+    if dep.gateway_url is not None:
+        stats = await _json(session, f"{dep.gateway_url}/gateway/stats")
+        out.update({f"gateway.{k}": float(v) for k, v in stats.items()})
+    return out
+
+
+def _sample_of(t_s: float, snap: dict[str, float]) -> Sample:
+    limit = snap.get("pool_limit", snap.get("envoy.adaptive.concurrency_limit"))
+    return Sample(
+        t_s=t_s,
+        running=snap.get("gauge.num_requests_running", 0.0),
+        waiting=snap.get("gauge.num_requests_waiting", 0.0),
+        finished=snap.get("sim.finished_requests", 0.0),
+        busy_s=snap.get("sim.busy_s", 0.0),
+        speed_factor=snap.get("gauge.speed_factor", 1.0),
+        limit=limit,
+    )
+
+
+async def _sampler(
+    session: aiohttp.ClientSession,
+    dep: Deployment,
+    t0: float,
+    opts: Options,
+    out: list[Sample],
+) -> None:
+    """Every ``sample_every_s`` simulated seconds until cancelled; a sample that fails (the host
+    too busy to answer in 10 s) is skipped rather than ending the run."""
     loop = asyncio.get_running_loop()
+    k = 0
+    while True:
+        await asyncio.sleep(max(0.0, t0 + k * opts.sample_every_s / opts.speedup - loop.time()))
+        t_s = (loop.time() - t0) * opts.speedup
+        try:
+            out.append(_sample_of(t_s, await _snapshot(session, dep)))
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            pass
+        k += 1
+
+
+async def _speed_changes(
+    session: aiohttp.ClientSession, dep: Deployment, run: ScenarioRun, t0: float, speedup: float
+) -> None:
+    """``POST /sim/speed`` on every replica at each change's instant of the load's clock."""
+    loop = asyncio.get_running_loop()
+    for at_s, factor in run.speed_changes:
+        await asyncio.sleep(max(0.0, t0 + at_s / speedup - loop.time()))
+        for url in dep.backend_urls:
+            async with session.post(
+                f"{url}/sim/speed", json={"factor": factor}, timeout=_TIMEOUT
+            ) as r:
+                r.raise_for_status()
+
+
+async def _drive(
+    cfg: LoadConfig, dep: Deployment, run: ScenarioRun, window: Window, opts: Options
+) -> tuple[LoadResult, list[dict[str, float]], list[Sample]]:
+    """The load-generator run, with the counters snapshotted at its start and at the window's
+    start and end, the sampler and the speed changes alongside."""
+    loop = asyncio.get_running_loop()
+    samples: list[Sample] = []
     async with aiohttp.ClientSession() as session:
-        snaps = [await _snapshot(session, strategy, stack)]
+        snaps = [await _snapshot(session, dep)]
         t0 = loop.time()
         load = asyncio.create_task(run_load(cfg))
-        for edge in (window.start_s, window.end_s):
-            await asyncio.sleep(max(0.0, t0 + edge / cfg.speedup - loop.time()))
-            snaps.append(await _snapshot(session, strategy, stack))
-        result = await load
-    return result, snaps
+        helpers = [
+            asyncio.create_task(_sampler(session, dep, t0, opts, samples)),
+            asyncio.create_task(_speed_changes(session, dep, run, t0, opts.speedup)),
+        ]
+        try:
+            for edge in (window.start_s, window.end_s):
+                await asyncio.sleep(max(0.0, t0 + edge / cfg.speedup - loop.time()))
+                snaps.append(await _snapshot(session, dep))
+            result = await load
+            if helpers[1].done():
+                helpers[1].result()  # a speed change that failed fails the run
+        finally:
+            for task in (load, *helpers):
+                task.cancel()
+            await asyncio.gather(load, *helpers, return_exceptions=True)
+    return result, snaps, samples
 
 
 def run_one(
-    strategy: Strategy, load: float, cap: Capacity, opts: Options, log_dir: Path
-) -> tuple[RunSummary, LoadResult]:
-    """Fresh simulator (+ Envoy, + sidecar), one load-generator run, counters, teardown.
+    strategy: Strategy, run: ScenarioRun, cap: Capacity, opts: Options, log_dir: Path
+) -> tuple[RunSummary, LoadResult, list[Sample]]:
+    """Fresh deployment, one load-generator run, counters and samples, teardown.
 
     Arrivals run 1 s past the window so the load is steady up to its end; then everything still
     open is cut (it resolves after the window and does not count)."""
-    rate = load * cap.capacity_rps
-    classes = opts.classes(rate)
-    window = Window(start_s=opts.warmup_s, end_s=opts.duration_s)
+    window = Window(start_s=run.warmup_s, end_s=run.duration_s)
     t0 = time.monotonic()
-    with stack_for(strategy, cap, opts, log_dir) as stack:
+    with deploy(strategy, cap, opts, log_dir) as dep:
         cfg = LoadConfig(
-            url=stack.backend_url if strategy == "direct" else stack.url,
-            classes=classes,
-            duration_s=opts.duration_s + 1.0,
+            url=dep.url,
+            classes=run.classes(opts),
+            duration_s=run.duration_s + 1.0,
             max_requests=opts.max_requests,
             speedup=opts.speedup,
             seed=opts.seed,
             max_retries=opts.max_retries,
             traces_dir=opts.traces_dir,
-            max_run_s=opts.duration_s + 1.0,
+            max_run_s=run.duration_s + 1.0,
         )
-        result, snaps = asyncio.run(_drive(cfg, strategy, stack, window))
+        result, snaps, samples = asyncio.run(_drive(cfg, dep, run, window, opts))
     wall = time.monotonic() - t0
-    return summarize_run(strategy, load, rate, result, snaps, window, opts, wall), result
+    summary = summarize_run(strategy, run, result, snaps, samples, window, opts, cap, wall)
+    return summary, result, samples

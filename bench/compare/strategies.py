@@ -1,16 +1,62 @@
-"""The configurations of the strategies: the sidecar's policy and Envoy's circuit breakers, both
-derived from the capacity model, and the :class:`~testing.stack.Stack` each strategy runs on."""
+"""The configurations of the strategies and the processes each one runs.
+
+============================ ===============================================================
+``direct``                   the simulator alone
+``envoy-cb-default``         Envoy, backend breakers at the engine's ``max_num_seqs``
+``envoy-cb``                 Envoy, backend breakers at the model's C (:func:`envoy_breakers`)
+``envoy-adaptive``           Envoy's adaptive_concurrency filter (:func:`adaptive_concurrency`)
+``priority-gateway``         :mod:`bench.gateway` in front of the simulator, C workers
+``sidecar-static``           Envoy + the sidecar, fixed slots per bucket (:func:`sidecar_policy`)
+``sidecar``                  Envoy + the sidecar, one adaptive pool (:func:`pool_policy`)
+============================ ===============================================================
+
+Every Envoy with the sidecar runs with what ``extproc.config.envoy.render(policy)`` derives
+from its policy (:func:`policy_envoy_patch`): the shipped envoy/envoy.yaml is written for the
+default policy, whose longest queue is 120 s, so a longer queue deadline would otherwise be cut
+by Envoy's ``max_message_timeout`` (121 s) with a 504 after the 1 s message timeout.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
+import statistics
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
-from testing.stack import Stack
+from extproc.config.envoy import EXT_PROC_FILTER, render
+from extproc.config.policy import policy_from_yaml
+from testing.stack import Proc, Stack, free_port, wait_http
 
-from .capacity import Capacity
-from .options import Options, Strategy, backend_argv
+from .capacity import Capacity, workload_mix
+from .options import SIDECAR_STRATEGIES, Options, Strategy, backend_argv
+
+__all__ = [
+    "ADAPTIVE_CONCURRENCY_FILTER",
+    "Deployment",
+    "adaptive_concurrency",
+    "deploy",
+    "envoy_breakers",
+    "envoy_default_breakers",
+    "gateway_argv",
+    "gateway_thresholds",
+    "policy_envoy_patch",
+    "pool_policy",
+    "sidecar_policy",
+    "slot_split",
+    "with_http_filter",
+]
+
+EnvoyPatch = Callable[[dict[str, Any]], None]
+ADAPTIVE_CONCURRENCY_FILTER: Final = "envoy.filters.http.adaptive_concurrency"
+ADAPTIVE_CONCURRENCY_TYPE: Final = (
+    "type.googleapis.com/envoy.extensions.filters.http.adaptive_concurrency.v3.AdaptiveConcurrency"
+)
+ROUTER_FILTER: Final = "envoy.filters.http.router"
 
 
 def slot_split(cap: Capacity) -> dict[str, int]:
@@ -28,8 +74,25 @@ def _duration(sim_s: float, speedup: float) -> str:
     return f"{max(1, round(1000 * sim_s / speedup))}ms"
 
 
+def _common_policy(opts: Options) -> str:
+    """Tokens, limits and Retry-After: the same in both sidecar policies. The output cap is
+    above every request of the mix, so nothing is clamped and all strategies do the same work."""
+    max_len = opts.engine.max_model_len
+    max_output = 2048 if opts.mix == "default" else 4096
+    return f"""\
+tokens:
+  chars_per_token: 4.0
+limits:
+  max_prompt_tokens: {max_len}
+  default_max_tokens: 256
+  max_output_tokens: {max_output}
+  on_excess: clamp
+retry_after: {{min: 1s, max: 60s}}   # not scaled: see "Time" in bench/compare/__init__.py
+"""
+
+
 def sidecar_policy(cap: Capacity, opts: Options) -> str:
-    """The sidecar's policy (YAML) for this backend and these clients.
+    """``sidecar-static``'s policy (YAML) for this backend and these clients.
 
     * buckets: ``interactive`` by header, everything else ``batch``; slots from
       :func:`slot_split`; no length conditions in ``match`` (the class is the client's);
@@ -42,8 +105,7 @@ def sidecar_policy(cap: Capacity, opts: Options) -> str:
       the surplus is refused at once instead of after waiting the whole deadline; ``deadline``
       makes it large (2000 / 5000), so the deadline, not the bound, decides who is refused
       (the first design: measured worse, see docs/benchmarks.md);
-    * limits: prompts above the simulator's ``max_model_len`` get 413 at the door; the output cap
-      (2048) is above every trace row, so nothing is clamped and all strategies do the same work.
+    * limits: prompts above the simulator's ``max_model_len`` get 413 at the door.
     """
     slots = slot_split(cap)
     qt = opts.queue_timeouts_s
@@ -54,19 +116,10 @@ def sidecar_policy(cap: Capacity, opts: Options) -> str:
         for name in max_queue:
             hold_s = point.in_flight.get(name, 0.0) / max(point.class_rps.get(name, 0.0), 1e-9)
             max_queue[name] = max(1, math.ceil(slots[name] / max(hold_s, 1e-9) * qt[name]))
-    max_len = opts.engine.max_model_len
     return f"""\
 # Generated by bench.compare for the {opts.profile} profile at speedup {s:g}: queue deadlines are
 # wall-clock, so each is (simulated seconds) / {s:g}. C = {cap.concurrency} slots in all.
-tokens:
-  chars_per_token: 4.0
-limits:
-  max_prompt_tokens: {max_len}
-  default_max_tokens: 256
-  max_output_tokens: 2048
-  on_excess: clamp
-retry_after: {{min: 1s, max: 60s}}   # not scaled: see "Time" in bench/compare/__init__.py
-buckets:
+{_common_policy(opts)}buckets:
   - name: interactive
     match: {{headers: {{x-llm-class: interactive}}}}
     max_concurrency: {slots["interactive"]}
@@ -76,6 +129,55 @@ buckets:
     max_concurrency: {slots["batch"]}
     queue_timeout: {_duration(qt["batch"], s)}   # {qt["batch"]:g} s simulated
     max_queue: {max_queue["batch"]}
+"""
+
+
+def pool_policy(cap: Capacity, opts: Options, metrics_urls: list[str]) -> str:
+    """``sidecar``'s policy: one pool whose limit the sidecar reads from the simulators' own
+    metrics against latency objectives. Nothing here comes from the capacity model but the
+    static fallback ``max_concurrency`` (C), used only while the metrics are stale.
+
+    Time: the sidecar's timers (queue deadlines, scrape interval, windows, holds) run on the
+    wall clock and are written as simulated / speedup; the objectives are compared with the
+    simulator's histograms, which are in simulated seconds, so they are written as they are.
+    Deadlines are the same as ``sidecar-static``'s (``--interactive-queue-timeout``,
+    ``--batch-queue-frac``).
+    """
+    qt = opts.queue_timeouts_s
+    s = opts.speedup
+    urls = ", ".join(f'"{u}"' for u in metrics_urls)
+    return f"""\
+# Generated by bench.compare for the {opts.profile} profile at speedup {s:g}: timers are
+# wall-clock ((simulated seconds) / {s:g}); the SLOs are simulated seconds (the simulator's
+# histograms are). max_concurrency is only the fallback while the metrics are stale.
+{_common_policy(opts)}pool:
+  max_concurrency: {cap.concurrency}
+  fail_fast: true
+  adaptive:
+    min: 8
+    max: {opts.engine.max_num_seqs}
+    initial: 32
+    slo: {{ttft: 1s, ttft_quantile: 0.9, inter_token: 100ms, inter_token_quantile: 0.9}}
+    interval: {_duration(0.5, s)}
+    window: {_duration(10.0, s)}
+    max_kv_usage: 0.9
+  overload: {{tighten_eviction_rate: 0.05, step_hold: {_duration(120.0, s)}, \
+window: {_duration(30.0, s)}}}
+backend:
+  metrics: [{urls}]
+buckets:
+  - name: interactive
+    match: {{headers: {{x-llm-class: interactive}}}}
+    priority: 0
+    min_share: 0.5
+    queue_timeout: {_duration(qt["interactive"], s)}   # {qt["interactive"]:g} s simulated
+    max_queue: 2000
+  - name: batch
+    priority: 10
+    max_share: 0.9
+    order: cost
+    queue_timeout: {_duration(qt["batch"], s)}   # {qt["batch"]:g} s simulated
+    max_queue: 5000
 """
 
 
@@ -91,22 +193,211 @@ def envoy_breakers(cap: Capacity, opts: Options) -> dict[str, int]:
     }
 
 
-def stack_for(strategy: Strategy, cap: Capacity, opts: Options, log_dir: Path) -> Stack:
-    """The processes a strategy runs (not started): the simulator alone (``direct``), Envoy
-    without ext_proc with :func:`envoy_breakers` (``envoy-cb``; its config is
-    :func:`testing.envoy.render_envoy_config`'s), or Envoy and the sidecar with
-    :func:`sidecar_policy`, written to ``log_dir/policy.yaml`` (``sidecar``)."""
+def envoy_default_breakers(cap: Capacity, opts: Options) -> dict[str, int]:
+    """``envoy-cb-default``: what an operator sets without a model of the backend, the engine's
+    own ``max_num_seqs`` (HTTP/1.1 upstream: one request per connection), the same pending
+    queue as ``envoy-cb``."""
+    return {
+        **envoy_breakers(cap, opts),
+        "max_connections": opts.engine.max_num_seqs,
+        "max_requests": opts.engine.max_num_seqs,
+    }
+
+
+def adaptive_concurrency(speedup: float) -> dict[str, Any]:
+    """Envoy's adaptive_concurrency filter with the gradient controller, with the values of the
+    example configuration in Envoy's docs (docs/root/configuration/http/http_filters/
+    adaptive_concurrency_filter.rst, "Example Configuration", envoyproxy/envoy main): p90 of the
+    samples, the limit updated every 100 ms and never below 25 (``min_concurrency_limit``, which
+    Envoy 1.40 has: with it set, the minRTT is measured from live traffic instead of pinning
+    the limit to ``min_concurrency``), the minRTT recalculated every 60 s with 10 % jitter over
+    50 requests; every other field at its default (buffer 25 %, max_concurrency_limit 1000,
+    503 when blocked). Older docs show the same example without the two ``min_*`` fields;
+    without them each minRTT measurement pins the limit to 3 until 50 requests have completed,
+    which takes minutes with LLM streams.
+
+    Its two intervals are wall-clock and tuned for a real backend: they are divided by the
+    speedup, so the controller acts as often per *simulated* second as it would at speedup 1
+    (as the sidecar's timers are). Its latency samples are whole requests (it samples when the
+    response ends, so a stream counts until its last token)."""
+    return {
+        "name": ADAPTIVE_CONCURRENCY_FILTER,
+        "typed_config": {
+            "@type": ADAPTIVE_CONCURRENCY_TYPE,
+            "gradient_controller_config": {
+                "sample_aggregate_percentile": {"value": 90},
+                "concurrency_limit_params": {
+                    "concurrency_update_interval": f"{0.1 / speedup:.6f}s",
+                    "min_concurrency_limit": 25,
+                },
+                "min_rtt_calc_params": {
+                    "min_concurrency": 50,
+                    "jitter": {"value": 10},
+                    "interval": f"{60.0 / speedup:.6f}s",
+                    "request_count": 50,
+                },
+            },
+            "enabled": {"default_value": True, "runtime_key": "adaptive_concurrency.enabled"},
+        },
+    }
+
+
+def _hcms(cfg: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for listener in cfg["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for f in chain["filters"]:
+                yield f["typed_config"]
+
+
+def with_http_filter(http_filter: dict[str, Any]) -> EnvoyPatch:
+    """An ``envoy_patch`` that puts ``http_filter`` just before the router."""
+
+    def patch(cfg: dict[str, Any]) -> None:
+        for hcm in _hcms(cfg):
+            chain = hcm["http_filters"]
+            at = [f["name"] for f in chain].index(ROUTER_FILTER)
+            chain.insert(at, copy.deepcopy(http_filter))
+
+    return patch
+
+
+def policy_envoy_patch(policy_yaml: str) -> EnvoyPatch:
+    """An ``envoy_patch`` that gives Envoy what ``render(policy)`` derives from this policy:
+    ext_proc's ``max_message_timeout`` (the longest queue deadline + 1 s), the HCM's
+    ``stream_idle_timeout``, the LLM routes' ``timeout`` and the sidecar cluster's circuit
+    breakers (one stream per queued or running request)."""
+    rendered = render(policy_from_yaml(policy_yaml, source="bench.compare"))
+    (ext_proc,) = [f for f in rendered["http_filters"] if f["name"] == EXT_PROC_FILTER]
+    (sidecar_cluster,) = rendered["clusters"]
+    idle = rendered["http_connection_manager"]["stream_idle_timeout"]
+    route_timeout = rendered["llm_routes"]["timeout"]
+
+    def patch(cfg: dict[str, Any]) -> None:
+        for hcm in _hcms(cfg):
+            hcm["stream_idle_timeout"] = idle
+            for f in hcm["http_filters"]:
+                if f["name"] == EXT_PROC_FILTER:
+                    f["typed_config"]["max_message_timeout"] = ext_proc["typed_config"][
+                        "max_message_timeout"
+                    ]
+            for vhost in hcm["route_config"]["virtual_hosts"]:
+                for route in vhost["routes"]:
+                    # The LLM routes are those the sidecar sees (no per-route ext_proc off).
+                    if EXT_PROC_FILTER not in route.get("typed_per_filter_config", {}):
+                        route["route"]["timeout"] = route_timeout
+        for cluster in cfg["static_resources"]["clusters"]:
+            if cluster["name"] == sidecar_cluster["name"]:
+                cluster["circuit_breakers"] = copy.deepcopy(sidecar_cluster["circuit_breakers"])
+
+    return patch
+
+
+def gateway_thresholds(opts: Options) -> tuple[int, int]:
+    """priority-gateway's "short" thresholds (prompt, max_tokens): the options', else the
+    medians of the workload's mix, so that about the cheaper half of each dimension goes
+    first."""
+    if opts.gateway_short_prompt is not None and opts.gateway_short_output is not None:
+        return opts.gateway_short_prompt, opts.gateway_short_output
+    mix = workload_mix(opts)
+    prompt = round(statistics.median(r.prompt_tokens for r in mix))
+    output = round(statistics.median(r.output_tokens for r in mix))
+    return opts.gateway_short_prompt or prompt, opts.gateway_short_output or output
+
+
+def gateway_argv(cap: Capacity, opts: Options, port: int, upstreams: list[str]) -> list[str]:
+    """The gateway's command line: C workers (the same C as envoy-cb and sidecar-static), the
+    sidecar's queue deadlines per class (wall-clock), no other knowledge of the backend."""
+    prompt, output = gateway_thresholds(opts)
+    qt = opts.queue_timeouts_s
+    s = opts.speedup
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.gateway",
+        "--port",
+        str(port),
+        "--workers",
+        str(cap.concurrency),
+        "--short-prompt",
+        str(prompt),
+        "--short-output",
+        str(output),
+        "--queue-timeout",
+        f"{qt['batch'] / s:.6g}",
+        "--class-queue-timeout",
+        f"interactive={qt['interactive'] / s:.6g}",
+    ]
+    for url in upstreams:
+        argv += ["--upstream", url]
+    return argv
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Deployment:
+    """A running strategy: where the clients go, and where its counters are read."""
+
+    strategy: Strategy
+    url: str
+    backend_urls: tuple[str, ...]
+    sidecar_metrics_url: str | None = None
+    envoy_admin_url: str | None = None
+    gateway_url: str | None = None
+
+
+@contextlib.contextmanager
+def deploy(strategy: Strategy, cap: Capacity, opts: Options, log_dir: Path) -> Iterator[Deployment]:
+    """Start a strategy's processes (their logs, Envoy config and policy in ``log_dir``), yield
+    where to reach them, stop them all."""
     log_dir.mkdir(parents=True, exist_ok=True)
     common: dict[str, Any] = {"backend_argv": backend_argv(opts), "log_dir": log_dir}
-    if strategy == "direct":
-        return Stack(**common, start_sidecar=False, start_envoy=False)
-    if strategy == "envoy-cb":
-        return Stack(
+    if strategy in ("direct", "priority-gateway"):
+        stack = Stack(**common, start_sidecar=False, start_envoy=False)
+    elif strategy in ("envoy-cb-default", "envoy-cb", "envoy-adaptive"):
+        breakers = {
+            "envoy-cb-default": envoy_default_breakers(cap, opts),
+            "envoy-cb": envoy_breakers(cap, opts),
+            "envoy-adaptive": None,  # envoy.yaml's own, out of the filter's way
+        }[strategy]
+        patch = with_http_filter(adaptive_concurrency(opts.speedup))
+        stack = Stack(
             **common,
             start_sidecar=False,
             ext_proc=False,
-            backend_circuit_breakers=envoy_breakers(cap, opts),
+            backend_circuit_breakers=breakers,
+            envoy_patch=patch if strategy == "envoy-adaptive" else None,
         )
-    policy = log_dir / "policy.yaml"
-    policy.write_text(sidecar_policy(cap, opts))
-    return Stack(**common, policy_path=policy)
+    else:
+        # The ports are chosen when the Stack is built, so the pool policy can name the
+        # simulators' metrics before anything starts.
+        stack = Stack(**common, policy_path=log_dir / "policy.yaml")
+        metrics = [f"{u}/metrics" for u in stack.backend_urls]
+        text = (
+            pool_policy(cap, opts, metrics) if strategy == "sidecar" else sidecar_policy(cap, opts)
+        )
+        (log_dir / "policy.yaml").write_text(text)
+        stack.envoy_patch = policy_envoy_patch(text)
+    with stack:
+        backends = tuple(stack.backend_urls)
+        if strategy == "direct":
+            yield Deployment(strategy=strategy, url=stack.backend_url, backend_urls=backends)
+        elif strategy == "priority-gateway":
+            port = free_port()
+            proc = Proc("gateway", gateway_argv(cap, opts, port, list(backends)), log_dir)
+            try:
+                url = f"http://127.0.0.1:{port}"
+                try:
+                    wait_http(f"{url}/health", proc=proc)
+                except BaseException:
+                    print(f"----- gateway log -----\n{proc.log_text()[-4000:]}", file=sys.stderr)
+                    raise
+                yield Deployment(strategy=strategy, url=url, backend_urls=backends, gateway_url=url)
+            finally:
+                proc.stop()
+        else:
+            yield Deployment(
+                strategy=strategy,
+                url=stack.url,
+                backend_urls=backends,
+                sidecar_metrics_url=stack.metrics_url if strategy in SIDECAR_STRATEGIES else None,
+                envoy_admin_url=f"http://127.0.0.1:{stack.admin_port}",
+            )

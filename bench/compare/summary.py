@@ -1,8 +1,10 @@
-"""One run's figures over the measurement window, pure: per-class statistics, wasted work, the
-counters' deltas (see "Time and the measurement window" in :mod:`bench.compare`)."""
+"""One run's figures over the measurement window, pure: per-class statistics, SLO goodput,
+wasted work, the counters' deltas (see "Time and the measurement window" in
+:mod:`bench.compare`), and the scenario's figures over time (:mod:`.timeline`)."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Final
@@ -10,7 +12,14 @@ from typing import Any, Final
 from bench.common.stats import percentile
 from bench.load.summary import LoadResult, RequestRecord
 
+from .capacity import Capacity
 from .options import CLASSES, Options, Strategy
+from .scenarios import ScenarioRun
+from .timeline import Sample, idle_capacity_use, limit_settle_s, recovery_s
+
+# SLO goodput: an interactive answer counts if its first token came within this of the
+# original arrival (retries included), a batch answer if it completed within its timeout.
+SLO_TTFT_S: Final = 2.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,6 +68,21 @@ def _final_outcome(r: RequestRecord) -> str:
     return "timeout" if r.outcome == "timeout" else "other"
 
 
+def meets_slo(r: RequestRecord) -> bool:
+    """Good (a complete 200 within the client's timeout from the original arrival) and, for an
+    interactive request, its first token within :data:`SLO_TTFT_S` of the original arrival."""
+    if not r.good:
+        return False
+    if r.cls == "interactive":
+        return r.ttft_s is not None and r.ttft_s <= SLO_TTFT_S
+    return True
+
+
+def slo_goodput_rps(records: Sequence[RequestRecord], window: Window) -> float:
+    """Requests resolved in the window that met their SLO (:func:`meets_slo`), per second."""
+    return sum(1 for r in records if window.holds(r) and meets_slo(r)) / window.span_s
+
+
 def class_stats(records: Sequence[RequestRecord], window: Window) -> ClassStats:
     """Window statistics of some records (the caller picks the class)."""
     rs = [r for r in records if window.holds(r)]
@@ -88,14 +112,18 @@ def class_stats(records: Sequence[RequestRecord], window: Window) -> ClassStats:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunSummary:
-    """One strategy at one offered load, over the measurement window (simulated seconds)."""
+    """One strategy on one scenario run, over the measurement window (simulated seconds)."""
 
     strategy: str
-    load: float
-    offered_rps: float
+    scenario: str
+    label: str  # "2x" (steady) or the scenario's name
+    load: float  # steady: the offered load; otherwise the scenario's base load
+    offered_rps: float  # mean over the arrivals
     window_s: tuple[float, float]
     overall: ClassStats
     per_class: dict[str, ClassStats]
+    slo_goodput_rps: float
+    refused_frac: float  # final outcomes that were refusals (429, 5xx), of those resolved
     ratio_to_direct: float | None
     wasted_frac: float | None  # tokens generated for aborted requests / all generated
     wasted_prefill_frac: float | None  # the same for prefill tokens
@@ -107,6 +135,8 @@ class RunSummary:
     loadgen_lag_s_max: float
     harness_ok: bool
     wall_s: float
+    # The scenario's figures (recovery_s, limit_settle_s, idle_use, ...), see summarize_run.
+    scenario_figures: dict[str, float | None]
 
     @property
     def goodput_rps(self) -> float:
@@ -130,14 +160,58 @@ class RunSummary:
         return out
 
 
+def scenario_figures(
+    run: ScenarioRun,
+    records: Sequence[RequestRecord],
+    samples: Sequence[Sample],
+    cap: Capacity,
+) -> dict[str, float | None]:
+    """What each scenario measures (see :mod:`.scenarios`):
+
+    * ``recovery_s`` (shift, halve, spike): :func:`.timeline.recovery_s` from the burst, the
+      change or the spike's end, until the next phase (shift) or the end;
+    * halve: ``limit_settle_s`` and ``limit_final`` (:func:`.timeline.limit_settle_s`),
+      ``limit_before`` (the median limit over the 20 s before the change);
+    * shift: ``idle_use`` (batch's tokens answered per second while interactive is quiet, over
+      batch's own saturation throughput, :func:`.timeline.idle_capacity_use`) and
+      ``busy_frac`` (the engine's busy share then).
+    """
+    m = run.marks
+    out: dict[str, float | None] = {}
+    if "recover_from_s" in m:
+        out["recovery_s"] = recovery_s(
+            records, since_s=m["recover_from_s"], until_s=m.get("both_s", run.duration_s)
+        )
+    if run.scenario == "halve":
+        change = m["change_s"]
+        settle, final = limit_settle_s(samples, since_s=change)
+        before = [s.limit for s in samples if change - 20 <= s.t_s < change and s.limit is not None]
+        out["limit_settle_s"] = settle
+        out["limit_final"] = final
+        out["limit_before"] = statistics.median(before) if before else None
+    if run.scenario == "shift":
+        use, busy = idle_capacity_use(
+            records,
+            samples,
+            cls="batch",
+            from_s=m["idle_from_s"],
+            to_s=m["idle_to_s"],
+            capacity_tokens_s=cap.class_capacity_tokens_s.get("batch", 0.0),
+        )
+        out["idle_use"] = use
+        out["busy_frac"] = busy
+    return out
+
+
 def summarize_run(
     strategy: Strategy,
-    load: float,
-    rate: float,
+    run: ScenarioRun,
     result: LoadResult,
     snaps: Sequence[Mapping[str, float]],
+    samples: Sequence[Sample],
     window: Window,
     opts: Options,
+    cap: Capacity,
     wall_s: float,
 ) -> RunSummary:
     """Window statistics of one run. ``snaps``: counters at the start, at the window's start and
@@ -158,7 +232,19 @@ def summarize_run(
     backend.pop("lag_s_mean", None)
     for gauge in ("num_requests_running", "num_requests_waiting"):
         backend[f"{gauge}_at_end"] = after.get(f"gauge.{gauge}", 0.0)
-    admission = {**delta("sidecar.", before), **delta("envoy.", before)}
+    admission = {
+        **delta("sidecar.", before),
+        **delta("envoy.", before),
+        **delta("gateway.", before),
+    }
+    for gauge in (
+        "adaptive.concurrency_limit",
+        "workers",
+        "running",
+        "queued_short",
+        "queued_long",
+    ):
+        admission.pop(gauge, None)  # gauges, not counters
     whole = delta("sim.", start)
     generated = whole.get("generation_tokens", 0.0)
     wasted = whole.get("aborted_generation_tokens", 0.0) / generated if generated else None
@@ -175,13 +261,18 @@ def summarize_run(
         sim_lag is None or sim_lag <= opts.max_lag_s
     )
     recs = result.records
+    overall = class_stats(recs, window)
     return RunSummary(
         strategy=strategy,
-        load=load,
-        offered_rps=rate,
+        scenario=run.scenario,
+        label=run.label,
+        load=run.load,
+        offered_rps=run.offered_rps,
         window_s=(window.start_s, window.end_s),
-        overall=class_stats(recs, window),
+        overall=overall,
         per_class={c: class_stats([r for r in recs if r.cls == c], window) for c in CLASSES},
+        slo_goodput_rps=slo_goodput_rps(recs, window),
+        refused_frac=overall.outcomes["429"] + overall.outcomes["5xx"],
         ratio_to_direct=None,
         wasted_frac=wasted,
         wasted_prefill_frac=wasted_prefill,
@@ -193,6 +284,7 @@ def summarize_run(
         loadgen_lag_s_max=result.loadgen_lag_s_max,
         harness_ok=harness_ok,
         wall_s=wall_s,
+        scenario_figures=scenario_figures(run, recs, samples, cap),
     )
 
 

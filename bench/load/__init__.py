@@ -3,7 +3,9 @@
 Design
 ------
 * **Schedule first** (:mod:`.workload`): the whole arrival schedule is computed up front from
-  the class specs and a seed, so runs are reproducible. Arrivals are *open loop*: each request is
+  the class specs and a seed, so runs are reproducible. A class's rate may be piecewise
+  constant (``rate_schedule``: a scenario's quiet phase, flood or spike); ``mix="long"``
+  swaps the traces' lengths for long prompts. Arrivals are *open loop*: each request is
   sent at its scheduled time whatever happens to earlier ones, and latencies are measured from
   the *scheduled* arrival (a late sender cannot hide queueing; the sender's own lateness is
   reported as ``loadgen_lag_s_max``).

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .runner import DEFAULT_MODEL, LoadConfig, run_load
 from .summary import format_result
-from .workload import DEFAULT_TRACES_DIR, class_from_dict, default_classes
+from .workload import DEFAULT_TRACES_DIR, MIXES, class_from_dict, default_classes
 
 
 def parse_args(argv: list[str] | None) -> tuple[LoadConfig, argparse.Namespace]:
@@ -44,6 +44,12 @@ def parse_args(argv: list[str] | None) -> tuple[LoadConfig, argparse.Namespace]:
         help="share of the rate for the interactive class (rest: batch)",
     )
     p.add_argument(
+        "--mix",
+        choices=MIXES,
+        default="default",
+        help="lengths: the Azure traces (default) or long prompts (~2.5k) with ~300-token answers",
+    )
+    p.add_argument(
         "--classes",
         default=None,
         help="JSON list of class objects (ClassSpec fields), replaces the default mix; "
@@ -70,7 +76,10 @@ def parse_args(argv: list[str] | None) -> tuple[LoadConfig, argparse.Namespace]:
         classes = tuple(class_from_dict(d) for d in json.loads(raw))
     else:
         classes = default_classes(
-            args.rate, interactive_share=args.interactive_share, arrivals=args.arrivals
+            args.rate,
+            interactive_share=args.interactive_share,
+            arrivals=args.arrivals,
+            mix=args.mix,
         )
     cfg = LoadConfig(
         url=args.url,

@@ -12,7 +12,11 @@ request cap, does not change the other requests):
 
 * ``arrivals="poisson"``: exponential inter-arrival times at ``rate`` requests per simulated
   second. Lengths come from the class's trace (a uniformly sampled row) if it has one, else from
-  its ``prompt`` / ``output`` distributions.
+  its ``prompt`` / ``output`` distributions. A ``rate_schedule`` makes the rate piecewise
+  constant (a scenario's quiet phase, flood or spike): a non-homogeneous Poisson process drawn
+  piece by piece from the same random stream, exact because the exponential is memoryless. One
+  piece from 0 gives the very arrivals of a constant ``rate``, so a steady run and a scenario
+  share their schedule up to the first change.
 * ``arrivals="trace"``: the trace's own arrival times, replayed in order from the first row and
   compressed or stretched so that the mean rate equals ``rate`` (factor ``trace_rate / rate``,
   burstiness preserved); the lengths are the rows' recorded token counts. The trace wraps around
@@ -29,7 +33,7 @@ import functools
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -171,12 +175,34 @@ class ClassSpec:
     stream: bool = False
     timeout_s: float = 30.0  # client timeout per attempt; a request that exceeds it disconnects
     endpoint: Literal["chat", "completions"] = "chat"
+    # (start_s, rate) pieces in time order: from each start until the next, arrivals come at that
+    # rate (0: none); before the first start at ``rate``. Poisson arrivals only.
+    rate_schedule: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.rate <= 0 or self.timeout_s <= 0:
             raise ValueError(f"class {self.name}: rate and timeout_s must be > 0")
         if self.arrivals == "trace" and self.trace is None:
             raise ValueError(f"class {self.name}: arrivals='trace' needs a trace")
+        if self.rate_schedule:
+            if self.arrivals == "trace":
+                raise ValueError(f"class {self.name}: a rate_schedule needs Poisson arrivals")
+            starts = [t for t, _ in self.rate_schedule]
+            if starts[0] < 0 or starts != sorted(starts):
+                raise ValueError(f"class {self.name}: rate_schedule starts must be >= 0, in order")
+            if any(r < 0 for _, r in self.rate_schedule):
+                raise ValueError(f"class {self.name}: rate_schedule rates must be >= 0")
+
+    def rate_pieces(self, duration_s: float) -> list[tuple[float, float, float]]:
+        """``(start_s, end_s, rate)`` covering ``[0, duration_s)``."""
+        points = [(0.0, self.rate), *self.rate_schedule]
+        out = []
+        for i, (start, rate) in enumerate(points):
+            end = points[i + 1][0] if i + 1 < len(points) else duration_s
+            end = min(end, duration_s)
+            if end > start:
+                out.append((start, end, rate))
+        return out
 
 
 def class_from_dict(d: Mapping[str, Any]) -> ClassSpec:
@@ -185,7 +211,18 @@ def class_from_dict(d: Mapping[str, Any]) -> ClassSpec:
     for key in ("prompt", "output"):
         if isinstance(kwargs.get(key), str):
             kwargs[key] = parse_dist(kwargs[key])
+    if "rate_schedule" in kwargs:  # JSON lists of [start_s, rate]
+        kwargs["rate_schedule"] = tuple((float(t), float(r)) for t, r in kwargs["rate_schedule"])
     return ClassSpec(**kwargs)
+
+
+Mix = Literal["default", "long"]
+MIXES: Final[tuple[Mix, ...]] = ("default", "long")
+# The long-prompt mix: RAG- or agent-like requests, prompts around 2.5k tokens, answers around
+# 300 and up to 4k. The bounds keep prompt + output (4096 + 4000) under the simulator's
+# max_model_len (8192), so no request is refused for its length alone.
+LONG_PROMPT: Final = LogNormal(median=2500, sigma=0.5, lo=64, hi=4096)
+LONG_OUTPUT: Final = LogNormal(median=300, sigma=1.0, lo=1, hi=4000)
 
 
 def default_classes(
@@ -193,15 +230,28 @@ def default_classes(
     *,
     interactive_share: float = 0.8,
     arrivals: Literal["poisson", "trace"] = "poisson",
+    mix: Mix = "default",
 ) -> tuple[ClassSpec, ...]:
     """The standard two-class mix: chat-like interactive traffic and prefill-heavy batch traffic.
 
     * ``interactive``: streamed chat, 30 s timeout, lengths (and arrivals) from ``azure_conv.csv``.
     * ``batch``: non-streamed, 300 s timeout, lengths (and arrivals) from ``azure_code.csv``
       (long prompts, short outputs; very bursty arrivals).
+
+    ``mix="long"`` keeps the classes (streaming, timeouts) but draws both classes' lengths from
+    :data:`LONG_PROMPT` / :data:`LONG_OUTPUT` instead of the traces (Poisson arrivals only).
     """
     if not 0.0 <= interactive_share <= 1.0:
         raise ValueError("interactive_share must be in [0, 1]")
+    if mix not in MIXES:
+        raise ValueError(f"unknown mix {mix!r}")
+    if mix == "long":
+        if arrivals != "poisson":
+            raise ValueError("the long mix has no trace to replay: use Poisson arrivals")
+        return tuple(
+            replace(c, trace=None, prompt=LONG_PROMPT, output=LONG_OUTPUT)
+            for c in default_classes(rate, interactive_share=interactive_share)
+        )
     classes = []
     if interactive_share > 0:
         classes.append(
@@ -243,11 +293,23 @@ def poisson_arrivals(
     rate: float, *, duration_s: float, rng: random.Random, max_n: int
 ) -> list[float]:
     """Arrival times of a Poisson process in ``[0, duration_s)``, at most ``max_n``."""
+    return piecewise_poisson_arrivals([(0.0, duration_s, rate)], rng=rng, max_n=max_n)
+
+
+def piecewise_poisson_arrivals(
+    pieces: Sequence[tuple[float, float, float]], *, rng: random.Random, max_n: int
+) -> list[float]:
+    """Arrival times of a Poisson process whose rate is ``rate`` on each ``(start_s, end_s,
+    rate)`` piece (pieces in time order, not overlapping), at most ``max_n``. Each piece starts
+    afresh at its start: the exponential is memoryless, so this is the exact process."""
     times: list[float] = []
-    t = rng.expovariate(rate)
-    while t < duration_s and len(times) < max_n:
-        times.append(t)
-        t += rng.expovariate(rate)
+    for start, end, rate in pieces:
+        if rate <= 0:
+            continue
+        t = start + rng.expovariate(rate)
+        while t < end and len(times) < max_n:
+            times.append(t)
+            t += rng.expovariate(rate)
     return times
 
 
@@ -301,8 +363,8 @@ def build_schedule(
             ):
                 raw.append((t, pos, trace.prompt_tokens[row], trace.output_tokens[row]))
             continue
-        for t in poisson_arrivals(
-            spec.rate, duration_s=duration_s, rng=arrival_rng, max_n=max_requests
+        for t in piecewise_poisson_arrivals(
+            spec.rate_pieces(duration_s), rng=arrival_rng, max_n=max_requests
         ):
             if trace is not None:
                 row = rng.randrange(len(trace))

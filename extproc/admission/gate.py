@@ -166,9 +166,11 @@ class Gate:
         if pool is not None:
             limit = pool.max_concurrency
             current = self._core.pool_statistics(now).get(POOL)
-            if pool.adaptive is not None and current is not None:
-                # A reload keeps what the controller found, within the new bounds.
-                limit = min(pool.adaptive.max_limit, max(pool.adaptive.min_limit, current.limit))
+            if pool.adaptive is not None:
+                # Start at the initial limit (max_concurrency is the stale-metrics fallback);
+                # a reload keeps what the controller found, within the new bounds.
+                found = pool.adaptive.initial if current is None else current.limit
+                limit = min(pool.adaptive.max_limit, max(pool.adaptive.min_limit, found))
             self._hand_over(
                 self._core.set_pool(
                     POOL,

@@ -20,6 +20,8 @@ from bench.load.runner import LoadConfig, prompt_text, request_payload, run_load
 from bench.load.summary import LoadResult, Outcome, RequestRecord, summarize
 from bench.load.workload import (
     DEFAULT_TRACES_DIR,
+    LONG_OUTPUT,
+    LONG_PROMPT,
     ClassSpec,
     Fixed,
     LogNormal,
@@ -30,6 +32,7 @@ from bench.load.workload import (
     default_classes,
     load_trace,
     parse_dist,
+    piecewise_poisson_arrivals,
     poisson_arrivals,
     trace_arrivals,
 )
@@ -61,6 +64,65 @@ def test_poisson_arrivals_deterministic_and_bounded() -> None:
     gaps = [y - x for x, y in itertools.pairwise(a)]
     assert sum(gaps) / len(gaps) == pytest.approx(0.1, rel=0.1)
     assert len(poisson_arrivals(10.0, duration_s=100.0, rng=random.Random(1), max_n=7)) == 7
+
+
+def test_piecewise_poisson_arrivals() -> None:
+    # One piece from 0 is the constant-rate process itself, draw for draw.
+    assert piecewise_poisson_arrivals(
+        [(0.0, 50.0, 4.0)], rng=random.Random(3), max_n=10_000
+    ) == poisson_arrivals(4.0, duration_s=50.0, rng=random.Random(3), max_n=10_000)
+    pieces = [(0.0, 100.0, 2.0), (100.0, 200.0, 0.0), (200.0, 300.0, 20.0)]
+    a = piecewise_poisson_arrivals(pieces, rng=random.Random(1), max_n=100_000)
+    assert a == piecewise_poisson_arrivals(pieces, rng=random.Random(1), max_n=100_000)
+    assert a == sorted(a) and not any(100.0 <= x < 200.0 for x in a)  # the quiet piece is quiet
+    assert sum(1 for x in a if x < 100) == pytest.approx(200, rel=0.25)
+    assert sum(1 for x in a if x >= 200) == pytest.approx(2000, rel=0.1)
+    assert len(piecewise_poisson_arrivals(pieces, rng=random.Random(1), max_n=7)) == 7
+
+
+def test_rate_schedule_in_class_and_schedule() -> None:
+    spec = ClassSpec(name="i", rate=5.0, rate_schedule=((0.0, 0.0), (10.0, 30.0), (20.0, 5.0)))
+    assert spec.rate_pieces(30.0) == [(0.0, 10.0, 0.0), (10.0, 20.0, 30.0), (20.0, 30.0, 5.0)]
+    assert ClassSpec(name="i", rate=2.0).rate_pieces(9.0) == [(0.0, 9.0, 2.0)]
+    sched = build_schedule([spec], duration_s=30.0, max_requests=10_000, seed=1)
+    times = [p.t_s for p in sched]
+    assert min(times) >= 10.0 and sum(1 for t in times if t < 20) == pytest.approx(300, rel=0.2)
+    # Starting at the old rate with a later change keeps the arrivals before it identical.
+    steady = build_schedule([ClassSpec(name="b", rate=3.0)], duration_s=30.0, max_requests=9999)
+    changed = build_schedule(
+        [ClassSpec(name="b", rate=3.0, rate_schedule=((15.0, 9.0),))],
+        duration_s=30.0,
+        max_requests=9999,
+    )
+    assert [p for p in steady if p.t_s < 15] == [p for p in changed if p.t_s < 15]
+    for bad in (((5.0, 1.0), (2.0, 1.0)), ((-1.0, 1.0),), ((0.0, -1.0),)):
+        with pytest.raises(ValueError):
+            ClassSpec(name="x", rate=1.0, rate_schedule=bad)
+    with pytest.raises(ValueError):
+        ClassSpec(name="x", rate=1.0, arrivals="trace", trace="t", rate_schedule=((0.0, 1.0),))
+    assert class_from_dict(
+        {"name": "x", "rate": 1, "rate_schedule": [[0, 0], [5, 2.5]]}
+    ).rate_schedule == ((0.0, 0.0), (5.0, 2.5))
+
+
+def test_long_mix() -> None:
+    classes = default_classes(10.0, mix="long")
+    assert [(c.name, c.stream, c.trace) for c in classes] == [
+        ("interactive", True, None),
+        ("batch", False, None),
+    ]
+    assert all(c.prompt == LONG_PROMPT and c.output == LONG_OUTPUT for c in classes)
+    sched = build_schedule(classes, duration_s=400.0, max_requests=100_000, seed=0)
+    prompts = sorted(p.prompt_tokens for p in sched)
+    outputs = sorted(p.output_tokens for p in sched)
+    assert prompts[len(prompts) // 2] == pytest.approx(2500, rel=0.1)
+    assert outputs[len(outputs) // 2] == pytest.approx(300, rel=0.15)
+    assert max(p.prompt_tokens + p.output_tokens for p in sched) <= 8192  # max_model_len
+    assert max(outputs) <= 4000 and max(outputs) > 2000
+    with pytest.raises(ValueError):
+        default_classes(10.0, mix="long", arrivals="trace")
+    cfg, _ = parse_args(["--mix", "long", "--rate", "2"])
+    assert cfg.classes[0].prompt == LONG_PROMPT
 
 
 def _write_trace(path: Path, rows: list[tuple[float, int, int]]) -> Path:

@@ -1,0 +1,163 @@
+"""What each scenario offers, pure: per class a piecewise-constant arrival rate, the backend's
+speed changes, and the instants its figures are measured from.
+
+Times are simulated seconds from the start of the arrivals, as fractions of the run's length
+``D`` (``--duration``, 200 s by default), so a short test run keeps the scenario's shape. Rates
+are multiples of the capacity the model computes (:mod:`.capacity`): ``1x`` is the mixed
+workload's saturation throughput, split by the interactive share.
+
+``steady``
+    One run per ``--loads`` entry: both classes at a constant rate (as before scenarios).
+``shift``
+    ``[0, 0.45 D)``: interactive quiet, batch floods at ``--flood-load`` (2x) *batch's own*
+    capacity; ``[0.45 D, 0.65 D)``: batch stops, an interactive burst at 2x interactive's own
+    capacity arrives while batch's backlog is still queued; ``[0.65 D, D)``: both at the base
+    load. Measured: the share of the capacity interactive leaves idle that batch uses (the
+    tokens of its answers per second over ``[0.15 D, 0.45 D)`` against batch's saturation
+    tokens per second; the first 0.15 D fill the queues) and the time from the burst until
+    interactive p99 TTFT is back under 2 s.
+``halve``
+    Both classes at ``--base-load`` (1x) throughout; at ``0.4 D`` the backend's speed drops to
+    ``--slow-factor`` (0.5) of its own and stays there (``POST /sim/speed`` on every replica
+    at that instant of the load's clock, so every strategy meets the change at the same point
+    of the identical schedule). Measured from the change: when the pool limit settles, when
+    interactive p99 TTFT is back under 2 s.
+``spike``
+    ``--base-load``, then ``--spike-load`` (4x) for ``--spike-s`` (30 s, at most 0.15 D) from
+    ``0.4 D``, then the base load again. Measured: the time from the spike's end until
+    interactive p99 TTFT is back under 2 s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from bench.load.workload import ClassSpec
+
+from .capacity import Capacity
+from .options import Options, ScenarioName
+
+__all__ = ["ScenarioRun", "plan"]
+
+Pieces = tuple[tuple[float, float], ...]  # (start_s, rate) in time order, the first at 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScenarioRun:
+    """One run's offered load: the same for every strategy."""
+
+    scenario: ScenarioName
+    load: float  # steady: the offered load; otherwise the base load (x capacity)
+    duration_s: float
+    warmup_s: float
+    rates: Mapping[str, Pieces]
+    speed_changes: tuple[tuple[float, float], ...] = ()  # (at_s, speed factor of the backend)
+    marks: Mapping[str, float] = field(default_factory=dict)  # named instants, simulated s
+
+    @property
+    def label(self) -> str:
+        return f"{self.load:g}x" if self.scenario == "steady" else self.scenario
+
+    @property
+    def key(self) -> str:
+        """A name for files and records: ``steady-2x``, ``shift``, ..."""
+        return f"steady-{self.load:g}x" if self.scenario == "steady" else self.scenario
+
+    def mean_rate(self, cls: str) -> float:
+        """The class's arrivals per second, averaged over the run."""
+        pieces = self.rates.get(cls, ())
+        total = 0.0
+        for i, (start, rate) in enumerate(pieces):
+            end = pieces[i + 1][0] if i + 1 < len(pieces) else self.duration_s
+            total += rate * max(0.0, min(end, self.duration_s) - start)
+        return total / self.duration_s
+
+    @property
+    def offered_rps(self) -> float:
+        return sum(self.mean_rate(c) for c in self.rates)
+
+    def classes(self, opts: Options) -> tuple[ClassSpec, ...]:
+        """The load generator's classes (our timeouts and lengths) with this run's rates; a
+        class that never arrives is left out."""
+        out = []
+        for spec in opts.classes(1.0):
+            mean = self.mean_rate(spec.name)
+            if mean > 0:
+                out.append(replace(spec, rate=mean, rate_schedule=tuple(self.rates[spec.name])))
+        return tuple(out)
+
+
+def plan(name: ScenarioName, cap: Capacity, opts: Options) -> list[ScenarioRun]:
+    """The runs of a scenario (one per load for ``steady``, one otherwise)."""
+    d, share = opts.duration_s, opts.interactive_share
+
+    def mixed(load: float) -> dict[str, float]:
+        rate = load * cap.capacity_rps
+        return {"interactive": rate * share, "batch": rate * (1 - share)}
+
+    if name == "steady":
+        return [
+            ScenarioRun(
+                scenario="steady",
+                load=load,
+                rates={c: ((0.0, r),) for c, r in mixed(load).items()},
+                duration_s=d,
+                warmup_s=opts.warmup_s,
+            )
+            for load in opts.loads
+        ]
+    base = mixed(opts.base_load)
+    if name == "shift":
+        burst, both = 0.45 * d, 0.65 * d
+        flood = {c: opts.flood_load * cap.class_capacity_rps[c] for c in ("interactive", "batch")}
+        return [
+            ScenarioRun(
+                scenario="shift",
+                load=opts.base_load,
+                rates={
+                    "interactive": (
+                        (0.0, 0.0),
+                        (burst, flood["interactive"]),
+                        (both, base["interactive"]),
+                    ),
+                    "batch": ((0.0, flood["batch"]), (burst, 0.0), (both, base["batch"])),
+                },
+                marks={
+                    "idle_from_s": 0.15 * d,
+                    "idle_to_s": burst,
+                    "recover_from_s": burst,
+                    "both_s": both,
+                },
+                duration_s=d,
+                warmup_s=opts.warmup_s,
+            )
+        ]
+    if name == "halve":
+        change = 0.4 * d
+        return [
+            ScenarioRun(
+                scenario="halve",
+                load=opts.base_load,
+                rates={c: ((0.0, r),) for c, r in base.items()},
+                speed_changes=((change, opts.slow_factor),),
+                marks={"change_s": change, "recover_from_s": change},
+                duration_s=d,
+                warmup_s=opts.warmup_s,
+            )
+        ]
+    if name == "spike":
+        start = 0.4 * d
+        end = start + min(opts.spike_s, 0.15 * d)
+        spike = mixed(opts.spike_load)
+        return [
+            ScenarioRun(
+                scenario="spike",
+                load=opts.base_load,
+                rates={c: ((0.0, r), (start, spike[c]), (end, r)) for c, r in base.items()},
+                marks={"spike_s": start, "spike_end_s": end, "recover_from_s": end},
+                duration_s=d,
+                warmup_s=opts.warmup_s,
+            )
+        ]
+    raise ValueError(f"unknown scenario {name!r}")
