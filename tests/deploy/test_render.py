@@ -166,8 +166,8 @@ def test_deadline_check_passes_the_shipped_config_and_what_render_gives() -> Non
 
 
 def test_deadline_check_names_every_deadline_envoy_cannot_honour() -> None:
-    """The shipped envoy.yaml (max_message_timeout 121s, stream_idle_timeout 300s, LLM
-    routes 600s) cannot honour a 160 s wait, nor a 400 s or 700 s one."""
+    """The shipped envoy.yaml (max_message_timeout 121s, stream_idle_timeout 300s) cannot
+    honour a 160 s wait, nor a 700 s one; what render-envoy gives for each can."""
     from extproc.config.envoy import deadline_problems
 
     problems = deadline_problems(LONG_WAIT, shipped_envoy())
@@ -178,8 +178,20 @@ def test_deadline_check_names_every_deadline_envoy_cannot_honour() -> None:
     text = "\n".join(deadline_problems(longer, shipped_envoy()))
     assert "max_message_timeout" in text
     assert "stream_idle_timeout (300s)" in text
-    assert "route timeout of 600s" in text  # the LLM routes; the 60 s catch-all skips ext_proc
+    assert "route" not in text  # a route's timer starts after the wait (test_pool.py)
+    assert deadline_problems(longer, render(longer)) == []
     assert deadline_problems(LONG_WAIT, {}) == ["no ext_proc filter found in the Envoy config"]
+
+
+def test_deadline_check_assumes_envoys_default_idle_timeout_when_unset() -> None:
+    from extproc.config.envoy import deadline_problems
+
+    cfg = shipped_envoy()
+    del hcm_config(cfg)["stream_idle_timeout"]
+    longer = policy_from_yaml(
+        "buckets: [{name: batch, max_concurrency: 4, queue_timeout: 400s, max_queue: 10}]"
+    )
+    assert any("stream_idle_timeout (300s)" in p for p in deadline_problems(longer, cfg))
 
 
 def test_check_command_exits_1_when_envoy_cannot_honour_a_deadline(tmp_path: Path) -> None:

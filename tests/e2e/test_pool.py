@@ -271,3 +271,41 @@ def test_a_wait_that_cannot_fit_the_deadline_is_refused_at_once(stack: Stack) ->
 
     run(main())
     assert outcomes(stack)[("batch", "rejected_wait_too_long")] >= 1
+
+
+def short_llm_routes(cfg: dict[str, Any]) -> None:
+    """The LLM routes time out after 2 s (envoy.yaml: 600 s)."""
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    for vh in hcm["typed_config"]["route_config"]["virtual_hosts"]:
+        for route in vh["routes"]:
+            if route["route"].get("timeout") == "600s":
+                route["route"]["timeout"] = "2s"
+
+
+def test_the_route_timeout_does_not_count_the_queue_wait(module_tmp: Path) -> None:
+    """Envoy 1.40 starts a route's timeout when the router gets the request, after the sidecar
+    let it go: a request that waits 1.4 s in the queue and then streams for 1.5 s (2.9 s in
+    all) completes on a route with a 2 s timeout, while a 6 s stream alone is cut. So a
+    route timeout below a queue timeout is no problem (extproc.config.envoy.deadline_problems
+    does not report one)."""
+    policy = "pool: {max_concurrency: 1}\nbuckets: [{name: all, queue_timeout: 5s, max_queue: 5}]"
+    with running_stack(module_tmp / "route", policy, envoy_patch=short_llm_routes) as stack:
+
+        async def main() -> None:
+            async with aiohttp.ClientSession() as s:
+                url = f"{stack.url}/v1/chat/completions"
+                holder = asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(7, 200)))
+                await asyncio.sleep(0.1)
+                waited = await post(s, url, chat(stream=True), slow_stream(5, 300))
+                assert (await holder).status == 200
+                assert waited.status == 200 and waited.elapsed > 2.3, waited.elapsed
+                assert waited.body.endswith(b"data: [DONE]\n\n")  # the whole stream
+                t0 = time.monotonic()
+                with pytest.raises(aiohttp.ClientPayloadError):  # Envoy cut the stream
+                    await post(s, url, chat(stream=True), slow_stream(20, 300))
+                # Cut about a second after the timeout: a response already streaming is reset
+                # later than a request still waiting for its answer gets its 504 (measured
+                # 3.0 s for a 2 s timeout, 2.0 s for 1 s; Envoy 1.40).
+                assert 1.9 < time.monotonic() - t0 < 3.6, time.monotonic() - t0
+
+        run(main())
