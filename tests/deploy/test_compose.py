@@ -1,6 +1,7 @@
 """docker-compose.yml and deploy/compose/, checked without Docker: the services' wiring read
-from the file, the compose Envoy config compared with envoy/envoy.yaml and validated by the real
-Envoy 1.40, then run for real on this machine with the sidecar and the compose policy.
+from the file, the compose Envoy config compared with envoy/envoy.yaml (and with what
+`render-envoy` derives from the compose policy) and validated by the real Envoy 1.40, then run
+for real on this machine with the sidecar and the compose policy.
 `docker-compose config` checks the file against the Compose schema when a compose CLI is
 installed; CI (.ci/run) installs one and sets LLM_EXTPROC_REQUIRE_TOOLS=1, which turns its
 absence into a failure instead of a skip.
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from types import ModuleType
@@ -25,9 +27,11 @@ from typing import Any
 import pytest
 import yaml
 
+from extproc.config.envoy import render
 from extproc.config.policy import load_policy
 from testing.dockerfile import dockerfile_stages, flag
 from testing.envoy import (
+    EXT_PROC_FILTER,
     ROUTER_FILTER,
     assert_policy_fits,
     assert_valid,
@@ -87,17 +91,24 @@ def test_compose_envoy_yaml_is_rendered_from_envoy_yaml() -> None:
     )
 
 
-def test_compose_envoy_yaml_differs_from_envoy_yaml_only_in_addresses() -> None:
+def test_compose_envoy_yaml_differs_only_in_addresses_and_sidecar_limits() -> None:
+    """Addresses, and the llm_extproc circuit breakers, which follow the compose policy (its
+    adaptive pool may hold up to adaptive.max requests, more than the default policy)."""
     source, ours = shipped_envoy(), compose_envoy()
     assert ours["admin"]["address"]["socket_address"]["address"] == "0.0.0.0"
     (lst,) = ours["static_resources"]["listeners"]
     assert lst["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 10000}
+    policy = load_policy(DEPLOY / "compose" / "policy.yaml")
+    breakers = render(policy)["clusters"][0]["circuit_breakers"]
+    assert cluster_named(ours, "llm_extproc")["circuit_breakers"] == breakers
     for name in ("backend", "llm_extproc"):
         assert cluster_named(ours, name)["type"] == "STRICT_DNS"
         assert cluster_named(ours, name)["dns_lookup_family"] == "V4_ONLY"
-        assert without_address(cluster_named(ours, name)) == without_address(
-            cluster_named(source, name)
-        )
+        mine, theirs = (without_address(cluster_named(c, name)) for c in (ours, source))
+        if name == "llm_extproc":
+            mine.pop("circuit_breakers")
+            theirs.pop("circuit_breakers")
+        assert mine == theirs
     for cfg in (source, ours):
         for key in ("admin",):
             cfg.pop(key)
@@ -340,3 +351,27 @@ def test_compose_policy_loads_and_fits_the_compose_envoy_config() -> None:
     assert_policy_fits(
         load_policy(DEPLOY / "compose" / "policy.yaml"), filters, cluster_named(cfg, "llm_extproc")
     )
+
+
+def test_compose_policy_reads_the_backends_metrics_through_envoy() -> None:
+    """The sidecar shares a network with Envoy only, so the adaptive pool reads vLLM's
+    /metrics through Envoy's listener, on the catch-all route that skips the sidecar and
+    goes to `backend:8000` (vllm or sim)."""
+    policy = load_policy(DEPLOY / "compose" / "policy.yaml")
+    assert policy.pool is not None and policy.pool.adaptive is not None
+    (url,) = policy.backend.metrics
+    parts = urllib.parse.urlsplit(url)
+    assert parts.hostname == "envoy" and parts.path == "/metrics"
+    assert "envoy" in compose()["services"]
+    cfg = compose_envoy()
+    (lst,) = cfg["static_resources"]["listeners"]
+    assert parts.port == lst["address"]["socket_address"]["port_value"]
+    (vhost,) = hcm_config(cfg)["route_config"]["virtual_hosts"]
+    route = next(
+        r
+        for r in vhost["routes"]
+        if r["match"].get("path") == "/metrics" or r["match"].get("prefix") == "/"
+    )
+    assert route["match"] == {"prefix": "/"}
+    assert route["typed_per_filter_config"][EXT_PROC_FILTER]["disabled"] is True
+    assert endpoint_address(cluster_named(cfg, route["route"]["cluster"])) == ("backend", 8000)

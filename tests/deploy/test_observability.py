@@ -1,5 +1,6 @@
 """deploy/prometheus/ and deploy/grafana/: the alerting and recording rules and the dashboard
-are checked against the metric names and label values a live sidecar exports; `promtool check
+are checked against the metric names and label values a live sidecar exports (with an adaptive
+shared pool, so that the pool's gauges are there too); `promtool check
 rules` / `promtool test rules` run too, and promtool parses every dashboard query, when promtool
 is installed (`apt-get install prometheus`). CI (.ci/run) installs it and sets
 LLM_EXTPROC_REQUIRE_TOOLS=1, which turns its absence into a failure instead of a skip.
@@ -22,29 +23,109 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.app import Sidecar, default_policy
+from extproc.admission.gate import Slot
+from extproc.app import Sidecar
+from extproc.backend.overload import OverloadMonitor, OverloadState
+from extproc.config.policy import AdaptivePolicy, policy_from_yaml
+from extproc.ops.metrics import POOL_GAUGES
 from extproc.outcome import Outcome
 from testing.stack import REPO
 
 DEPLOY = REPO / "deploy"
 
 
+# A vLLM /metrics page whose histograms grow by 10 observations per scrape (COUNT), so the windowed
+# quantiles exist from the second scrape on.
+VLLM_PAGE = """\
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 1
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="m"} 0.25
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} COUNT
+vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} COUNT
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{le="0.01",model_name="m"} COUNT
+vllm:inter_token_latency_seconds_bucket{le="+Inf",model_name="m"} COUNT
+"""
+
+# An adaptive pool, so that every pool gauge can appear: two bands (one to protect), a token
+# bound, vLLM's metrics from the page above.
+POOL_POLICY = """
+pool:
+  max_concurrency: 8
+  max_tokens_in_flight: 100000
+  adaptive: {min: 1, max: 16, initial: 4, interval: 50ms, window: 5s}
+backend: {metrics: ["http://127.0.0.1:PORT/metrics"]}
+buckets:
+  - {name: interactive, match: {headers: {x-llm-class: interactive}}, priority: 0,
+     queue_timeout: 5s, max_queue: 10}
+  - {name: batch, priority: 10, queue_timeout: 5s, max_queue: 10}
+"""
+
+# The pool's series carry no bucket label: the POOL_GAUGES and the pool's three counters.
+POOL_SERIES = {f"llm_extproc_{name}" for name in POOL_GAUGES} | {
+    "llm_extproc_overload_transitions_total",
+    "llm_extproc_backend_scrape_errors_total",
+    "llm_extproc_adaptive_limit_changes_total",
+}
+
+
+async def fake_vllm() -> asyncio.Server:
+    scrapes = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal scrapes
+        await reader.readuntil(b"\r\n\r\n")
+        scrapes += 1
+        body = VLLM_PAGE.replace("COUNT", str(10 * scrapes)).encode()
+        head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        writer.write(head.encode() + body)
+        await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
 @pytest.fixture(scope="module")
 def exported() -> set[str]:
     """Sample names a real sidecar exports: from a live /metrics scrape, with each family's
     type (histograms as _bucket/_sum/_count, counters as _total), since labelled series appear
-    only once something was counted."""
+    only once something was counted. The sidecar runs an adaptive pool against a stand-in for
+    vLLM's /metrics, and passes a little protected traffic through its gate, so that the pool
+    gauges a policy without a pool (or before anything was measured) leaves out are there."""
 
     async def scrape() -> str:
-        sidecar = Sidecar(default_policy(), listen="127.0.0.1:0", metrics_listen="127.0.0.1:0")
+        vllm = await fake_vllm()
+        port = vllm.sockets[0].getsockname()[1]
+        policy = policy_from_yaml(POOL_POLICY.replace("PORT", str(port)))
+        sidecar = Sidecar(policy, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0")
         await sidecar.start()
         try:
+            assert sidecar.gate is not None and sidecar.control is not None
+            loop = asyncio.get_running_loop()
+            sidecar.control.tick(loop.time())  # the overload window's first totals
+            for _ in range(25):  # enough decisions for an eviction rate
+                slot = sidecar.gate.enter("interactive", 5.0, 0, 100)
+                assert isinstance(slot, Slot)
+                slot.release()
+            sidecar.control.tick(loop.time())
             url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
-            return await asyncio.to_thread(
-                lambda: urllib.request.urlopen(url, timeout=5).read().decode()
-            )
+            wanted = {f"llm_extproc_{name}" for name in POOL_GAUGES}
+            deadline = loop.time() + 10
+            while True:  # the windowed quantiles need a second scrape of the page
+                text = await asyncio.to_thread(
+                    lambda: urllib.request.urlopen(url, timeout=5).read().decode()
+                )
+                if all(f"\n{name} " in text for name in wanted) or loop.time() > deadline:
+                    return text
+                await asyncio.sleep(0.05)
         finally:
             await sidecar.stop(0)
+            vllm.close()
+            await vllm.wait_closed()
 
     names = set()
     for family in text_string_to_metric_families(asyncio.run(scrape())):
@@ -54,7 +135,11 @@ def exported() -> set[str]:
             "gauge": [""],
         }[family.type]
         names |= {family.name + s for s in suffixes}
+        if family.name + suffixes[0] in POOL_SERIES:
+            assert all("bucket" not in sample.labels for sample in family.samples), family.name
     assert "llm_extproc_requests_total" in names and "llm_extproc_queue_depth" in names
+    # Every gauge of the pool's table, each only reported once it has a value, is there.
+    assert POOL_SERIES <= names, POOL_SERIES - names
     return names
 
 
@@ -94,6 +179,19 @@ LABEL_VALUES = {
     "outcome": {str(o) for o in Outcome},
     "action": {"defaulted", "clamped"},
     "result": {"ok", "error"},
+    "state": {str(s) for s in OverloadState},
+    # AdaptiveLimit.reason (extproc/backend/adaptive.py).
+    "reason": {
+        "initial",
+        "increase",
+        "ttft",
+        "itl",
+        "vllm_queue",
+        "kv",
+        "stale",
+        "fallback",
+        "resumed",
+    },
 }
 
 
@@ -110,7 +208,7 @@ def rules() -> list[dict[str, Any]]:
 
 def alert_threshold(name: str) -> float:
     (rule,) = [r for r in rules() if r.get("alert") == name]
-    return float(rule["expr"].rsplit(">", 1)[1])
+    return float(re.split(r">=?", rule["expr"])[-1])
 
 
 def test_rules_use_exported_metrics_and_real_label_values(exported: set[str]) -> None:
@@ -128,11 +226,16 @@ def test_rules_use_exported_metrics_and_real_label_values(exported: set[str]) ->
         "LLMExtprocDown",
         "LLMExtprocRoutePolicyErrors",
         "LLMExtprocPolicyReloadFailed",
+        "LLMExtprocOverloaded",
+        "LLMExtprocBackendNeedsCapacity",
+        "LLMExtprocBackendMetricsDown",
     } <= alerts
     assert (
         alert_threshold("LLMExtprocEvictionsHigh"),
         alert_threshold("LLMExtprocEvictionsCritical"),
     ) == (0.05, 0.20)
+    # The sidecar's own needs_capacity flag (extproc/backend/overload.py) is at 20% too.
+    assert alert_threshold("LLMExtprocBackendNeedsCapacity") == OverloadMonitor().capacity_rate
     # The header's list of outcomes is complete.
     header = (DEPLOY / "prometheus" / "rules.yaml").read_text().split("groups:")[0]
     assert all(str(o) in header for o in Outcome)
@@ -161,7 +264,13 @@ def test_dashboard_panels_query_exported_metrics(exported: set[str]) -> None:
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
         names = metric_names(expr)
         assert names and names <= exported, f"{panel['title']}: {names - exported}"
-        assert 'bucket=~"$bucket"' in expr, panel["title"]
+        # Per-bucket series follow the bucket selection; the pool's have no bucket label (a
+        # filter on it would select nothing), and a query does not mix the two.
+        if names <= POOL_SERIES:
+            assert "bucket" not in expr, panel["title"]
+        else:
+            assert not names & POOL_SERIES, panel["title"]
+            assert 'bucket=~"$bucket"' in expr, panel["title"]
         assert_label_values(expr)
     used = {n for _, expr in dashboard_exprs() for n in metric_names(expr)}
     assert {
@@ -171,14 +280,36 @@ def test_dashboard_panels_query_exported_metrics(exported: set[str]) -> None:
         "llm_extproc_queue_wait_seconds_bucket",
         "llm_extproc_requests_total",
         "llm_extproc_max_tokens_adjusted_total",
+        "llm_extproc_pool_limit",
+        "llm_extproc_pool_in_flight",
+        "llm_extproc_pool_queued",
+        "llm_extproc_pool_tokens_in_flight",
+        "llm_extproc_pool_tokens_limit",
+        "llm_extproc_overload_state",
+        "llm_extproc_overload_factor",
+        "llm_extproc_overload_eviction_rate",
+        "llm_extproc_backend_waiting",
+        "llm_extproc_backend_running",
+        "llm_extproc_backend_kv_usage",
+        "llm_extproc_backend_ttft_seconds",
+        "llm_extproc_backend_itl_seconds",
+        "llm_extproc_adaptive_state",
+        "llm_extproc_adaptive_limit_changes_total",
     } <= used
-    # The eviction panel draws the alerts' thresholds.
+    # The eviction panels draw the alerts' thresholds.
     (eviction,) = [p for p in d["panels"] if p["title"] == "Eviction rate"]
     steps = eviction["fieldConfig"]["defaults"]["thresholds"]["steps"]
     assert [s["value"] for s in steps[1:]] == [
         alert_threshold("LLMExtprocEvictionsHigh"),
         alert_threshold("LLMExtprocEvictionsCritical"),
     ]
+    (protected,) = [p for p in d["panels"] if "protected eviction rate" in p["title"]]
+    steps = protected["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert [s["value"] for s in steps[1:]] == [alert_threshold("LLMExtprocBackendNeedsCapacity")]
+    # The KV panel's line is the adaptive limit's default max_kv_usage.
+    (kv,) = [p for p in d["panels"] if p["title"] == "Backend: KV cache usage"]
+    steps = kv["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert [s["value"] for s in steps[1:]] == [AdaptivePolicy().max_kv_usage]
 
 
 def promtool() -> str | None:

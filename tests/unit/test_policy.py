@@ -55,18 +55,35 @@ def test_defaults_fill_in() -> None:
     assert b.match.is_catch_all
 
 
+def readme_policy_blocks() -> list[str]:
+    """The YAML blocks of README.md's "Policy reference" section, in order."""
+    import re
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text.split("\n## Policy reference\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```yaml\n(.*?)```", section, re.S)
+
+
 def test_embedded_default_matches_the_documented_example() -> None:
+    """README.md's first policy block is the embedded default with every key spelled out: it
+    resolves to exactly the embedded policy. The second holds what the default leaves off,
+    at the defaults where a setting has one (the objectives have none)."""
+    from extproc.config.policy import AdaptivePolicy, BackendPolicy
+
+    default_block, off_block = readme_policy_blocks()[:2]
     p = default_policy()
-    assert [b.name for b in p.buckets] == ["priority", "interactive", "batch"]
-    assert p.trusted_headers == ("x-llm-tier",)
-    priority = p.bucket("priority")
-    assert priority.trusted and priority.match.headers == (("x-llm-tier", "priority"),)
-    inter = p.bucket("interactive")
-    assert inter.match.headers == (("x-llm-class", "interactive"),)
-    assert (inter.match.max_prompt_tokens, inter.match.max_tokens) == (2000, 128)
-    assert (inter.max_concurrency, inter.queue_timeout_s, inter.max_queue) == (48, 5.0, 500)
-    batch = p.bucket("batch")
-    assert (batch.max_concurrency, batch.queue_timeout_s, batch.max_queue) == (16, 120.0, 5000)
+    assert policy_from_yaml(default_block, "README.md") == p
+    assert p.pool is not None and p.pool.max_concurrency == 64
+    assert [(b.name, b.priority, b.min_share, b.max_share) for b in p.buckets] == [
+        ("priority", 0, 0.0, 1.0),
+        ("interactive", 1, 0.5, 1.0),
+        ("batch", 10, 0.1, 0.75),
+    ]
+    off = policy_from_yaml(off_block, "README.md")
+    assert off.pool is not None and off.pool.max_tokens_in_flight is not None
+    assert off.pool.adaptive == AdaptivePolicy(ttft_slo_s=2.0, itl_slo_s=0.1)
+    assert off.backend.scrape_timeout_s == BackendPolicy().scrape_timeout_s
+    assert off.bucket("all").vllm_priority == 0
 
 
 def test_on_excess_reject_and_header_names_lowercased() -> None:
@@ -91,7 +108,7 @@ buckets:
         (
             "bucket: []",
             "bucket: unknown key (known keys: tokens, limits, retry_after, buckets, "
-            "mode, trusted_headers)",
+            "mode, trusted_headers, pool, backend, client_deadline)",
         ),
         (
             "buckets: [{name: a, max_concurrency: 1, queue_timeout: 5x, max_queue: 1}]",
