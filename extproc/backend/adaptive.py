@@ -12,12 +12,14 @@ Decrease, ``L := floor(L * 0.8)``, when any of these holds, the first one named 
 - ``ttft`` / ``itl``: the windowed quantile is above its objective, over at least
   ``min_observations`` (10) observations: fewer, and a p90 is the latency of one request;
 - ``vllm_queue``: vLLM's own waiting queue (summed over endpoints) is longer than the
-  allowance ``max(2, floor(0.05 * L))`` in two rounds in a row: vLLM could not take in
-  everything we admitted. A request joins vLLM's waiting queue on arrival and leaves it at the
-  next scheduler step that has room in its token budget (``max_num_batched_tokens``), so a
-  scrape often finds one or two there on a backend with room to spare: the first version of
-  this law cut on any queue below ``L = 50`` and held the limit at half of what the backend
-  could run (measured with bench.compare: 4.6 good req/s at 0.5x load where every other
+  allowance ``max(8, floor(0.1 * L))`` in three rounds in a row: vLLM could not take in
+  everything we admitted. A request joins vLLM's waiting queue on arrival and leaves it at a
+  scheduler step with room in its prefill budget (``max_num_batched_tokens``, 8192 tokens by
+  default: four 2k-token prompts), so with the limit refilled at every release a few requests
+  are always waiting their prefill turn on a backend that keeps up. Whether that wait matters
+  is what the TTFT objective (which includes it) says; this rule only catches a queue that
+  stays long. The first version cut on any queue below ``L = 50`` and held the limit at half
+  of what the backend could run (bench.compare: 4.6 good req/s at 0.5x load, where every other
   strategy served all 6.3);
 - ``kv``: the fullest endpoint's KV cache is at or above ``max_kv_usage`` (0.9): past it vLLM
   preempts running requests and recomputes them, which costs more than it serves.
@@ -97,9 +99,9 @@ class AdaptiveLimit:
         decrease_factor: float = 0.8,
         headroom: float = 0.9,
         min_observations: int = 10,
-        queue_tolerance: float = 0.05,
-        queue_min: int = 2,
-        queue_rounds: int = 2,
+        queue_tolerance: float = 0.1,
+        queue_min: int = 8,
+        queue_rounds: int = 3,
         demand_margin: float = 0.1,
     ) -> None:
         """``None`` for an objective: no objective on that latency. ``fallback_limit`` defaults
