@@ -302,6 +302,8 @@ class Sidecar:
             self.gate.close()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.gate.drained(), grace or 0.0)
+        if self.control is not None:
+            await self.control.close()  # a shared pool's leases go back
         if self._metrics_server is not None:
             self._metrics_server.close()
         if self._server is not None:

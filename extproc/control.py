@@ -11,6 +11,12 @@
   each step held ``step_hold``. A policy whose buckets share one priority has nothing to
   protect and no cut.
 
+- A pool shared by several replicas (``pool.shared``): ``extproc.shared.LeaseManager`` sets the
+  gate's limit to the leases this replica holds. With an adaptive pool, only the replica that
+  holds the leadership (elected in Redis) runs the poller, on the whole pool's demand, and
+  publishes the limit through the manager; the others read it from Redis. A replica that gains
+  the leadership starts its poller from the limit in force; one that loses it stops its own.
+
 Each transition is one log line (``extproc.control``); the state, the limit and the signals are
 gauges (``gauges``, read by the metrics collector at scrape time) and part of /debug/queues.
 A policy reload rebuilds a controller only when its own settings changed, and the adaptive
@@ -28,8 +34,16 @@ from extproc.admission.gate import POOL, Gate
 from extproc.backend.adaptive import AdaptiveLimit, LimitState, Poller
 from extproc.backend.overload import Overload, OverloadMonitor, OverloadState
 from extproc.backend.scrape import Scraper, Signals
-from extproc.config.policy import AdaptivePolicy, BackendPolicy, OverloadPolicy, Policy
+from extproc.config.policy import (
+    AdaptivePolicy,
+    BackendPolicy,
+    OverloadPolicy,
+    Policy,
+    PoolPolicy,
+    SharedPolicy,
+)
 from extproc.ops.metrics import Metrics
+from extproc.shared import LeaseManager, Mode
 
 __all__ = ["OVERLOAD_TICK_S", "PoolControl"]
 
@@ -60,6 +74,9 @@ class PoolControl:
         self._signals: Signals | None = None
         self._task: asyncio.Task[None] | None = None
         self._started = False
+        self._shared: LeaseManager | None = None
+        self._shared_key: SharedPolicy | None = None
+        self._closing: set[asyncio.Task[None]] = set()
 
     # --- life --------------------------------------------------------------------------------
 
@@ -67,12 +84,13 @@ class PoolControl:
         """Follow a (re)loaded policy; the gate has been reconfigured already."""
         self._policy = policy
         pool = policy.pool
+        self._apply_shared(pool)
         adaptive = pool.adaptive if pool is not None else None
         key = (adaptive, policy.backend, pool.max_concurrency) if adaptive and pool else None
         if key != self._poller_key:
             self._stop_poller()
             self._poller_key = key
-            if adaptive is not None and pool is not None:
+            if adaptive is not None and pool is not None and self._leads():
                 self._poller = self._make_poller(adaptive, policy.backend, pool.max_concurrency)
                 if self._started:
                     self._poller.start()
@@ -95,11 +113,15 @@ class PoolControl:
 
     def start(self) -> None:
         self._started = True
+        if self._shared is not None:
+            self._shared.start()
         if self._poller is not None:
             self._poller.start()
         self._task = asyncio.get_running_loop().create_task(self._tick_loop(), name="overload")
 
     async def stop(self) -> None:
+        """Stop the controllers. A shared pool's leases stay held (and renewed) until
+        ``close``: the requests still running need them."""
         self._started = False
         self._stop_poller()
         if self._task is not None:
@@ -107,6 +129,76 @@ class PoolControl:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+    async def close(self) -> None:
+        """After the last request: give a shared pool's leases back and leave it."""
+        manager, self._shared = self._shared, None
+        if manager is not None:
+            await manager.close()
+        if self._closing:
+            await asyncio.wait(self._closing)
+
+    # --- the shared pool ---------------------------------------------------------------------
+
+    def _apply_shared(self, pool: PoolPolicy | None) -> None:
+        shared = pool.shared if pool is not None else None
+        if shared == self._shared_key and (self._shared is None or pool is None):
+            return
+        if shared != self._shared_key:
+            self._shared_key = shared
+            old, self._shared = self._shared, None
+            if old is not None:
+                self._gate.detach_leases()
+                task = asyncio.get_running_loop().create_task(old.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            if shared is None or pool is None:
+                return
+            metrics = self._metrics
+            for call in ("acquire", "return", "renew"):
+                metrics.shared_redis_errors.labels(call)
+            self._shared = LeaseManager(
+                self._gate,
+                shared,
+                limit=self._shared_limit(pool),
+                adaptive=pool.adaptive is not None,
+                on_degraded=metrics.shared_degraded.inc,
+                on_error=lambda call: metrics.shared_redis_errors.labels(call).inc(),
+                on_leader=self._on_leader,
+            )
+            self._gate.attach_leases(self._shared, self._shared.limit)
+            if self._started:
+                self._shared.start()
+            return
+        assert self._shared is not None and pool is not None
+        self._shared.adaptive = pool.adaptive is not None
+        self._shared.set_static_limit(self._shared_limit(pool))
+
+    @staticmethod
+    def _shared_limit(pool: PoolPolicy) -> int:
+        """Each replica's own limit for the pool: the static one, or where an adaptive pool
+        starts until a leader publishes one."""
+        return pool.adaptive.initial if pool.adaptive is not None else pool.max_concurrency
+
+    def _leads(self) -> bool:
+        """Whether this replica runs the adaptive poller: always, unless the pool is shared
+        and another replica leads."""
+        return self._shared is None or self._shared.is_leader
+
+    def _on_leader(self, leads: bool) -> None:
+        policy = self._policy
+        pool = policy.pool if policy is not None else None
+        if policy is None or pool is None or pool.adaptive is None:
+            return
+        log.warning(
+            "shared pool: this replica %s the adaptive limit",
+            "now leads" if leads else "no longer leads",
+        )
+        self._stop_poller()
+        if leads:
+            self._poller = self._make_poller(pool.adaptive, policy.backend, pool.max_concurrency)
+            if self._started:
+                self._poller.start()
 
     def _stop_poller(self) -> None:
         poller, self._poller = self._poller, None
@@ -118,6 +210,8 @@ class PoolControl:
     def _make_poller(self, a: AdaptivePolicy, backend: BackendPolicy, fallback: int) -> Poller:
         current = self._gate.pool_statistics().get(POOL)
         initial = a.initial if current is None else current.limit
+        if self._shared is not None:
+            initial = self._shared.limit
         limit = AdaptiveLimit(
             min_limit=a.min_limit,
             max_limit=a.max_limit,
@@ -137,13 +231,19 @@ class PoolControl:
             ttft_quantile=a.ttft_quantile,
             itl_quantile=a.itl_quantile,
         )
-        self._gate.set_pool_limit(limit.limit)
+        if self._shared is not None:
+            self._shared.publish_limit(limit.limit)
+        else:
+            self._gate.set_pool_limit(limit.limit)
         return Poller(scraper, limit, a.interval_s, self._on_limit, self._demand)
 
     def _demand(self) -> tuple[int, int]:
         """(in flight, waiting) for the adaptive limit. Waiters count as demand only while the
         pool is full: those held back by a bucket's cap or the overload cut would not use a
-        higher limit, so they must not raise it."""
+        higher limit, so they must not raise it. A shared pool: every replica's."""
+        if self._shared is not None:
+            held, waiting = self._shared.pool_demand()
+            return (held, waiting if held >= self._shared.limit else 0)
         s = self._gate.pool_statistics().get(POOL)
         if s is None:
             return (0, 0)
@@ -153,6 +253,12 @@ class PoolControl:
         self._signals = signals
         if signals is not None and signals.endpoints_failed:
             self._metrics.backend_scrape_errors.inc(signals.endpoints_failed)
+        if self._shared is not None:
+            if self._shared.limit != limit:
+                assert self._poller is not None
+                self._metrics.adaptive_changes.labels(self._poller.adaptive.reason).inc()
+            self._shared.publish_limit(limit)
+            return
         current = self._gate.pool_statistics().get(POOL)
         if current is not None and current.limit != limit:
             assert self._poller is not None
@@ -235,6 +341,14 @@ class PoolControl:
             out["overload_p95_wait_seconds"] = o.p95_wait_s
         if self._poller is not None:
             out["adaptive_state"] = _LIMIT_CODE[self._poller.adaptive.state]
+        m = self._shared
+        if m is not None:
+            out["shared_state"] = 0 if m.mode is Mode.SHARED else 1
+            out["shared_leases_held"] = m.held
+            out["shared_pool_limit"] = m.limit
+            out["shared_pool_held"] = m.count
+            out["shared_replicas"] = len(m.replicas)
+            out["shared_leader"] = 1 if m.is_leader else 0
         sig = self._signals
         if sig is not None:
             out["backend_up"] = sig.endpoints_ok
@@ -270,6 +384,8 @@ class PoolControl:
                 "needs_capacity": o.needs_capacity if o is not None else False,
             },
         }
+        if self._shared is not None:
+            out["shared"] = self._shared.debug()
         if self._poller is not None:
             a = self._poller.adaptive
             sig = self._signals

@@ -139,6 +139,8 @@ class Stack:
     :func:`render_envoy_config` (plain Envoy, breakers on the backend cluster).
     A port taken between picking it and Envoy binding it (another process's connection got it)
     is picked again: Envoy is started up to three times.
+    ``running_backends``: ports of backends already running (another stack's, several gateways
+    in front of one backend): the stack starts none and routes to those.
     """
 
     def __init__(
@@ -160,9 +162,11 @@ class Stack:
         transport: str | None = None,
         envoy_source: Path | None = None,
         envoy_patch: Callable[[dict[str, Any]], None] | None = None,
+        running_backends: Sequence[int] | None = None,
     ) -> None:
         if backends < 1:
             raise ValueError("backends must be >= 1")
+        self.external_backends = running_backends is not None
         self.backend_argv = list(backend_argv)
         # Envoy's config: ``envoy_source`` (default envoy/envoy.yaml) with the stack's ports,
         # then ``envoy_patch`` applied to the parsed dict (a test's shorter timeouts, smaller
@@ -179,7 +183,11 @@ class Stack:
         self.start_sidecar = start_sidecar
         self.access_log = access_log
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="llm-extproc-"))
-        self.backend_ports = [free_port() for _ in range(backends)]
+        self.backend_ports = (
+            list(running_backends)
+            if running_backends is not None
+            else [free_port() for _ in range(backends)]
+        )
         self.backend_port = self.backend_ports[0]
         self.extproc_port = free_port()
         self.metrics_port = free_port()
@@ -234,10 +242,12 @@ class Stack:
         try:
             # All replicas start at once, then each is waited for.
             for name, port in zip(self.backend_names, self.backend_ports, strict=True):
+                if self.external_backends:
+                    break
                 argv = [a.replace("{port}", str(port)) for a in self.backend_argv]
                 self.procs[name] = Proc(name, argv, self.log_dir)
             for name, url in zip(self.backend_names, self.backend_urls, strict=True):
-                wait_http(f"{url}/health", proc=self.procs[name])
+                wait_http(f"{url}/health", proc=self.procs.get(name))
             if self.start_sidecar:
                 self.start_sidecar_proc()
             if not self.start_envoy:

@@ -61,7 +61,9 @@ Rules (the invariants tests check):
 3. A waiter leaves the queue in exactly one way: admitted (hand-over), evicted (``expire`` once
    its deadline has passed, whatever its place in the queue), or cancelled.
 4. ``running <= limit`` for every pool, except after the limit is lowered, when running
-   requests finish and no one new is admitted until ``running`` drops below it.
+   requests finish and no one new is admitted until ``running`` drops below it. A pool's limit
+   may be 0 (``set_pool_limit``: a replica of a shared pool that holds no lease,
+   ``extproc.shared``): then it admits nobody.
 5. ``queued_bytes`` is the sum of ``held_bytes`` over waiting tickets, never more than
    ``max_queued_bytes``.
 
@@ -190,7 +192,7 @@ class _Pool:
     def release_rate(self) -> float | None:
         """Slots freed per second while the pool is full: limit / mean hold (Little's law;
         the mean is over releases, so short requests weigh as often as they free a slot)."""
-        if self.releases < _RATE_MIN_RELEASES or not self.mean_hold_s:
+        if self.releases < _RATE_MIN_RELEASES or not self.mean_hold_s or self.limit < 1:
             return None
         return self.limit / self.mean_hold_s
 
@@ -420,9 +422,10 @@ class Admission:
         max_tokens: int | None = None,
         fail_fast: bool = True,
     ) -> list[Ticket]:
-        """Create a shared pool or change it; returns waiters admitted by a raised limit."""
-        if limit < 1 or (max_tokens is not None and max_tokens < 1):
-            raise ValueError(f"pool {name!r}: limit and max_tokens must be >= 1")
+        """Create a shared pool or change it; returns waiters admitted by a raised limit
+        (``limit`` 0: nobody is admitted, see ``set_pool_limit``)."""
+        if limit < 0 or (max_tokens is not None and max_tokens < 1):
+            raise ValueError(f"pool {name!r}: limit must be >= 0 and max_tokens >= 1")
         pool = self._pools.get(name)
         if pool is None:
             pool = self._pools[name] = _Pool(name, limit)
@@ -430,9 +433,10 @@ class Admission:
         return self._fill(pool, now)
 
     def set_pool_limit(self, name: str, limit: int, now: float) -> list[Ticket]:
-        """The pool's limit only (the adaptive controller's knob)."""
+        """The pool's limit only (the adaptive controller's knob, and the leases a replica of
+        a shared pool holds, which may be none: 0 admits nobody)."""
         pool = self._pools[name]
-        pool.limit = max(1, limit)
+        pool.limit = max(0, limit)
         return self._fill(pool, now)
 
     def set_cut(self, name: str, factor: float, now: float) -> list[Ticket]:
@@ -567,7 +571,7 @@ class Admission:
         else:
             ahead = len(b.waiting)
         hold = b.mean_hold_s if b.mean_hold_s is not None else default_hold_s
-        return (ahead + 1) * hold / b.pool.limit
+        return (ahead + 1) * hold / max(1, b.pool.limit)
 
     def __repr__(self) -> str:
         return "<Admission " + ", ".join(repr(s) for s in self.statistics().values()) + ">"

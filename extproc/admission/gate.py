@@ -18,21 +18,32 @@ resume, the slot is given straight back and the next waiter is woken (the
 Eviction is active: one ``loop.call_at`` timer is armed for the earliest deadline across all
 buckets; when it fires, every waiter whose deadline has passed gets ``Refused`` at once, not
 when it would have reached the head of its queue.
+
+A pool shared by several replicas (``pool.shared``, ``extproc.shared``): ``attach_leases``
+hands the pool to a lease manager, which sets its limit to the leases this replica holds
+(``set_leases``, possibly 0). The gate then tells it when a slot is about to be freed
+(``on_release``, before the slot is handed on, so that it may lower the limit and give the lease
+to a more urgent replica instead) and when waiters or slots changed (``on_change``); it reads
+``shared_view``. Shares stay local, with ``max_share`` (and ``max_concurrency``) taken of the
+whole pool's limit: the core gets them as absolute caps, since its own limit is only the leases
+held; ``min_share`` is of the leases held. ``fail_fast`` is off: a local release rate says
+nothing about the pool's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from extproc.admission.core import Admission, BucketStats, PoolStats, Ticket, Verdict
-from extproc.config.policy import Order, Policy
+from extproc.config.policy import BucketPolicy, Order, Policy
 from extproc.outcome import OUTCOMES, Outcome
 
-__all__ = ["POOL", "Gate", "Refused", "Slot", "Waiter", "retry_after_s"]
+__all__ = ["POOL", "Gate", "PoolLeases", "Refused", "Slot", "Waiter", "retry_after_s"]
 
 # The name of the policy's shared pool (one per sidecar: the backend behind it).
 POOL = "pool"
@@ -42,6 +53,19 @@ def retry_after_s(estimate_s: float, min_s: float, max_s: float, jitter: float, 
     """Retry-After in seconds: the drain estimate times a random factor in [1, 1 + jitter]
     (``u`` uniform in [0, 1)), clamped to [min_s, max_s]."""
     return min(max_s, max(min_s, estimate_s * (1.0 + jitter * u)))
+
+
+class PoolLeases(Protocol):
+    """What a shared pool's lease manager hears from the gate (``extproc.shared``). Both are
+    called synchronously and must not block."""
+
+    def on_release(self) -> None:
+        """A slot of the pool is about to be freed (it may call ``set_leases`` first)."""
+        ...
+
+    def on_change(self) -> None:
+        """Waiters or slots of the pool changed."""
+        ...
 
 
 class Refused(Exception):
@@ -150,6 +174,11 @@ class Gate:
         self._closed = False
         self._drained: asyncio.Event | None = None  # set up by drained(), while shutting down
         self._policy_buckets = buckets
+        self._leases: PoolLeases | None = None
+        self._held = 0  # shared: leases held, the local pool's limit
+        self._share_limit = 0  # shared: the whole pool's limit, what max_share is of
+        self._caps: dict[str, int] = {}  # shared: each bucket's cap from the pool's limit
+        self._policy = policy
         self.reconfigure(policy)
 
     # --- configuration -----------------------------------------------------------------------
@@ -159,14 +188,18 @@ class Gate:
         lets running requests finish. Buckets no longer in the policy keep draining."""
         self._retry = policy.retry_after
         self._core.max_queued_bytes = policy.limits.max_queued_bytes
+        self._policy = policy
         if not self._policy_buckets:
             return
         now = self._loop.time()
         pool = policy.pool
+        shared = self._leases is not None and pool is not None
         if pool is not None:
             limit = pool.max_concurrency
             current = self._core.pool_statistics(now).get(POOL)
-            if pool.adaptive is not None:
+            if shared:
+                limit = self._held
+            elif pool.adaptive is not None:
                 # Start at the initial limit (max_concurrency is the stale-metrics fallback);
                 # a reload keeps what the controller found, within the new bounds.
                 found = pool.adaptive.initial if current is None else current.limit
@@ -177,7 +210,7 @@ class Gate:
                     limit,
                     now,
                     max_tokens=pool.max_tokens_in_flight,
-                    fail_fast=pool.fail_fast,
+                    fail_fast=pool.fail_fast and not shared,
                 )
             )
         for b in policy.buckets:
@@ -185,21 +218,92 @@ class Gate:
             if pool is None:
                 self.set_limits(b.name, b.max_concurrency, b.max_queue)
                 continue
-            self._hand_over(
-                self._core.set_bucket(
-                    b.name,
-                    now,
-                    pool=POOL,
-                    max_queue=b.max_queue,
-                    priority=b.priority,
-                    min_share=b.min_share,
-                    max_share=b.max_share,
-                    cap=b.max_concurrency or None,
-                    cost_order=b.order is Order.COST,
-                )
-            )
+            self._set_bucket(b, now, shared)
         if pool is None:
             self._core.remove_pool(POOL)
+        self._changed()
+
+    def _set_bucket(self, b: BucketPolicy, now: float, shared: bool) -> None:
+        max_share, cap = b.max_share, b.max_concurrency or None
+        if shared:
+            # The core's limit is the leases held: give it the share of the whole pool as an
+            # absolute cap instead.
+            top = max(1, math.floor(b.max_share * self._share_limit + 1e-9))
+            cap = min(top, cap) if cap else top
+            max_share = 1.0
+            self._caps[b.name] = cap
+        self._hand_over(
+            self._core.set_bucket(
+                b.name,
+                now,
+                pool=POOL,
+                max_queue=b.max_queue,
+                priority=b.priority,
+                min_share=b.min_share,
+                max_share=max_share,
+                cap=cap,
+                cost_order=b.order is Order.COST,
+            )
+        )
+
+    # --- a pool shared by several replicas (extproc.shared) ----------------------------------
+
+    def attach_leases(self, leases: PoolLeases, pool_limit: int) -> None:
+        """Shared mode: the pool admits only on leases, none held yet (running requests carry
+        on; the manager claims leases for them)."""
+        self._leases = leases
+        self._held = 0
+        self._share_limit = pool_limit
+        self.reconfigure(self._policy)
+
+    def detach_leases(self) -> None:
+        """Back to a pool of this replica alone, at the policy's limit."""
+        if self._leases is None:
+            return
+        self._leases = None
+        self._caps.clear()
+        pool = self._policy.pool
+        if pool is not None:
+            limit = pool.adaptive.initial if pool.adaptive is not None else pool.max_concurrency
+            self._hand_over(self._core.set_pool_limit(POOL, limit, self._loop.time()))
+        self.reconfigure(self._policy)
+
+    def set_leases(self, held: int, pool_limit: int) -> None:
+        """The lease manager's knob: admit at most ``held`` at once (a raised one admits at
+        once); caps are of ``pool_limit``."""
+        if self._leases is None or self._policy.pool is None:
+            return
+        now = self._loop.time()
+        if pool_limit != self._share_limit:
+            self._share_limit = pool_limit
+            for b in self._policy.buckets:
+                self._set_bucket(b, now, True)
+        self._held = held
+        self._hand_over(self._core.set_pool_limit(POOL, held, now))
+
+    def shared_view(self) -> tuple[int, dict[int, int]]:
+        """(requests holding a slot of the pool, {band: waiters that one more lease each
+        would let in}): a waiter held back by its bucket's cap or the overload cut is no
+        demand for a lease."""
+        pool = self._core.pool_statistics(self._loop.time()).get(POOL)
+        if pool is None:
+            return 0, {}
+        demand: dict[int, int] = {}
+        if pool.queued:
+            for s in self._core.statistics().values():
+                if s.pool != POOL or not s.queued:
+                    continue
+                top = self._caps.get(s.name, s.capacity)
+                if s.capacity < min(top, max(1, pool.limit)):
+                    top = s.capacity  # the overload cut holds it lower
+                room = min(s.queued, max(0, top - s.in_flight))
+                if room:
+                    demand[s.priority] = demand.get(s.priority, 0) + room
+        return pool.in_flight, demand
+
+    def _changed(self) -> None:
+        if self._leases is not None:
+            self._leases.on_change()
 
     def set_pool_limit(self, limit: int) -> None:
         """The shared pool's limit (the adaptive controller); a raised one admits at once."""
@@ -257,6 +361,7 @@ class Gate:
         now = self._loop.time()
         decision = self._core.enqueue(bucket, now, timeout_s, held_bytes, cost)
         if decision.verdict is Verdict.ADMITTED:
+            self._changed()
             return Slot(self, decision.ticket)
         if decision.verdict is Verdict.WAIT_TOO_LONG:
             raise Refused(
@@ -277,6 +382,7 @@ class Gate:
         fut: asyncio.Future[Slot] = self._loop.create_future()
         self._waiters[decision.ticket.id] = fut
         self._arm()
+        self._changed()
         return Waiter(self, decision.ticket, fut)
 
     # --- views -------------------------------------------------------------------------------
@@ -324,12 +430,16 @@ class Gate:
                 fut.set_result(Slot(self, ticket))
 
     def _release(self, ticket: Ticket) -> None:
+        if self._leases is not None:
+            self._leases.on_release()
         self._hand_over(self._core.release(ticket.id, self._loop.time()))
         if self._drained is not None:
             self._drained.set()  # drained() checks again
+        self._changed()
 
     def _cancel(self, ticket: Ticket) -> None:
         self._hand_over(self._core.cancel(ticket.id, self._loop.time()))
+        self._changed()
 
     def _arm(self) -> None:
         deadline = self._core.next_deadline()
@@ -362,3 +472,4 @@ class Gate:
                 )
         self._hand_over(self._core.take_admitted())
         self._arm()
+        self._changed()

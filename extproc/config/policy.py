@@ -44,6 +44,7 @@ __all__ = [
     "PoolPolicy",
     "RetryAfterPolicy",
     "RouteOverride",
+    "SharedPolicy",
     "TokenPolicy",
     "load_policy",
     "parse_duration",
@@ -160,6 +161,23 @@ class OverloadPolicy:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SharedPolicy:
+    """One pool for several replicas, its slots leased from Redis (extproc.shared)."""
+
+    redis: str
+    key_prefix: str = "llm-extproc:pool"
+    lease_s: float = 10.0
+    timeout_s: float = 0.25
+    # Before Redis was ever reached, each replica takes limit / replicas.
+    replicas: int = 1
+
+    @property
+    def redis_display(self) -> str:
+        """The URL without its password (for logs, /debug/queues and `check`)."""
+        return re.sub(r"(?<=://)([^:@/]*):[^@/]*@", r"\1:***@", self.redis)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PoolPolicy:
     """One pool per backend that the buckets draw from."""
 
@@ -169,6 +187,8 @@ class PoolPolicy:
     fail_fast: bool = True
     adaptive: AdaptivePolicy | None = None
     overload: OverloadPolicy = field(default_factory=OverloadPolicy)
+    # Absent: the pool is this sidecar's alone.
+    shared: SharedPolicy | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -301,6 +321,15 @@ class Policy:
                 "window": duration(pool.overload.window_s),
             },
         }
+        s = pool.shared
+        if s is not None:
+            out["shared"] = {
+                "redis": s.redis_display,
+                "key_prefix": s.key_prefix,
+                "lease": duration(s.lease_s),
+                "timeout": duration(s.timeout_s),
+                "replicas": s.replicas,
+            }
         a = pool.adaptive
         if a is not None:
             slo: dict[str, Any] = {}
@@ -332,6 +361,7 @@ _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9a-z-]+$")
 # resolving reads them from.
 _TOKENS, _LIMITS, _RETRY_AFTER = TokenPolicy(), Limits(), RetryAfterPolicy()
 _ADAPTIVE, _OVERLOAD, _BACKEND = AdaptivePolicy(), OverloadPolicy(), BackendPolicy()
+_SHARED = SharedPolicy(redis="")
 _DEADLINE = ClientDeadlinePolicy()
 
 
@@ -584,7 +614,40 @@ def _resolve_pool(msg: policy_pb2.Pool, backend: BackendPolicy) -> PoolPolicy:
         fail_fast=_set_or(msg, "fail_fast", True),
         adaptive=adaptive,
         overload=overload,
+        shared=_resolve_shared(msg.shared) if msg.HasField("shared") else None,
     )
+
+
+_REDIS_URL = re.compile(r"^(rediss?://[^\s/]*(/\d{1,5})?|unix:///\S+)$")
+_KEY_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
+
+
+def _resolve_shared(msg: policy_pb2.Shared) -> SharedPolicy:
+    d = _SHARED
+    shared = SharedPolicy(
+        redis=msg.redis,
+        key_prefix=msg.key_prefix or d.key_prefix,
+        lease_s=_duration_or(msg, "lease", d.lease_s),
+        timeout_s=_duration_or(msg, "timeout", d.timeout_s),
+        replicas=_set_or(msg, "replicas", d.replicas),
+    )
+    if not _REDIS_URL.match(shared.redis):
+        raise PolicyError(
+            f"pool.shared.redis: {shared.redis_display!r} must be redis://host[:port][/db], "
+            "rediss://... or unix:///path"
+        )
+    if not _KEY_PREFIX.match(shared.key_prefix):
+        raise PolicyError(
+            "pool.shared.key_prefix: 1-100 characters of A-Z, a-z, 0-9, '_', '.', ':' or '-'"
+        )
+    if not 0.5 <= shared.lease_s <= 600:
+        raise PolicyError("pool.shared.lease: must be between 500ms and 10m")
+    # A renewal goes out every lease / 3: a call must end well within that.
+    if not 0 < shared.timeout_s <= shared.lease_s / 4:
+        raise PolicyError("pool.shared.timeout: must be above 0 and at most a quarter of the lease")
+    if shared.replicas < 1:
+        raise PolicyError("pool.shared.replicas: must be at least 1")
+    return shared
 
 
 def route_override_from_mapping(data: object, policy: Policy) -> RouteOverride:

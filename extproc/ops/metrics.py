@@ -95,6 +95,12 @@ POOL_GAUGES: dict[str, str] = {
     "backend_ttft_seconds": "Windowed quantile of vLLM's time to first token (the SLO's).",
     "backend_itl_seconds": "Windowed quantile of vLLM's inter-token latency (the SLO's).",
     "adaptive_state": "The adaptive limit: 0 tracking, 1 holding (stale), 2 fallback.",
+    "shared_state": "Shared pool (pool.shared): 0 shared, 1 degraded (Redis unreachable).",
+    "shared_leases_held": "Leases of the shared pool this replica holds.",
+    "shared_pool_limit": "The shared pool's limit, all replicas together (as last seen).",
+    "shared_pool_held": "Leases held by all replicas together (as last seen).",
+    "shared_replicas": "Live replicas of the shared pool (as last seen).",
+    "shared_leader": "1 when this replica computes the shared pool's adaptive limit.",
 }
 
 
@@ -144,6 +150,17 @@ class Metrics:
             "llm_extproc_adaptive_limit_changes",
             "Changes of the pool's adaptive limit, by reason.",
             ["reason"],
+            registry=r,
+        )
+        self.shared_degraded = Counter(
+            "llm_extproc_shared_degraded_transitions",
+            "Times the shared pool went degraded (Redis unreachable: a local share).",
+            registry=r,
+        )
+        self.shared_redis_errors = Counter(
+            "llm_extproc_shared_redis_errors",
+            "Redis calls of the shared pool that failed or timed out, by call.",
+            ["call"],
             registry=r,
         )
         self.requests = Counter(

@@ -60,18 +60,34 @@ class Policy(_message.Message):
     def __init__(self, tokens: _Optional[_Union[Tokens, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., retry_after: _Optional[_Union[RetryAfter, _Mapping]] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., mode: _Optional[_Union[Mode, str]] = ..., trusted_headers: _Optional[_Iterable[str]] = ..., pool: _Optional[_Union[Pool, _Mapping]] = ..., backend: _Optional[_Union[Backend, _Mapping]] = ..., client_deadline: _Optional[_Union[ClientDeadline, _Mapping]] = ...) -> None: ...
 
 class Pool(_message.Message):
-    __slots__ = ("max_concurrency", "max_tokens_in_flight", "fail_fast", "adaptive", "overload")
+    __slots__ = ("max_concurrency", "max_tokens_in_flight", "fail_fast", "adaptive", "overload", "shared")
     MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     FAIL_FAST_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     OVERLOAD_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     max_concurrency: int
     max_tokens_in_flight: int
     fail_fast: bool
     adaptive: Adaptive
     overload: Overload
-    def __init__(self, max_concurrency: _Optional[int] = ..., max_tokens_in_flight: _Optional[int] = ..., fail_fast: _Optional[bool] = ..., adaptive: _Optional[_Union[Adaptive, _Mapping]] = ..., overload: _Optional[_Union[Overload, _Mapping]] = ...) -> None: ...
+    shared: Shared
+    def __init__(self, max_concurrency: _Optional[int] = ..., max_tokens_in_flight: _Optional[int] = ..., fail_fast: _Optional[bool] = ..., adaptive: _Optional[_Union[Adaptive, _Mapping]] = ..., overload: _Optional[_Union[Overload, _Mapping]] = ..., shared: _Optional[_Union[Shared, _Mapping]] = ...) -> None: ...
+
+class Shared(_message.Message):
+    __slots__ = ("redis", "key_prefix", "lease", "timeout", "replicas")
+    REDIS_FIELD_NUMBER: _ClassVar[int]
+    KEY_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    redis: str
+    key_prefix: str
+    lease: _duration_pb2.Duration
+    timeout: _duration_pb2.Duration
+    replicas: int
+    def __init__(self, redis: _Optional[str] = ..., key_prefix: _Optional[str] = ..., lease: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class Slo(_message.Message):
     __slots__ = ("ttft", "ttft_quantile", "inter_token", "inter_token_quantile")

@@ -1,0 +1,320 @@
+"""The shared pool's state in Redis and the three Lua scripts that change it.
+
+Keys (``{prefix}`` is ``pool.shared.key_prefix`` in a hash tag, so a Redis Cluster keeps them
+in one slot, which a script needs):
+
+- ``{prefix}:leases``: sorted set, lease id -> expiry (ms, server clock). One member per slot
+  held anywhere; a lease id is ``<replica>:<n>``. The pool's count is its cardinality once
+  the expired members are dropped.
+- ``{prefix}:replicas``: sorted set, replica id -> expiry (ms). A replica is live while its
+  entry has not expired; every script it runs refreshes it.
+- ``{prefix}:demand``: hash, replica id -> ``band:count,band:count`` (bands are bucket
+  priorities, lower = more urgent): the replica's waiters that a lease would let in and that
+  hold none. Removed with the replica's entry when it expires.
+- ``{prefix}:leader``: the replica that computes the adaptive limit (``SET NX PX lease``).
+- ``{prefix}:limit``: the limit the leader publishes (``PX 3 x lease``); absent (a static pool,
+  or no leader for that long), each caller's own limit applies (ARGV).
+- ``{prefix}:handoff``: hash, replica id -> ``n:expiry``: slots given back *for* that replica,
+  reserved for its next ``ACQUIRE`` until the (short) expiry, then free for anyone. They count
+  as taken. Without it, a freed slot would go to whichever replica's ``ACQUIRE`` arrives first,
+  which pub/sub delivery order decides (the same replica every time).
+- channel ``{prefix}:events``: ``freed <replica> <n> [<for>]`` (leases given back, for one
+  replica or anyone) and ``demand <replica> <table>`` (a replica's demand changed).
+
+Every script reads the time from the server (``TIME``), never from the replicas, and starts by
+dropping expired leases and dead replicas, so a replica that died stops counting within its
+lease whoever runs the next script. Scripts run atomically: between the count and the ``ZADD``
+nobody else acquires, which is what makes the limit exact.
+
+Who gets free slots (``ACQUIRE``): first the slots handed to the caller; then the bands of
+the caller's ask and of everyone else's demand, most urgent first. A band of the others alone
+reserves what it waits for; the caller's own band takes what is free, split with the others'
+waiters of the same band in proportion to the waiters (rounded up for the caller, so a single
+free slot is never left to nobody). So the more urgent band on replica A beats a less urgent
+band on replica B even though B asked first. Who a given-back slot is for is the giver's choice
+(``extproc.shared.leases``): a replica of the most urgent band waiting, drawn in proportion to
+its waiters, so within one band the pool's slots go to replicas as their waiters are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ACQUIRE", "RENEW", "RETURN", "Keys", "decode_demand", "encode_demand"]
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    leases: str
+    replicas: str
+    demand: str
+    leader: str
+    limit: str
+    handoff: str
+    channel: str
+
+    @classmethod
+    def for_prefix(cls, prefix: str) -> Keys:
+        tag = "{" + prefix + "}"
+        return cls(
+            leases=f"{tag}:leases",
+            replicas=f"{tag}:replicas",
+            demand=f"{tag}:demand",
+            leader=f"{tag}:leader",
+            limit=f"{tag}:limit",
+            handoff=f"{tag}:handoff",
+            channel=f"{tag}:events",
+        )
+
+    @property
+    def all(self) -> list[str]:
+        """KEYS of every script, in this order."""
+        return [self.leases, self.replicas, self.demand, self.leader, self.limit, self.handoff]
+
+
+def encode_demand(demand: dict[int, int]) -> str:
+    """{band: waiters} -> ``band:count,...``, most urgent first, zero counts left out."""
+    return ",".join(f"{band}:{n}" for band, n in sorted(demand.items()) if n > 0)
+
+
+def decode_demand(text: str | bytes) -> dict[int, int]:
+    if isinstance(text, bytes):
+        text = text.decode()
+    out: dict[int, int] = {}
+    for item in text.split(","):
+        band, sep, n = item.partition(":")
+        if sep and band.isdigit() and n.isdigit() and int(n) > 0:
+            out[int(band)] = out.get(int(band), 0) + int(n)
+    return out
+
+
+# ARGV common to every script: 1 replica id, 2 lease (ms), 3 the caller's limit (used when
+# no leader publishes one), 4 the events channel.
+_PRELUDE = """
+if redis.replicate_commands then redis.replicate_commands() end
+local me, lease_ms, channel = ARGV[1], tonumber(ARGV[2]), ARGV[4]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local expired = redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local dead = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
+for _, r in ipairs(dead) do redis.call('HDEL', KEYS[3], r) end
+if #dead > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now) end
+redis.call('ZADD', KEYS[2], now + lease_ms, me)
+local limit = tonumber(redis.call('GET', KEYS[5]) or ARGV[3])
+-- Slots handed to a replica: reserved (they count as taken) until their expiry.
+local handoffs, reserved = {}, 0
+local ho = redis.call('HGETALL', KEYS[6])
+for i = 1, #ho, 2 do
+  local n, exp = string.match(ho[i + 1], '(%d+):(%d+)')
+  if tonumber(exp) <= now then
+    redis.call('HDEL', KEYS[6], ho[i])
+  else
+    handoffs[ho[i]] = tonumber(n)
+    reserved = reserved + tonumber(n)
+  end
+end
+
+local function parse(s, into)
+  for b, c in string.gmatch(s, '(%d+):(%d+)') do
+    b = tonumber(b)
+    into[b] = (into[b] or 0) + tonumber(c)
+  end
+  return into
+end
+
+-- Everyone else's demand: the merged table and the raw entries (for the caller's view).
+local function others()
+  local merged, flat = {}, {}
+  local all = redis.call('HGETALL', KEYS[3])
+  for i = 1, #all, 2 do
+    if all[i] ~= me then
+      parse(all[i + 1], merged)
+      flat[#flat + 1] = all[i]
+      flat[#flat + 1] = all[i + 1]
+    end
+  end
+  return merged, flat
+end
+
+local function encode(tbl)
+  local bands = {}
+  for b, n in pairs(tbl) do if n > 0 then bands[#bands + 1] = b end end
+  table.sort(bands)
+  local parts = {}
+  for _, b in ipairs(bands) do parts[#parts + 1] = b .. ':' .. tbl[b] end
+  return table.concat(parts, ',')
+end
+
+-- Write the caller's demand; tell the others when it changed.
+local function set_demand(text)
+  local old = redis.call('HGET', KEYS[3], me)
+  if text == '' then
+    if old then
+      redis.call('HDEL', KEYS[3], me)
+      redis.call('PUBLISH', channel, 'demand ' .. me .. ' ')
+    end
+  elseif old ~= text then
+    redis.call('HSET', KEYS[3], me, text)
+    redis.call('PUBLISH', channel, 'demand ' .. me .. ' ' .. text)
+  end
+end
+
+-- Whether anybody else waits (a 'freed' message is worth sending).
+local function others_wait()
+  local n = redis.call('HLEN', KEYS[3])
+  if redis.call('HEXISTS', KEYS[3], me) == 1 then n = n - 1 end
+  return n > 0
+end
+"""
+
+# ACQUIRE: ARGV 5 the caller's ask (``band:count,...``), 6.. candidate lease ids, as many as
+# the ask's total. Grants the first ``granted`` ids. Returns {granted, count, limit, others'
+# demand as [replica, table, ...]}.
+ACQUIRE = (
+    _PRELUDE
+    + """
+local mine = parse(ARGV[5], {})
+local theirs, flat = others()
+local bands, seen = {}, {}
+for b, _ in pairs(mine) do if not seen[b] then seen[b] = true; bands[#bands + 1] = b end end
+for b, _ in pairs(theirs) do if not seen[b] then seen[b] = true; bands[#bands + 1] = b end end
+table.sort(bands)
+-- Slots handed to me first (what I no longer want of them is free again).
+local handed = handoffs[me] or 0
+if handed > 0 then
+  redis.call('HDEL', KEYS[6], me)
+  reserved = reserved - handed
+end
+local count = redis.call('ZCARD', KEYS[1]) + reserved
+local free = limit - count
+local granted = 0
+local left = {}
+for _, b in ipairs(bands) do
+  local m, o = mine[b] or 0, theirs[b] or 0
+  local take = math.min(m, handed)
+  handed = handed - take
+  free = free - take
+  count = count + take
+  if m - take > 0 and free > 0 then
+    local more = m - take
+    if o > 0 then more = math.min(more, math.ceil(free * m / (m + o))) end
+    more = math.min(more, free)
+    take = take + more
+    free = free - more
+    count = count + more
+  end
+  free = free - math.min(o, math.max(free, 0))
+  granted = granted + take
+  left[b] = m - take
+end
+for i = 1, granted do redis.call('ZADD', KEYS[1], now + lease_ms, ARGV[5 + i]) end
+set_demand(encode(left))
+return {granted, count, limit, flat}
+"""
+)
+
+# RETURN: ARGV 5 the caller's demand (``band:count,...``), '-' to leave it, or 'bye' (the
+# replica stops: forget its demand, its entry and its leadership); 6 the replica the slots are
+# for ('' anyone), 7 how long they are kept for it (ms); 8.. lease ids to give back.
+# Publishes 'freed' when it gave any back and somebody else waits.
+# Returns {given back, count, limit}.
+RETURN = (
+    _PRELUDE
+    + """
+local n = 0
+for i = 8, #ARGV do n = n + redis.call('ZREM', KEYS[1], ARGV[i]) end
+local to = ARGV[6]
+if to ~= '' and n > 0 then
+  local alive = redis.call('ZSCORE', KEYS[2], to)
+  if alive and tonumber(alive) > now then
+    local total = (handoffs[to] or 0) + n
+    redis.call('HSET', KEYS[6], to, total .. ':' .. (now + tonumber(ARGV[7])))
+    reserved = reserved + n
+    redis.call('PUBLISH', channel, 'freed ' .. me .. ' ' .. n .. ' ' .. to)
+  else
+    to = ''
+  end
+end
+if ARGV[5] == 'bye' then
+  set_demand('')
+  redis.call('ZREM', KEYS[2], me)
+  if redis.call('GET', KEYS[4]) == me then redis.call('DEL', KEYS[4]) end
+elseif ARGV[5] ~= '-' then
+  set_demand(ARGV[5])
+end
+if n > 0 and to == '' and others_wait() then
+  redis.call('PUBLISH', channel, 'freed ' .. me .. ' ' .. n)
+end
+return {n, redis.call('ZCARD', KEYS[1]) + reserved, limit}
+"""
+)
+
+# RENEW, the one call per interval: ARGV 5 the caller's demand, 6 '1' if it would lead (an
+# adaptive pool), 7 the limit it publishes if it leads ('' none), 8 how many ids to renew,
+# 9 to give back, 10 to claim; then those ids in that order. Renewed ids that have expired
+# (Redis was unreachable for longer than the lease, or restarted) and claimed ids (running
+# requests that hold no lease: the replica rejoins) are added while the pool has room; the
+# rest are reported lost. Returns {count, limit, leader, lost ids, claimed, live replicas,
+# others' demand as [replica, table, ...]}.
+RENEW = (
+    _PRELUDE
+    + """
+local n_renew, n_back, n_claim = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local first = 11
+local back = 0
+for i = first + n_renew, first + n_renew + n_back - 1 do
+  back = back + redis.call('ZREM', KEYS[1], ARGV[i])
+end
+local leader = redis.call('GET', KEYS[4])
+if ARGV[6] == '1' then
+  if not leader then
+    redis.call('SET', KEYS[4], me, 'PX', lease_ms)
+    leader = me
+  elseif leader == me then
+    redis.call('PEXPIRE', KEYS[4], lease_ms)
+  end
+elseif leader == me then
+  redis.call('DEL', KEYS[4])
+  leader = false
+end
+local raised = false
+if leader == me and ARGV[7] ~= '' then
+  local new = tonumber(ARGV[7])
+  raised = new > limit
+  redis.call('SET', KEYS[5], ARGV[7], 'PX', 3 * lease_ms)
+  limit = new
+end
+local missing = {}
+for i = first, first + n_renew - 1 do
+  if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
+    redis.call('ZADD', KEYS[1], 'XX', now + lease_ms, ARGV[i])
+  else
+    missing[#missing + 1] = ARGV[i]
+  end
+end
+local count = redis.call('ZCARD', KEYS[1]) + reserved
+local lost = {}
+for _, id in ipairs(missing) do
+  if count < limit then
+    redis.call('ZADD', KEYS[1], now + lease_ms, id)
+    count = count + 1
+  else
+    lost[#lost + 1] = id
+  end
+end
+local claimed = 0
+for i = first + n_renew + n_back, first + n_renew + n_back + n_claim - 1 do
+  if count >= limit then break end
+  redis.call('ZADD', KEYS[1], now + lease_ms, ARGV[i])
+  count = count + 1
+  claimed = claimed + 1
+end
+set_demand(ARGV[5])
+if (back > 0 or expired > 0 or #dead > 0 or raised) and others_wait() then
+  redis.call('PUBLISH', channel, 'freed ' .. me .. ' ' .. back)
+end
+local _, flat = others()
+local live = redis.call('ZRANGEBYSCORE', KEYS[2], now, '+inf')
+return {count, limit, leader or '', lost, claimed, live, flat}
+"""
+)
