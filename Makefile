@@ -18,7 +18,9 @@ test: lint
 demo: $(STAMP)
 	$(BIN)/python -m bench.demo
 
-# Admission strategies side by side on the simulator (about 15 min): bench/results/.
+# Seven admission strategies side by side on the simulator, steady loads (about 35 min;
+# `--scenario all` adds the shifting mix, the halved backend and the spike: about 60 min):
+# bench/results/.
 bench: $(STAMP)
 	$(BIN)/python -m bench.compare
 

@@ -81,7 +81,8 @@ __all__ = [
 ]
 
 # Long generations. The route's timer starts when the router gets the request, after the
-# sidecar let it go: the queue wait does not count against it (tests/e2e/test_pool.py).
+# sidecar let it go: the queue wait does not count against it
+# (tests/e2e/test_pool_through_envoy.py).
 LLM_ROUTE_TIMEOUT_S = 600
 _STREAM_HEADROOM = 1024  # streams being parsed or answered, beyond queued + running
 _MIN_BUFFER = 4 * 1024 * 1024
@@ -310,7 +311,7 @@ def deadline_problems(policy: Policy, envoy_config: dict[str, Any]) -> list[str]
       timeout: a queued request sends no bytes, so Envoy resets it while it waits.
 
     A route's ``timeout`` is no problem: its timer starts only once the sidecar let the request
-    go (pinned by tests/e2e/test_pool.py::test_the_route_timeout_does_not_count_the_queue_wait).
+    go (pinned by tests/e2e/test_pool_through_envoy.py, test_the_route_timeout_does_not_count_...).
     """
     problems: list[str] = []
     nodes = list(_walk(envoy_config))

@@ -178,7 +178,7 @@ def test_deadline_check_names_every_deadline_envoy_cannot_honour() -> None:
     text = "\n".join(deadline_problems(longer, shipped_envoy()))
     assert "max_message_timeout" in text
     assert "stream_idle_timeout (300s)" in text
-    assert "route" not in text  # a route's timer starts after the wait (test_pool.py)
+    assert "route" not in text  # it starts after the wait: tests/e2e/test_pool_through_envoy.py
     assert deadline_problems(longer, render(longer)) == []
     assert deadline_problems(LONG_WAIT, {}) == ["no ext_proc filter found in the Envoy config"]
 
