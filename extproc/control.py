@@ -90,6 +90,7 @@ class PoolControl:
         if key != self._poller_key:
             self._stop_poller()
             self._poller_key = key
+            self._signals = None  # no backend_* gauges left from a poller that is gone
             if adaptive is not None and pool is not None and self._leads():
                 self._poller = self._make_poller(adaptive, policy.backend, pool.max_concurrency)
                 if self._started:

@@ -83,7 +83,7 @@ POOL_GAUGES: dict[str, str] = {
     "pool_queued": "Requests waiting for a slot of the shared pool.",
     "pool_tokens_limit": "The pool's bound on estimated tokens in flight (0: none).",
     "pool_tokens_in_flight": "Estimated prompt + max_tokens of the requests in flight.",
-    "pool_release_rate": "Slots freed per second, recently (what predicted waits use).",
+    "pool_release_rate": "Slots the full pool frees per second: limit / mean hold.",
     "overload_state": "0 normal, 1 overloaded, 2 recovering.",
     "overload_factor": "Share of its cap the least urgent band may hold (1: no cut).",
     "overload_eviction_rate": "Eviction rate of the protected bands over the window.",
