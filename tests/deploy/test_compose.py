@@ -1,7 +1,8 @@
 """docker-compose.yml and deploy/compose/, checked without Docker: the services' wiring read
 from the file, the compose Envoy config compared with envoy/envoy.yaml (and with what
 `render-envoy` derives from the compose policy) and validated by the real Envoy 1.40, then run
-for real on this machine with the sidecar and the compose policy.
+for real on this machine with the sidecar and the compose policy, its pool leased from a real
+redis-server standing in for the `redis` service.
 `docker-compose config` checks the file against the Compose schema when a compose CLI is
 installed; CI (.ci/run) installs one and sets LLM_EXTPROC_REQUIRE_TOOLS=1, which turns its
 absence into a failure instead of a skip.
@@ -25,10 +26,12 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import redis
 import yaml
 
 from extproc.config.envoy import render
 from extproc.config.policy import load_policy
+from extproc.shared.scripts import Keys
 from testing.dockerfile import dockerfile_stages, flag
 from testing.envoy import (
     EXT_PROC_FILTER,
@@ -45,7 +48,8 @@ from testing.envoy import (
     shipped_envoy,
     without_address,
 )
-from testing.stack import REPO, Proc, free_port, render_envoy_config, wait_tcp
+from testing.redis import RedisServer
+from testing.stack import REPO, Proc, free_port, render_envoy_config, wait_http, wait_tcp
 
 DEPLOY = REPO / "deploy"
 
@@ -133,8 +137,9 @@ def test_envoy_validates_the_compose_config_without_resolving_names(tmp_path: Pa
 
 def test_compose_services_profiles_and_wiring() -> None:
     services = compose()["services"]
-    assert set(services) == {"envoy", "extproc", "sim", "vllm"}
-    assert "profiles" not in services["envoy"] and "profiles" not in services["extproc"]
+    assert set(services) == {"envoy", "extproc", "redis", "sim", "vllm"}
+    for name in ("envoy", "extproc", "redis"):
+        assert "profiles" not in services[name], name
     assert services["sim"]["profiles"] == ["cpu"] and services["vllm"]["profiles"] == ["gpu"]
     envoy_cfg = compose_envoy()
 
@@ -194,8 +199,10 @@ def networks_of(service: dict[str, Any]) -> set[str]:
 
 
 def test_only_envoy_can_reach_the_sidecars_grpc_port() -> None:
-    """The gRPC port is not published on the host, and the only service on a network with
-    the sidecar is Envoy: the backends (model code) cannot open ext_proc streams."""
+    """The gRPC port is not published on the host, and the services on a network with the
+    sidecar are Envoy and Redis, which shares only the sidecar's `pool` network and opens no
+    connections of its own (no replication): the backends (model code) cannot open ext_proc
+    streams."""
     services = compose()["services"]
     extproc = services["extproc"]
     (_, grpc_port) = flag(extproc["command"], "--listen").rsplit(":", 1)
@@ -208,8 +215,50 @@ def test_only_envoy_can_reach_the_sidecars_grpc_port() -> None:
         for name, service in services.items()
         if name != "extproc" and networks_of(service) & networks_of(extproc)
     }
-    assert shares == {"envoy"}, shares
+    assert shares == {"envoy", "redis"}, shares
+    assert networks_of(services["redis"]) & networks_of(services["envoy"]) == set()
+    assert "--replicaof" not in services["redis"]["command"]
     assert set(compose()["networks"]) >= networks_of(extproc) | networks_of(services["envoy"])
+
+
+def policy_redis() -> urllib.parse.SplitResult:
+    policy = load_policy(DEPLOY / "compose" / "policy.yaml")
+    assert policy.pool is not None and policy.pool.shared is not None
+    return urllib.parse.urlsplit(policy.pool.shared.redis)
+
+
+def test_compose_policy_leases_its_pool_from_the_redis_service() -> None:
+    """The policy's Redis is the `redis` service, on the port it listens on; it keeps nothing
+    on disk (leases are worth nothing after a restart), and the sidecar starts once it
+    answers."""
+    services = compose()["services"]
+    url = policy_redis()
+    assert url.scheme == "redis" and url.hostname == "redis" and url.hostname in services
+    r = services["redis"]
+    command = r["command"]
+    assert command[0] == "redis-server"
+    assert (url.port or 6379) == int(flag(command, "--port") if "--port" in command else 6379)
+    assert flag(command, "--save") == "" and flag(command, "--appendonly") == "no"
+    assert r["image"].startswith("redis:")
+    assert "redis-cli" in r["healthcheck"]["test"]
+    assert services["extproc"]["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_only_the_sidecar_can_reach_redis() -> None:
+    """Redis has no password, and whoever reaches it can grant itself the pool: it publishes
+    no port, and the only service on a network with it is the sidecar, on a network with no
+    way out."""
+    services, networks = compose()["services"], compose()["networks"]
+    r = services["redis"]
+    assert "ports" not in r
+    shares = {
+        name
+        for name, service in services.items()
+        if name != "redis" and networks_of(service) & networks_of(r)
+    }
+    assert shares == {"extproc"}, shares
+    for net in networks_of(r):
+        assert (networks[net] or {}).get("internal") is True, net
 
 
 def compose_cli() -> list[str] | None:
@@ -263,10 +312,19 @@ def test_compose_stop_grace_outlasts_the_sidecars_drain(monkeypatch: pytest.Monk
     assert re.fullmatch(r"\d+s", period) and int(period[:-1]) > seen["grace"]
 
 
+def shared_view(metrics_port: int) -> dict[str, Any]:
+    """The sidecar's shared pool as /debug/queues shows it."""
+    url = f"http://127.0.0.1:{metrics_port}/debug/queues"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())["/pool"]["shared"]  # type: ignore[no-any-return]
+
+
 def test_compose_envoy_config_serves_through_the_sidecar(tmp_path: Path) -> None:
     """deploy/compose/envoy.yaml run for real, as compose would run it but on this machine:
     its clusters keep STRICT_DNS and resolve a name (`localhost` standing in for the compose
-    service names), the sidecar runs the compose policy, testing/backend.py is the backend."""
+    service names), the sidecar runs the compose policy with its Redis URL pointed at a real
+    redis-server, testing/backend.py is the backend. The request is admitted on a lease from
+    that Redis, with the sidecar never degraded."""
     ports = {name: free_port() for name in ("listener", "admin", "backend", "grpc", "metrics")}
     cfg = yaml.safe_load(
         render_envoy_config(
@@ -282,6 +340,11 @@ def test_compose_envoy_config_serves_through_the_sidecar(tmp_path: Path) -> None
         assert c["type"] == "STRICT_DNS"
         set_endpoint_host(c, "localhost")
     (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    redis_server = RedisServer(tmp_path).start()
+    policy_text = (DEPLOY / "compose" / "policy.yaml").read_text()
+    compose_url = policy_redis().geturl()
+    assert policy_text.count(compose_url) == 1
+    (tmp_path / "policy.yaml").write_text(policy_text.replace(compose_url, redis_server.url))
     cli = str(Path(sys.executable).parent / "llm-extproc")
     procs = [
         Proc(
@@ -296,7 +359,7 @@ def test_compose_envoy_config_serves_through_the_sidecar(tmp_path: Path) -> None
                 "serve",
                 f"--listen=127.0.0.1:{ports['grpc']}",
                 f"--metrics=127.0.0.1:{ports['metrics']}",
-                f"--policy={DEPLOY / 'compose' / 'policy.yaml'}",
+                f"--policy={tmp_path / 'policy.yaml'}",
             ],
             tmp_path,
         ),
@@ -318,6 +381,7 @@ def test_compose_envoy_config_serves_through_the_sidecar(tmp_path: Path) -> None
     try:
         for name, proc in zip(("backend", "grpc", "listener"), procs, strict=True):
             wait_tcp(ports[name], proc=proc)
+        wait_http(f"http://127.0.0.1:{ports['metrics']}/metrics", proc=procs[1])
         body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999})
         req = urllib.request.Request(
             f"http://127.0.0.1:{ports['listener']}/v1/chat/completions",
@@ -340,9 +404,23 @@ def test_compose_envoy_config_serves_through_the_sidecar(tmp_path: Path) -> None
                 time.sleep(0.2)
         assert json.loads(echo["body"])["max_tokens"] == 1024
         assert echo["headers"]["x-llm-bucket"] == "batch"
+        # Admitted on a lease: in shared mode the local limit is the leases held, none at start.
+        # The one sidecar of an adaptive pool leads it (the first renewal elects it).
+        deadline = time.monotonic() + 5
+        while not (shared := shared_view(ports["metrics"]))["is_leader"]:
+            assert time.monotonic() < deadline, shared
+            time.sleep(0.05)
+        assert shared["state"] == "shared" and shared["degraded_transitions"] == 0, shared
+        assert shared["replicas"] == 1 and shared["last_error"] is None, shared
+        client = redis.Redis.from_url(redis_server.url)
+        try:
+            assert client.zscore(Keys.for_prefix(shared["key_prefix"]).replicas, shared["replica"])
+        finally:
+            client.close()
     finally:
         for proc in reversed(procs):
             proc.stop()
+        redis_server.stop()
 
 
 def test_compose_policy_loads_and_fits_the_compose_envoy_config() -> None:
@@ -354,7 +432,7 @@ def test_compose_policy_loads_and_fits_the_compose_envoy_config() -> None:
 
 
 def test_compose_policy_reads_the_backends_metrics_through_envoy() -> None:
-    """The sidecar shares a network with Envoy only, so the adaptive pool reads vLLM's
+    """The sidecar shares no network with the backends, so the adaptive pool reads vLLM's
     /metrics through Envoy's listener, on the catch-all route that skips the sidecar and
     goes to `backend:8000` (vllm or sim)."""
     policy = load_policy(DEPLOY / "compose" / "policy.yaml")

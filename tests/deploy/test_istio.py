@@ -2,9 +2,11 @@
 chain and a connection manager as Istio applies them and compared with envoy/envoy.yaml; the
 DestinationRule's limits with envoy.yaml's ext_proc cluster; the sidecar's manifests against
 the EnvoyFilter and the policy schema; who may reach the sidecar (access.yaml: mutual TLS, the
-gateway's identity only, a NetworkPolicy) against the gateway the EnvoyFilter selects. The
+gateway's identity only, a NetworkPolicy) against the gateway the EnvoyFilter selects; the
+replicas' shared pool against the Redis of redis.yaml, which only the sidecar may reach. The
 example routes, translated as Istio would, make a config the real Envoy 1.40 accepts, and that
-config serves through a real sidecar (a stand-in for Istio's cluster, without its TLS). Two
+config serves through a real sidecar (a stand-in for Istio's cluster, without its TLS), whose
+pool is leased from a real redis-server standing in for redis.yaml's. Two
 facts deploy/istio/README.md rests on (how ext_proc is scoped to routes, and that route header
 edits come after ext_proc) are pinned by running the real Envoy.
 """
@@ -14,15 +16,19 @@ from __future__ import annotations
 import copy
 import json
 import socket
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from extproc.config.envoy import render
-from extproc.config.policy import policy_from_yaml
+from extproc.config.policy import Policy, policy_from_yaml
+from extproc.shared.scripts import Keys
 from testing.dockerfile import flag
 from testing.envoy import (
     EXT_PROC_FILTER,
@@ -47,12 +53,14 @@ from testing.envoy import (
     virtual_service_routes,
 )
 from testing.harness import running_stack
-from testing.stack import REPO, free_port, running_envoy
+from testing.redis import RedisServer
+from testing.stack import REPO, Stack, free_port, running_envoy
 
 DEPLOY = REPO / "deploy"
 ISTIO = DEPLOY / "istio"
 ROUTES_EXAMPLE = ISTIO / "examples" / "routes.yaml"
 GATEWAY_FILTER = ISTIO / "envoyfilter-gateway.yaml"
+REDIS = ISTIO / "redis.yaml"
 ENVOY_FILTERS = [GATEWAY_FILTER, ISTIO / "examples" / "sidecar-inbound.yaml"]
 BUFFER_FILTER = "envoy.filters.http.buffer"
 HCM_SETTINGS = ("request_headers_timeout", "request_timeout", "local_reply_config")
@@ -72,6 +80,14 @@ def extproc_manifests() -> dict[str, dict[str, Any]]:
 
 def pod_labels() -> dict[str, str]:
     return extproc_manifests()["Deployment"]["spec"]["template"]["metadata"]["labels"]  # type: ignore[no-any-return]
+
+
+def configmap_policy() -> Policy:
+    return policy_from_yaml(extproc_manifests()["ConfigMap"]["data"]["policy.yaml"], "ConfigMap")
+
+
+def redis_manifests() -> dict[str, dict[str, Any]]:
+    return manifests("redis.yaml")
 
 
 def grpc_port() -> int:
@@ -211,7 +227,12 @@ def test_istio_sidecar_deployment() -> None:
     deployment, service = manifests["Deployment"], manifests["Service"]
     pod = deployment["spec"]["template"]
     (container,) = pod["spec"]["containers"]
-    assert deployment["spec"]["replicas"] == 1  # admission state lives in one process
+    # Several replicas share one pool through Redis; before Redis ever answers, each takes
+    # limit // pool.shared.replicas, so that must be the number of replicas.
+    policy = configmap_policy()
+    assert policy.pool is not None and policy.pool.shared is not None
+    assert deployment["spec"]["replicas"] > 1
+    assert policy.pool.shared.replicas == deployment["spec"]["replicas"]
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert container["readinessProbe"]["grpc"]["port"] == 50051
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
@@ -235,6 +256,8 @@ def test_istio_sidecar_deployment() -> None:
     assert pod["spec"]["terminationGracePeriodSeconds"] > prestop + 30
     proxy = json.loads(pod["metadata"]["annotations"]["proxy.istio.io/config"])
     assert seconds(proxy["terminationDrainDuration"]) >= prestop + 30
+    # The calls to Redis go out through the istio-proxy: up before the sidecar starts.
+    assert proxy["holdApplicationUntilProxyStarts"] is True
     for doc in manifests.values():
         if doc["kind"] != "Namespace":
             assert doc["metadata"]["namespace"] == manifests["Namespace"]["metadata"]["name"]
@@ -315,6 +338,90 @@ def test_only_the_gateway_can_reach_the_grpc_port() -> None:
             assert ports <= {9464, 15020}, ports  # the metrics and Istio's merged metrics
 
 
+def redis_port() -> int:
+    (port,) = redis_manifests()["Service"]["spec"]["ports"]
+    return int(port["port"])
+
+
+def test_istio_policy_leases_the_pool_from_the_redis_service() -> None:
+    """The ConfigMap's pool.shared.redis is redis.yaml's Service, on its port, which leads to
+    the Redis container's port; one Redis, never two at once (two would be two pools), keeping
+    nothing on disk; its pods and the sidecar's are told apart by their labels."""
+    policy = configmap_policy()
+    assert policy.pool is not None and policy.pool.shared is not None
+    url = urllib.parse.urlsplit(policy.pool.shared.redis)
+    r = redis_manifests()
+    service, deployment = r["Service"], r["Deployment"]
+    meta = service["metadata"]
+    assert url.scheme == "redis"
+    assert url.hostname == f"{meta['name']}.{meta['namespace']}.svc.cluster.local"
+    (port,) = service["spec"]["ports"]
+    assert url.port == port["port"]
+    # Istio carries it as opaque TCP (a `redis` port name would ask for its Redis filter).
+    assert port["name"].startswith("tcp-") and port["appProtocol"] == "tcp"
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    args = container["args"]
+    assert args[0] == "redis-server"
+    assert ports[port["targetPort"]] == int(flag(args, "--port") if "--port" in args else 6379)
+    assert flag(args, "--save") == "" and flag(args, "--appendonly") == "no"
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert not service["spec"]["selector"].items() <= pod_labels().items()
+    sidecar_selector = extproc_manifests()["Service"]["spec"]["selector"]
+    assert not sidecar_selector.items() <= pod["metadata"]["labels"].items()
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert container["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
+    namespace = extproc_manifests()["Namespace"]["metadata"]["name"]
+    for doc in r.values():
+        assert doc["metadata"]["namespace"] == namespace
+
+
+def test_only_the_sidecar_can_reach_redis() -> None:
+    """Redis has no password, and whoever reaches it can grant itself the pool: mutual TLS
+    required, the sidecar's identity the only one allowed, and below Istio a NetworkPolicy that
+    admits only the sidecar's pods, on the Redis port only."""
+    r = redis_manifests()
+    labels = r["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    sidecar = extproc_manifests()["Deployment"]
+    namespace = sidecar["metadata"]["namespace"]
+    service_account = sidecar["spec"]["template"]["spec"]["serviceAccountName"]
+    port = redis_port()
+
+    peer = r["PeerAuthentication"]["spec"]
+    assert peer["selector"]["matchLabels"].items() <= labels.items()
+    assert peer["mtls"] == {"mode": "STRICT"} and "portLevelMtls" not in peer
+
+    authz = r["AuthorizationPolicy"]["spec"]
+    assert authz["selector"]["matchLabels"].items() <= labels.items()
+    assert authz["action"] == "ALLOW"
+    (rule,) = authz["rules"]
+    assert {p for op in rule["to"] for p in op["operation"]["ports"]} == {str(port)}
+    assert rule["from"] == [
+        {"source": {"principals": [f"cluster.local/ns/{namespace}/sa/{service_account}"]}}
+    ]
+
+    netpol = r["NetworkPolicy"]["spec"]
+    assert netpol["podSelector"]["matchLabels"].items() <= labels.items()
+    assert netpol["policyTypes"] == ["Ingress"]
+    (ingress,) = netpol["ingress"]
+    assert {p["port"] for p in ingress["ports"]} == {port}
+    # A podSelector alone selects pods of the policy's own namespace: the sidecar's.
+    (peer_pods,) = ingress["from"]
+    assert set(peer_pods) == {"podSelector"}
+    assert peer_pods["podSelector"]["matchLabels"].items() <= pod_labels().items()
+    assert r["NetworkPolicy"]["metadata"]["namespace"] == namespace
+    # The sidecar's own access rules do not select the Redis pods (nor the other way round).
+    access = manifests("access.yaml")
+    for kind in ("PeerAuthentication", "AuthorizationPolicy"):
+        assert not access[kind]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert not access["NetworkPolicy"]["spec"]["podSelector"]["matchLabels"].items() <= (
+        labels.items()
+    )
+
+
 def test_istio_gateway_with_example_routes_validates_in_envoy(tmp_path: Path) -> None:
     """The gateway EnvoyFilter's filters and cluster, plus the example routes with their
     HTTP_ROUTE merge patches applied, make a config the real Envoy accepts."""
@@ -362,15 +469,32 @@ def gateway_bootstrap(
     return cfg
 
 
+def shared_view(stack: Stack) -> dict[str, Any]:
+    """The sidecar's shared pool as /debug/queues shows it."""
+    url = stack.metrics_url.removesuffix("/metrics") + "/debug/queues"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())["/pool"]["shared"]  # type: ignore[no-any-return]
+
+
 def test_istio_gateway_serves_through_the_sidecar_on_the_real_envoy(tmp_path: Path) -> None:
     """The gateway's patches and the example routes on the real Envoy, with a stand-in for
     Istio's cluster (same name, limits and HTTP/2; plain text instead of Istio's mutual TLS)
-    pointing at a real sidecar with the ConfigMap's policy: an LLM request is admitted and
-    clamped, a 3 MiB body passes and a 4 MiB one gets the stable 413, a slow one gets 408 after
-    the shipped request_timeout is cut to 2 s."""
+    pointing at a real sidecar with the ConfigMap's policy, its Redis a real redis-server: an
+    LLM request is admitted (on a lease from that Redis) and clamped, a 3 MiB body passes and a
+    4 MiB one gets the stable 413, a slow one gets 408 after the shipped request_timeout is cut
+    to 2 s."""
     policy = extproc_manifests()["ConfigMap"]["data"]["policy.yaml"]
+    pool = configmap_policy().pool
+    assert pool is not None and pool.shared is not None
+    shared = pool.shared
+    assert policy.count(shared.redis) == 1
     port = free_port()
-    with running_stack(tmp_path, policy, start_envoy=False) as stack:
+    with (
+        RedisServer(tmp_path) as redis_server,
+        running_stack(
+            tmp_path, policy.replace(shared.redis, redis_server.url), start_envoy=False
+        ) as stack,
+    ):
         routes = example_routes()
         clusters = [
             stand_in_cluster(stack.extproc_port),
@@ -391,6 +515,19 @@ def test_istio_gateway_serves_through_the_sidecar_on_the_real_envoy(tmp_path: Pa
                 echo = json.loads(r.read())["echo"]
             assert echo["headers"]["x-llm-bucket"] == "batch"
             assert json.loads(echo["body"])["max_tokens"] == 1024
+            # Admitted on a lease (in shared mode the local limit is the leases held, none at
+            # start), with Redis answering all along; the replica is registered in Redis.
+            deadline = time.monotonic() + 5
+            while (view := shared_view(stack))["replicas"] != 1:
+                assert time.monotonic() < deadline, view
+                time.sleep(0.05)
+            assert view["state"] == "shared" and view["degraded_transitions"] == 0, view
+            assert view["pool_limit"] == 64 and view["last_error"] is None, view
+            client = redis.Redis.from_url(redis_server.url)
+            try:
+                assert client.zscore(Keys.for_prefix(shared.key_prefix).replicas, view["replica"])
+            finally:
+                client.close()
             # The buffer filter's max_request_bytes (4 MiB) is the limit on these routes, even
             # with the listener at Envoy's default buffer limit of 1 MiB (as here; Istio's
             # EDGE profile: 32 KiB).
