@@ -3,7 +3,9 @@ shared pool's end-to-end tests (``tests/shared/``).
 
 ``Gateways(n, policy, log_dir)`` starts a throwaway ``redis-server``, one backend (by default
 the vLLM-like simulator, ``python -m bench.sim --speedup 20``), then ``n`` stacks that route to
-it, all on one policy file, in which ``{redis}`` is replaced by the Redis URL. ``Sampler``
+it, all on one policy file, in which ``{redis}`` is replaced by the Redis URL. ``policy`` may
+also be one policy per gateway (``policy-<i>.yaml``: replicas with different limits), and
+``start_redis=False`` starts no Redis (replicas that share nothing; bench.compare). ``Sampler``
 polls the simulator's ``/sim/stats`` from a thread and keeps the most requests it ever had
 (running + waiting): what the backend itself says was in flight, whatever the gateways think.
 """
@@ -31,17 +33,21 @@ class Gateways:
     def __init__(
         self,
         n: int,
-        policy: str,
+        policy: str | Sequence[str],
         log_dir: Path,
         *,
         backend_argv: Sequence[str] = SIM,
         envoy_patch: Callable[[dict[str, Any]], None] | None = None,
+        start_redis: bool = True,
     ) -> None:
+        if not isinstance(policy, str) and len(policy) != n:
+            raise ValueError(f"{len(policy)} policies for {n} gateways")
         self.n = n
         self.policy = policy
         self.log_dir = log_dir
         self.backend_argv = list(backend_argv)
         self.envoy_patch = envoy_patch
+        self.start_redis = start_redis
         self.redis = RedisServer(log_dir)
         self.backend: Stack | None = None
         self.stacks: list[Stack] = []
@@ -55,22 +61,37 @@ class Gateways:
     def policy_path(self) -> Path:
         return self.log_dir / "policy.yaml"
 
+    @property
+    def policy_paths(self) -> list[Path]:
+        """Each gateway's policy file (the one ``policy.yaml`` unless given one per gateway)."""
+        if isinstance(self.policy, str):
+            return [self.policy_path] * self.n
+        return [self.log_dir / f"policy-{i}.yaml" for i in range(self.n)]
+
+    @property
+    def urls(self) -> list[str]:
+        """Each gateway's Envoy listener."""
+        return [stack.url for stack in self.stacks]
+
     def start(self) -> Gateways:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self.redis.start()
+            if self.start_redis:
+                self.redis.start()
             self.backend = Stack(
                 backend_argv=self.backend_argv,
                 start_sidecar=False,
                 start_envoy=False,
                 log_dir=self._dir("backend"),
             ).start()
-            self.policy_path.write_text(self.policy.replace("{redis}", self.redis.url))
+            texts = [self.policy] * self.n if isinstance(self.policy, str) else self.policy
+            for path, text in dict(zip(self.policy_paths, texts, strict=True)).items():
+                path.write_text(text.replace("{redis}", self.redis.url))
             for i in range(self.n):
                 stack = Stack(
                     backend_argv=[],
                     running_backends=[self.backend.backend_port],
-                    policy_path=self.policy_path,
+                    policy_path=self.policy_paths[i],
                     log_dir=self._dir(f"gateway-{i}"),
                     envoy_patch=self.envoy_patch,
                 )

@@ -38,6 +38,37 @@ Every Envoy with the sidecar runs with what ``render(policy)`` derives (max_mess
 stream_idle_timeout, route timeouts, the sidecar cluster's breakers), so a queue deadline above
 envoy.yaml's is honoured.
 
+Several replicas (not in the default list)
+------------------------------------------
+Three more strategies put ``--replicas`` (3) gateways, each an Envoy with its own sidecar
+(``testing.gateways.Gateways``), in front of ONE simulator. They answer what running the
+sidecar as several replicas costs, and what sharing the pool through Redis buys; run them with
+e.g. ``python -m bench.compare --strategies replicas-shared,replicas-full,replicas-split
+--loads 2``. Each replica's policy is the ``sidecar`` strategy's pool without the adaptive
+limit (the same buckets, priorities, shares, deadlines and queue bounds; a static
+``max_concurrency``; ``fail_fast`` off in all three, because shared mode turns it off):
+
+``replicas-shared``
+    One pool of C shared by the replicas through a real ``redis-server`` started for the run
+    (``pool.shared``, the lease 10 s scaled by the speedup).
+``replicas-full``
+    Each replica a pool of C and nothing shared: what operators get today when every replica
+    is configured for the whole backend, 3C in all (the overshoot).
+``replicas-split``
+    Each replica a pool of C / 3 (the remainder to the first ones, so they add up to C) and
+    nothing shared: no overshoot, but a replica refuses while another has idle slots.
+
+The load generator spreads the requests over the three Envoy listeners round robin per
+request, in arrival order (:mod:`.spread`); a request's retries go back to the replica that
+answered it. Their counters are summed over the replicas. Besides what every run reports,
+:func:`.report.format_replicas` puts the three side by side: goodput, SLO goodput, interactive
+p99 TTFT of first attempts and the backend's in-flight peak against C.
+
+Every run, of every strategy, polls the simulators' ``/sim/stats`` every 0.5 s of wall time and
+reports the most requests they ran at once (``num_requests_running``; the peak over the whole
+run, and over the window, with the window's mean: :class:`.summary.InFlight`): what the backend
+itself saw, whatever the admission layer thinks it admitted.
+
 Clients are :mod:`bench.load`'s: interactive requests are streamed and give up after 30 s,
 batch requests are not streamed and give up after 300 s, and by default they retry like the
 OpenAI SDK (2 retries, Retry-After honoured). A request is *good* if its final answer is a
@@ -121,12 +152,14 @@ p99 TTFT in 10 s windows, requests running, the limit, over time).
 
 Length: the default (steady, 4 loads, 7 strategies) is 28 runs of about 72 s at speedup 3,
 about 35 minutes; each other scenario adds 7 runs (about 9 minutes); ``--quick`` halves every
-length.
+length. A replica strategy's run takes a few seconds longer (three gateways to start), and
+runs three Envoys and three sidecars on the same two cores: check the lag column.
 
 Modules: :mod:`.options` (the options, the simulator's command line), :mod:`.capacity` (the
 closed-loop model, C, the live check), :mod:`.scenarios` (each run's rates and events, pure),
-:mod:`.strategies` (configurations, each strategy's processes), :mod:`.run` (one strategy on
-one run: counters, samples, speed changes), :mod:`.summary` (window statistics, pure),
+:mod:`.strategies` (configurations, each strategy's processes), :mod:`.spread` (one
+schedule over several gateways), :mod:`.run` (one strategy on one run: counters, samples, the
+in-flight polls, speed changes), :mod:`.summary` (window statistics, pure),
 :mod:`.timeline` (figures over time, pure), :mod:`.targets`, :mod:`.report` (tables, plots) and
 ``__main__`` (the whole comparison, the CLI).
 """

@@ -18,8 +18,23 @@ from bench.load.workload import MIXES
 from bench.sim.profiles import PROFILES
 
 from .capacity import Capacity, determine_capacity, live_capacity
-from .options import SCENARIOS, STRATEGIES, Options, ScenarioName, Strategy
-from .report import format_admission, format_runs, format_scenarios, format_targets, plot
+from .options import (
+    KNOWN_STRATEGIES,
+    REPLICA_STRATEGIES,
+    SCENARIOS,
+    STRATEGIES,
+    Options,
+    ScenarioName,
+    Strategy,
+)
+from .report import (
+    format_admission,
+    format_replicas,
+    format_runs,
+    format_scenarios,
+    format_targets,
+    plot,
+)
 from .run import run_one
 from .scenarios import plan
 from .strategies import (
@@ -28,6 +43,7 @@ from .strategies import (
     envoy_default_breakers,
     gateway_thresholds,
     pool_policy,
+    replica_policies,
     sidecar_policy,
 )
 from .summary import RunSummary, pct
@@ -92,9 +108,11 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
                 rows.append(summary)
                 results[(run.key, strategy)] = result
                 timelines[(run.key, strategy)] = samples
+                peak = summary.in_flight_peak
                 print(
                     f"good {summary.goodput_rps:.2f} req/s, SLO {summary.slo_goodput_rps:.2f} "
-                    f"req/s, waste {pct(summary.wasted_frac)}, {summary.wall_s:.0f} s wall"
+                    f"req/s, waste {pct(summary.wasted_frac)}, peak "
+                    f"{'-' if peak is None else peak} running, {summary.wall_s:.0f} s wall"
                     + ("" if summary.harness_ok else "  [harness lagged]"),
                     flush=True,
                 )
@@ -137,6 +155,10 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
     print(format_runs(rows))
     print()
     print(format_admission(rows))
+    replicas = format_replicas(rows, cap, opts)
+    if replicas:
+        print()
+        print(replicas)
     scenarios = format_scenarios(rows)
     if scenarios:
         print()
@@ -177,6 +199,14 @@ def _configs(cap: Capacity, opts: Options) -> dict[str, Any]:
         out["sidecar-static policy"] = sidecar_policy(cap, opts)
     if "sidecar" in s:
         out["sidecar policy"] = pool_policy(cap, opts, ["http://127.0.0.1:PORT/metrics"])
+    for strategy in REPLICA_STRATEGIES:
+        if strategy in s:
+            policies = replica_policies(strategy, cap, opts)
+            if len(set(policies)) == 1:
+                out[f"{strategy} policy (each of {opts.replicas})"] = policies[0]
+            else:
+                for i, text in enumerate(policies):
+                    out[f"{strategy} policy (replica {i})"] = text
     return out
 
 
@@ -198,8 +228,9 @@ def _loads(text: str) -> tuple[float, ...]:
 def _strategies(text: str) -> tuple[Strategy, ...]:
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     for n in names:
-        if n not in STRATEGIES:
-            raise argparse.ArgumentTypeError(f"unknown strategy {n!r} (known: {STRATEGIES})")
+        if n not in KNOWN_STRATEGIES:
+            known = ", ".join(KNOWN_STRATEGIES)
+            raise argparse.ArgumentTypeError(f"unknown strategy {n!r} (known: {known})")
     return names  # type: ignore[return-value]
 
 
@@ -271,7 +302,22 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
     p.add_argument(
         "--gateway-short-output", type=int, default=None, help="default: the mix's median"
     )
-    p.add_argument("--strategies", type=_strategies, default=d.strategies)
+    p.add_argument(
+        "--strategies",
+        type=_strategies,
+        default=d.strategies,
+        help=f"comma-separated (default: {','.join(STRATEGIES)}); also "
+        f"{','.join(REPLICA_STRATEGIES)}, not in the default: --replicas gateways (Envoy + "
+        "sidecar each) in front of one simulator, sharing one pool of C through Redis, each "
+        "with a pool of C (the overshoot), or each with C / replicas; e.g. --strategies "
+        f"{','.join(REPLICA_STRATEGIES)} --loads 2",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=d.replicas,
+        help=f"gateways of the replicas-* strategies (default {d.replicas})",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--arrivals", choices=("poisson", "trace"), default=d.arrivals)
     p.add_argument("--interactive-share", type=float, default=d.interactive_share)
@@ -323,6 +369,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         a.model_requests = d.model_requests // 2 if a.quick else d.model_requests
     if not 0 <= a.warmup < a.duration:
         p.error("need 0 <= --warmup < --duration")
+    if a.replicas < 1:
+        p.error("need --replicas >= 1")
     opts = Options(
         profile=a.profile,
         speedup=a.speedup,
@@ -354,6 +402,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         spike_s=a.spike_s,
         slow_factor=a.slow_factor,
         sample_every_s=a.sample_every,
+        replicas=a.replicas,
         gateway_short_prompt=a.gateway_short_prompt,
         gateway_short_output=a.gateway_short_output,
     )

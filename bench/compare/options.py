@@ -19,7 +19,11 @@ Strategy = Literal[
     "priority-gateway",
     "sidecar-static",
     "sidecar",
+    "replicas-shared",
+    "replicas-full",
+    "replicas-split",
 ]
+# The default comparison: one gateway (or none) in front of the simulator.
 STRATEGIES: Final[tuple[Strategy, ...]] = (
     "direct",
     "envoy-cb-default",
@@ -29,8 +33,18 @@ STRATEGIES: Final[tuple[Strategy, ...]] = (
     "sidecar-static",
     "sidecar",
 )
+# Several gateways (Envoy + sidecar each, ``Options.replicas``) in front of ONE simulator: run
+# only when asked for (``--strategies replicas-shared,replicas-full,replicas-split``).
+REPLICA_STRATEGIES: Final[tuple[Strategy, ...]] = (
+    "replicas-shared",
+    "replicas-full",
+    "replicas-split",
+)
+KNOWN_STRATEGIES: Final[tuple[Strategy, ...]] = STRATEGIES + REPLICA_STRATEGIES
 # The strategies whose Envoy runs the ext_proc filter and the sidecar.
-SIDECAR_STRATEGIES: Final[frozenset[Strategy]] = frozenset({"sidecar-static", "sidecar"})
+SIDECAR_STRATEGIES: Final[frozenset[Strategy]] = frozenset(
+    {"sidecar-static", "sidecar", *REPLICA_STRATEGIES}
+)
 # Envoy in front without ext_proc.
 PLAIN_ENVOY_STRATEGIES: Final[frozenset[Strategy]] = frozenset(
     {"envoy-cb-default", "envoy-cb", "envoy-adaptive"}
@@ -77,6 +91,7 @@ class Options:
     spike_s: float = 30.0
     slow_factor: float = 0.5  # halve: the backend's speed after the change
     sample_every_s: float = 2.0  # backend and limit gauges sampled this often during a run
+    replicas: int = 3  # the replica strategies' gateways in front of the one simulator
     # priority-gateway: short = prompt and max_tokens both below these; None = the mix's medians.
     gateway_short_prompt: int | None = None
     gateway_short_output: int | None = None

@@ -1,5 +1,6 @@
 """What a comparison prints and draws: the table per strategy and run, the admission events,
-the scenarios' figures, the target checks, and the plots."""
+the replica strategies side by side, the scenarios' figures, the target checks, and the
+plots."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ from bench.common.table import fmt, format_table
 from bench.load.summary import LoadResult
 
 from .capacity import Capacity
-from .options import STRATEGIES, Options
+from .options import KNOWN_STRATEGIES, REPLICA_STRATEGIES, SIDECAR_STRATEGIES, Options
+from .strategies import replica_limits
 from .summary import RunSummary, Window, pct
 from .targets import TTFT_TARGET_S, TargetCheck
 from .timeline import WINDOW_S, Sample, ttft_windows
 
 RUN_HEADERS: Final = (
     "run", "strategy", "offer/s", "good/s", "xdirect", "tok/s", "slo/s", "ttft99i", "1st99i",
-    "e2e99i", "e2e99b", "good", "late", "429", "5xx", "tmo", "oth", "waste", "lag",
+    "e2e99i", "e2e99b", "good", "late", "429", "5xx", "tmo", "oth", "waste", "peak", "lag",
 )  # fmt: skip
 RUN_LEGEND: Final = (
     "run: the steady load (x capacity) or the scenario; good/s: complete 200s within the client "
@@ -31,7 +33,8 @@ RUN_LEGEND: Final = (
     "of final outcomes: good, late (200 after the client's timeout), 429, 5xx, tmo (the "
     "client gave up), oth (4xx, connection errors);\nwaste: tokens generated for requests "
     "aborted by their client / all generated (simulator counters, from the start of the run "
-    "to the end of the window); lag: worst simulator / load-generator lag, ! = above "
+    "to the end of the window); peak: the most requests running in the backend at once "
+    "(polled every 0.5 s wall, whole run); lag: worst simulator / load-generator lag, ! = above "
     "--max-lag-s"
 )
 
@@ -55,6 +58,7 @@ def _run_row(r: RunSummary) -> list[str]:
         *(f"{100 * o[k]:.0f}%" for k in ("good", "late", "429", "5xx", "timeout")),
         f"{100 * (o['4xx'] + o['other']):.0f}%",
         pct(r.wasted_frac),
+        fmt(r.in_flight_peak, 0),
         f"{lag:.2f}" + (" " if r.harness_ok else "!"),  # the blank keeps the decimals aligned
     ]
 
@@ -83,8 +87,9 @@ def _admission_text(r: RunSummary) -> str:
     def n(key: str) -> int:
         return int(a.get(key, 0))
 
-    if r.strategy in ("sidecar", "sidecar-static"):
-        # Every outcome the sidecar counted, summed over its buckets (admitted first).
+    if r.strategy in SIDECAR_STRATEGIES:
+        # Every outcome the sidecar counted, summed over its buckets (and replicas), admitted
+        # first.
         outcomes: dict[str, int] = {}
         for k, v in a.items():
             if "/" in k:
@@ -122,6 +127,64 @@ def format_admission(rows: Sequence[RunSummary]) -> str:
         for r in rows
     )
     return "\n".join(lines)
+
+
+REPLICA_HEADERS: Final = (
+    "run", "strategy", "limit", "good/s", "slo/s", "1st99i", "ttft99i", "peak", "peak/C",
+    "mean", "held", "429", "5xx", "tmo", "waste", "lag",
+)  # fmt: skip
+
+
+def format_replicas(rows: Sequence[RunSummary], cap: Capacity, opts: Options) -> str:
+    """The replica strategies side by side (empty without any): goodput, interactive p99 TTFT
+    of first attempts, and the backend's peak of requests running against C."""
+    limits = {
+        s: f"{cap.concurrency} shared"
+        if s == "replicas-shared"
+        else "+".join(str(n) for n in replica_limits(s, cap, opts))
+        for s in REPLICA_STRATEGIES
+    }
+    cells = []
+    for r in rows:
+        if r.strategy not in REPLICA_STRATEGIES:
+            continue
+        o = r.overall.outcomes
+        f = r.in_flight
+        peak = r.in_flight_peak
+        lag = max(r.loadgen_lag_s_max, r.sim_lag_s_max or 0.0)
+        cells.append(
+            [
+                r.label if r.scenario == "steady" else r.scenario,
+                r.strategy,
+                limits[r.strategy],
+                f"{r.goodput_rps:.2f}",
+                f"{r.slo_goodput_rps:.2f}",
+                fmt(r.ttft_p99_first_attempt_s),
+                fmt(r.ttft_p99_s),
+                fmt(peak, 0),
+                "-" if peak is None else f"{peak / cap.concurrency:.2f}",
+                fmt(f.running_mean_window if f is not None else None, 1),
+                fmt(f.held_peak if f is not None else None, 0),
+                *(f"{100 * o[k]:.0f}%" for k in ("429", "5xx", "timeout")),
+                pct(r.wasted_frac),
+                f"{lag:.2f}" + (" " if r.harness_ok else "!"),
+            ]
+        )
+    if not cells:
+        return ""
+    return "\n".join(
+        [
+            f"{opts.replicas} replicas (Envoy + sidecar each) in front of one simulator, requests "
+            f"spread round robin over them; C = {cap.concurrency}:",
+            format_table(REPLICA_HEADERS, cells),
+            "limit: the replicas' pools; 1st99i: interactive p99 TTFT of requests answered at "
+            "their first attempt (ttft99i: from the original arrival, retries included); peak: "
+            "the most requests running in the backend at once (/sim/stats, polled every 0.5 s "
+            "wall, whole run), peak/C: against the pool's limit; mean: running, over the "
+            "window; held: the most running + waiting (the simulator's own queue) at one poll, "
+            "everything the replicas let through; 429/5xx/tmo: shares of final outcomes",
+        ]
+    )
 
 
 SCENARIO_HEADERS: Final = (
@@ -183,6 +246,9 @@ COLORS: Final = {
     "priority-gateway": "tab:green",
     "sidecar-static": "tab:cyan",
     "sidecar": "tab:blue",
+    "replicas-shared": "tab:olive",
+    "replicas-full": "tab:pink",
+    "replicas-split": "tab:gray",
 }
 
 
@@ -228,7 +294,7 @@ def _plot_steady(
     from matplotlib.ticker import NullFormatter
 
     window = Window(start_s=opts.warmup_s, end_s=opts.duration_s)
-    strategies = [s for s in STRATEGIES if any(r.strategy == s for r in rows)]
+    strategies = [s for s in KNOWN_STRATEGIES if any(r.strategy == s for r in rows)]
     labels = list(dict.fromkeys(r.label for r in sorted(rows, key=lambda r: r.load)))
     paths: list[Path] = []
 

@@ -1,6 +1,8 @@
-"""Running one strategy on one scenario run: a fresh deployment, one load-generator run, the
-counters snapshotted at the window's edges, the backend and the limit sampled all along, the
-backend's speed changed on cue, teardown."""
+"""Running one strategy on one scenario run: a fresh deployment, one load-generator run (spread
+over the gateways where there are several, :mod:`.spread`), the counters snapshotted at the
+window's edges, the backend and the limit sampled all along, the backend's requests in flight
+polled every :data:`IN_FLIGHT_EVERY_S` of wall time (their peak: :class:`.summary.InFlight`),
+the backend's speed changed on cue, teardown."""
 
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ from bench.load.summary import LoadResult
 from .capacity import Capacity
 from .options import Options, Strategy
 from .scenarios import ScenarioRun
+from .spread import run_spread
 from .strategies import Deployment, deploy
-from .summary import RunSummary, Window, summarize_run
+from .summary import InFlightPoint, RunSummary, Window, in_flight_point, summarize_run
 from .timeline import Sample
 
 _SIM_KEYS: Final = (
@@ -50,7 +53,11 @@ _ENVOY_FILTER: Final = (
     + "))$"
 )
 POOL_LIMIT_GAUGE: Final = "llm_extproc_pool_limit"
+SHARED_POOL_LIMIT_GAUGE: Final = "llm_extproc_shared_pool_limit"
 _TIMEOUT: Final = aiohttp.ClientTimeout(total=10)
+# The backend's requests in flight are polled this often (wall seconds), whatever the speedup:
+# cheap (one small JSON per simulator), and often enough to see a peak that lasts a moment.
+IN_FLIGHT_EVERY_S: Final = 0.5
 
 
 async def _json(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
@@ -60,7 +67,8 @@ async def _json(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
 
 
 async def _sidecar_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """Outcome counters as ``sidecar.<bucket>/<outcome>``; the pool limit as ``pool_limit``."""
+    """Outcome counters as ``sidecar.<bucket>/<outcome>``; the pool limit as ``pool_limit``, a
+    shared pool's (all replicas together) as ``shared_pool_limit``."""
     async with session.get(url, timeout=_TIMEOUT) as r:
         text = await r.text()
     out: dict[str, float] = {}
@@ -71,6 +79,21 @@ async def _sidecar_metrics(session: aiohttp.ClientSession, url: str) -> dict[str
                 out[key] = out.get(key, 0.0) + s.value
             elif s.name == POOL_LIMIT_GAUGE:
                 out["pool_limit"] = out.get("pool_limit", 0.0) + s.value
+            elif s.name == SHARED_POOL_LIMIT_GAUGE:
+                out["shared_pool_limit"] = s.value
+    return out
+
+
+def combine_replicas(snaps: list[dict[str, float]]) -> dict[str, float]:
+    """The counters of several sidecars (or Envoys) as one: summed, except a shared pool's
+    limit, which every replica reports for all of them (the highest is kept)."""
+    out: dict[str, float] = {}
+    for snap in snaps:
+        for key, value in snap.items():
+            if key == "shared_pool_limit":
+                out[key] = max(out.get(key, value), value)
+            else:
+                out[key] = out.get(key, 0.0) + value
     return out
 
 
@@ -91,8 +114,9 @@ async def _envoy_stats(session: aiohttp.ClientSession, admin_url: str) -> dict[s
 
 
 async def _snapshot(session: aiohttp.ClientSession, dep: Deployment) -> dict[str, float]:
-    """The run's counters, flat: ``sim.*`` (summed over the replicas; lag: the worst),
-    ``gauge.*``, ``sidecar.<bucket>/<outcome>``, ``envoy.*``, ``gateway.*``, ``pool_limit``."""
+    """The run's counters, flat: ``sim.*`` (summed over the simulator replicas; lag: the worst),
+    ``gauge.*``, ``sidecar.<bucket>/<outcome>``, ``envoy.*`` (summed over the gateways),
+    ``gateway.*``, ``pool_limit`` (summed over the sidecars), ``shared_pool_limit``."""
     out: dict[str, float] = {}
     for url in dep.backend_urls:
         stats = await _json(session, f"{url}/sim/stats")
@@ -103,10 +127,12 @@ async def _snapshot(session: aiohttp.ClientSession, dep: Deployment) -> dict[str
         for gauge in ("num_requests_running", "num_requests_waiting"):
             out[f"gauge.{gauge}"] = out.get(f"gauge.{gauge}", 0.0) + float(stats.get(gauge, 0.0))
         out["gauge.speed_factor"] = float(stats.get("speed_factor", 1.0))
-    if dep.sidecar_metrics_url is not None:
-        out.update(await _sidecar_metrics(session, dep.sidecar_metrics_url))
-    if dep.envoy_admin_url is not None:
-        out.update(await _envoy_stats(session, dep.envoy_admin_url))
+    if dep.sidecar_metrics_urls:
+        out.update(
+            combine_replicas([await _sidecar_metrics(session, u) for u in dep.sidecar_metrics_urls])
+        )
+    if dep.envoy_admin_urls:
+        out.update(combine_replicas([await _envoy_stats(session, u) for u in dep.envoy_admin_urls]))
     if dep.gateway_url is not None:
         stats = await _json(session, f"{dep.gateway_url}/gateway/stats")
         out.update({f"gateway.{k}": float(v) for k, v in stats.items()})
@@ -114,7 +140,11 @@ async def _snapshot(session: aiohttp.ClientSession, dep: Deployment) -> dict[str
 
 
 def _sample_of(t_s: float, snap: dict[str, float]) -> Sample:
-    limit = snap.get("pool_limit", snap.get("envoy.adaptive.concurrency_limit"))
+    # The limit on what reaches the backend: a shared pool's, else the sidecars' pools
+    # together (replicas-full: replicas x C), else Envoy's adaptive filter's.
+    limit = snap.get(
+        "shared_pool_limit", snap.get("pool_limit", snap.get("envoy.adaptive.concurrency_limit"))
+    )
     return Sample(
         t_s=t_s,
         running=snap.get("gauge.num_requests_running", 0.0),
@@ -147,6 +177,29 @@ async def _sampler(
         k += 1
 
 
+async def _in_flight_sampler(
+    session: aiohttp.ClientSession,
+    dep: Deployment,
+    t0: float,
+    speedup: float,
+    out: list[InFlightPoint],
+) -> None:
+    """Every :data:`IN_FLIGHT_EVERY_S` wall seconds until cancelled: the simulators' requests
+    running and waiting (``/sim/stats``, summed over the replicas), as an
+    :class:`.summary.InFlightPoint`; a poll that fails is skipped."""
+    loop = asyncio.get_running_loop()
+    k = 0
+    while True:
+        await asyncio.sleep(max(0.0, t0 + k * IN_FLIGHT_EVERY_S - loop.time()))
+        t_s = (loop.time() - t0) * speedup
+        try:
+            stats = [await _json(session, f"{url}/sim/stats") for url in dep.backend_urls]
+            out.append(in_flight_point(t_s, stats))
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            pass
+        k += 1
+
+
 async def _speed_changes(
     session: aiohttp.ClientSession, dep: Deployment, run: ScenarioRun, t0: float, speedup: float
 ) -> None:
@@ -163,31 +216,35 @@ async def _speed_changes(
 
 async def _drive(
     cfg: LoadConfig, dep: Deployment, run: ScenarioRun, window: Window, opts: Options
-) -> tuple[LoadResult, list[dict[str, float]], list[Sample]]:
-    """The load-generator run, with the counters snapshotted at its start and at the window's
-    start and end, the sampler and the speed changes alongside."""
+) -> tuple[LoadResult, list[dict[str, float]], list[Sample], list[InFlightPoint]]:
+    """The load-generator run (spread over the gateways where there are several), with the
+    counters snapshotted at its start and at the window's start and end, the samplers and the
+    speed changes alongside."""
     loop = asyncio.get_running_loop()
     samples: list[Sample] = []
+    in_flight: list[InFlightPoint] = []
     async with aiohttp.ClientSession() as session:
         snaps = [await _snapshot(session, dep)]
         t0 = loop.time()
-        load = asyncio.create_task(run_load(cfg))
+        sent = run_spread(cfg, dep.urls) if len(dep.urls) > 1 else run_load(cfg)
+        load = asyncio.create_task(sent)
         helpers = [
-            asyncio.create_task(_sampler(session, dep, t0, opts, samples)),
             asyncio.create_task(_speed_changes(session, dep, run, t0, opts.speedup)),
+            asyncio.create_task(_sampler(session, dep, t0, opts, samples)),
+            asyncio.create_task(_in_flight_sampler(session, dep, t0, opts.speedup, in_flight)),
         ]
         try:
             for edge in (window.start_s, window.end_s):
                 await asyncio.sleep(max(0.0, t0 + edge / cfg.speedup - loop.time()))
                 snaps.append(await _snapshot(session, dep))
             result = await load
-            if helpers[1].done():
-                helpers[1].result()  # a speed change that failed fails the run
+            if helpers[0].done():
+                helpers[0].result()  # a speed change that failed fails the run
         finally:
             for task in (load, *helpers):
                 task.cancel()
             await asyncio.gather(load, *helpers, return_exceptions=True)
-    return result, snaps, samples
+    return result, snaps, samples, in_flight
 
 
 def run_one(
@@ -211,7 +268,9 @@ def run_one(
             traces_dir=opts.traces_dir,
             max_run_s=run.duration_s + 1.0,
         )
-        result, snaps, samples = asyncio.run(_drive(cfg, dep, run, window, opts))
+        result, snaps, samples, in_flight = asyncio.run(_drive(cfg, dep, run, window, opts))
     wall = time.monotonic() - t0
-    summary = summarize_run(strategy, run, result, snaps, samples, window, opts, cap, wall)
+    summary = summarize_run(
+        strategy, run, result, snaps, samples, window, opts, cap, wall, in_flight=in_flight
+    )
     return summary, result, samples

@@ -8,7 +8,16 @@
 ``priority-gateway``         :mod:`bench.gateway` in front of the simulator, C workers
 ``sidecar-static``           Envoy + the sidecar, fixed slots per bucket (:func:`sidecar_policy`)
 ``sidecar``                  Envoy + the sidecar, one adaptive pool (:func:`pool_policy`)
+``replicas-shared``          3 x (Envoy + sidecar), one static pool of C through Redis
+``replicas-full``            3 x (Envoy + sidecar), each a pool of C (3C in all)
+``replicas-split``           3 x (Envoy + sidecar), each a pool of C / 3
 ============================ ===============================================================
+
+The replica strategies (:func:`replica_policies`, not in the default list) put
+``Options.replicas`` gateways (``testing.gateways.Gateways``: Envoy + sidecar each) in front of
+one simulator; the clients spread their requests over the gateways' listeners
+(:mod:`.spread`). Their pools are the ``sidecar`` strategy's buckets without the adaptive limit,
+so the three differ only in each replica's limit and in whether the replicas share it.
 
 Every Envoy with the sidecar runs with what ``extproc.config.envoy.render(policy)`` derives
 from its policy (:func:`policy_envoy_patch`): the shipped envoy/envoy.yaml is written for the
@@ -30,10 +39,11 @@ from typing import Any, Final
 
 from extproc.config.envoy import EXT_PROC_FILTER, render
 from extproc.config.policy import policy_from_yaml
+from testing.gateways import Gateways
 from testing.stack import Proc, Stack, free_port, wait_http
 
 from .capacity import Capacity, workload_mix
-from .options import SIDECAR_STRATEGIES, Options, Strategy, backend_argv
+from .options import REPLICA_STRATEGIES, SIDECAR_STRATEGIES, Options, Strategy, backend_argv
 
 __all__ = [
     "ADAPTIVE_CONCURRENCY_FILTER",
@@ -46,6 +56,9 @@ __all__ = [
     "gateway_thresholds",
     "policy_envoy_patch",
     "pool_policy",
+    "replica_limits",
+    "replica_policies",
+    "replica_pool_policy",
     "sidecar_policy",
     "slot_split",
     "with_http_filter",
@@ -57,6 +70,9 @@ ADAPTIVE_CONCURRENCY_TYPE: Final = (
     "type.googleapis.com/envoy.extensions.filters.http.adaptive_concurrency.v3.AdaptiveConcurrency"
 )
 ROUTER_FILTER: Final = "envoy.filters.http.router"
+# replicas-shared: where its policy names Redis (testing.gateways.Gateways fills it in).
+REDIS_PLACEHOLDER: Final = "{redis}"
+SHARED_KEY_PREFIX: Final = "bench-compare"
 
 
 def slot_split(cap: Capacity) -> dict[str, int]:
@@ -179,6 +195,89 @@ buckets:
     queue_timeout: {_duration(qt["batch"], s)}   # {qt["batch"]:g} s simulated
     max_queue: 5000
 """
+
+
+def replica_limits(strategy: Strategy, cap: Capacity, opts: Options) -> list[int]:
+    """Each replica's ``pool.max_concurrency``: C for ``replicas-shared`` (the pool's limit,
+    all replicas together) and ``replicas-full`` (each replica the whole pool: what replicas
+    configured from one backend's capacity admit today, ``replicas`` x C in all); for
+    ``replicas-split`` C / ``replicas``, the remainder to the first replicas, so the limits add
+    up to C (as the shared pool's local shares do, ``extproc.shared.leases``)."""
+    n, c = opts.replicas, cap.concurrency
+    if strategy == "replicas-split":
+        return [max(1, c // n + (1 if i < c % n else 0)) for i in range(n)]
+    if strategy in ("replicas-shared", "replicas-full"):
+        return [c] * n
+    raise ValueError(f"{strategy!r} is not a replica strategy")
+
+
+def _shared_lease_s(opts: Options) -> float:
+    """The shared pool's lease: 10 s, the policy's default, as simulated seconds on the wall
+    clock, no shorter than the 500 ms the policy allows."""
+    return max(0.5, 10.0 / opts.speedup)
+
+
+def replica_pool_policy(opts: Options, *, limit: int, shared: bool) -> str:
+    """One replica's policy: the ``sidecar`` strategy's pool (:func:`pool_policy`: the same
+    buckets, priorities, shares, cost order, deadlines, queue bounds and overload steps) with
+    a static ``max_concurrency`` of ``limit`` instead of the adaptive limit, and no backend
+    metrics (nothing reads them without it).
+
+    ``shared``: the pool is ``pool.shared`` through Redis (:data:`REDIS_PLACEHOLDER` in place
+    of its URL): ``limit`` is then the pool's, all replicas together. The lease is 10 s scaled
+    by the speedup (``lease / 3`` between renewals, as at speedup 1 per simulated second); the
+    Redis call timeout is a network deadline, not scaled: 250 ms (the policy's default), at
+    most a quarter of the lease. ``fail_fast`` is off in every replica strategy: shared mode
+    turns it off (a local release rate says nothing about the pool's), so it is off in the
+    other two too, and the three differ only in the limit and the sharing.
+    """
+    qt = opts.queue_timeouts_s
+    s = opts.speedup
+    lease_s = _shared_lease_s(opts)
+    timeout_ms = max(1, round(1000 * min(0.25, lease_s / 4)))
+    shared_line = (
+        f'  shared: {{redis: "{REDIS_PLACEHOLDER}", key_prefix: {SHARED_KEY_PREFIX}, '
+        f"lease: {round(1000 * lease_s)}ms, timeout: {timeout_ms}ms, replicas: {opts.replicas}}}\n"
+        if shared
+        else ""
+    )
+    what = (
+        f"one pool of {limit} shared by {opts.replicas} replicas through Redis"
+        if shared
+        else f"this replica's own pool of {limit}, shared with nobody"
+    )
+    return f"""\
+# Generated by bench.compare for the {opts.profile} profile at speedup {s:g}: {what}.
+# Timers are wall-clock ((simulated seconds) / {s:g}).
+{_common_policy(opts)}pool:
+  max_concurrency: {limit}
+  fail_fast: false
+{shared_line}  overload: {{tighten_eviction_rate: 0.05, step_hold: {_duration(120.0, s)}, \
+window: {_duration(30.0, s)}}}
+buckets:
+  - name: interactive
+    match: {{headers: {{x-llm-class: interactive}}}}
+    priority: 0
+    min_share: 0.5
+    queue_timeout: {_duration(qt["interactive"], s)}   # {qt["interactive"]:g} s simulated
+    max_queue: 2000
+  - name: batch
+    priority: 10
+    max_share: 0.9
+    order: cost
+    queue_timeout: {_duration(qt["batch"], s)}   # {qt["batch"]:g} s simulated
+    max_queue: 5000
+"""
+
+
+def replica_policies(strategy: Strategy, cap: Capacity, opts: Options) -> list[str]:
+    """The policy of each of the ``opts.replicas`` gateways of a replica strategy
+    (:func:`replica_limits`, :func:`replica_pool_policy`)."""
+    shared = strategy == "replicas-shared"
+    return [
+        replica_pool_policy(opts, limit=limit, shared=shared)
+        for limit in replica_limits(strategy, cap, opts)
+    ]
 
 
 def envoy_breakers(cap: Capacity, opts: Options) -> dict[str, int]:
@@ -334,14 +433,21 @@ def gateway_argv(cap: Capacity, opts: Options, port: int, upstreams: list[str]) 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Deployment:
-    """A running strategy: where the clients go, and where its counters are read."""
+    """A running strategy: where the clients go, and where its counters are read. The replica
+    strategies have several of each gateway URL: the clients spread their requests over
+    ``urls`` (:mod:`.spread`), and the counters are summed over the sidecars and Envoys."""
 
     strategy: Strategy
-    url: str
+    urls: tuple[str, ...]
     backend_urls: tuple[str, ...]
-    sidecar_metrics_url: str | None = None
-    envoy_admin_url: str | None = None
+    sidecar_metrics_urls: tuple[str, ...] = ()
+    envoy_admin_urls: tuple[str, ...] = ()
     gateway_url: str | None = None
+
+    @property
+    def url(self) -> str:
+        """The (first) gateway's URL."""
+        return self.urls[0]
 
 
 @contextlib.contextmanager
@@ -349,6 +455,10 @@ def deploy(strategy: Strategy, cap: Capacity, opts: Options, log_dir: Path) -> I
     """Start a strategy's processes (their logs, Envoy config and policy in ``log_dir``), yield
     where to reach them, stop them all."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    if strategy in REPLICA_STRATEGIES:
+        with _deploy_replicas(strategy, cap, opts, log_dir) as dep:
+            yield dep
+        return
     common: dict[str, Any] = {"backend_argv": backend_argv(opts), "log_dir": log_dir}
     if strategy in ("direct", "priority-gateway"):
         stack = Stack(**common, start_sidecar=False, start_envoy=False)
@@ -379,7 +489,7 @@ def deploy(strategy: Strategy, cap: Capacity, opts: Options, log_dir: Path) -> I
     with stack:
         backends = tuple(stack.backend_urls)
         if strategy == "direct":
-            yield Deployment(strategy=strategy, url=stack.backend_url, backend_urls=backends)
+            yield Deployment(strategy=strategy, urls=(stack.backend_url,), backend_urls=backends)
         elif strategy == "priority-gateway":
             port = free_port()
             proc = Proc("gateway", gateway_argv(cap, opts, port, list(backends)), log_dir)
@@ -390,14 +500,46 @@ def deploy(strategy: Strategy, cap: Capacity, opts: Options, log_dir: Path) -> I
                 except BaseException:
                     print(f"----- gateway log -----\n{proc.log_text()[-4000:]}", file=sys.stderr)
                     raise
-                yield Deployment(strategy=strategy, url=url, backend_urls=backends, gateway_url=url)
+                yield Deployment(
+                    strategy=strategy, urls=(url,), backend_urls=backends, gateway_url=url
+                )
             finally:
                 proc.stop()
         else:
             yield Deployment(
                 strategy=strategy,
-                url=stack.url,
+                urls=(stack.url,),
                 backend_urls=backends,
-                sidecar_metrics_url=stack.metrics_url if strategy in SIDECAR_STRATEGIES else None,
-                envoy_admin_url=f"http://127.0.0.1:{stack.admin_port}",
+                sidecar_metrics_urls=(stack.metrics_url,) if strategy in SIDECAR_STRATEGIES else (),
+                envoy_admin_urls=(f"http://127.0.0.1:{stack.admin_port}",),
             )
+
+
+@contextlib.contextmanager
+def _deploy_replicas(
+    strategy: Strategy, cap: Capacity, opts: Options, log_dir: Path
+) -> Iterator[Deployment]:
+    """``opts.replicas`` gateways in front of one simulator (``testing.gateways.Gateways``:
+    the simulator, then each Envoy + sidecar; a redis-server first for ``replicas-shared``).
+
+    Every Envoy gets what ``render(policy)`` derives from the first replica's policy, the
+    largest (:func:`replica_limits` gives the remainder to the first): the deadlines are the
+    same in all, and the sidecar cluster's breakers are upper bounds."""
+    policies = replica_policies(strategy, cap, opts)
+    # render() checks the Redis URL: any well-formed one will do, the patch does not hold it.
+    patch = policy_envoy_patch(policies[0].replace(REDIS_PLACEHOLDER, "redis://127.0.0.1:6379/0"))
+    with Gateways(
+        opts.replicas,
+        policies[0] if len(set(policies)) == 1 else policies,  # one policy.yaml if one will do
+        log_dir,
+        backend_argv=backend_argv(opts),
+        envoy_patch=patch,
+        start_redis=strategy == "replicas-shared",
+    ) as g:
+        yield Deployment(
+            strategy=strategy,
+            urls=tuple(g.urls),
+            backend_urls=(g.backend_url,),
+            sidecar_metrics_urls=tuple(st.metrics_url for st in g.stacks),
+            envoy_admin_urls=tuple(f"http://127.0.0.1:{st.admin_port}" for st in g.stacks),
+        )

@@ -1,6 +1,7 @@
 """One run's figures over the measurement window, pure: per-class statistics, SLO goodput,
 wasted work, the counters' deltas (see "Time and the measurement window" in
-:mod:`bench.compare`), and the scenario's figures over time (:mod:`.timeline`)."""
+:mod:`bench.compare`), the backend's requests in flight (:class:`InFlight`), and the
+scenario's figures over time (:mod:`.timeline`)."""
 
 from __future__ import annotations
 
@@ -111,6 +112,54 @@ def class_stats(records: Sequence[RequestRecord], window: Window) -> ClassStats:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class InFlightPoint:
+    """What the simulators said they held at one moment (``/sim/stats``, summed over them)."""
+
+    t_s: float  # simulated seconds from the start of the arrivals
+    running: int  # num_requests_running: in the engine's batch
+    waiting: int  # num_requests_waiting: in its FCFS queue
+
+
+def in_flight_point(t_s: float, stats: Sequence[Mapping[str, Any]]) -> InFlightPoint:
+    """One poll of every simulator's ``/sim/stats`` as a point (a missing gauge counts 0)."""
+    return InFlightPoint(
+        t_s=t_s,
+        running=sum(int(s.get("num_requests_running", 0)) for s in stats),
+        waiting=sum(int(s.get("num_requests_waiting", 0)) for s in stats),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InFlight:
+    """The backend's requests in flight over a run, from polls every 0.5 s of wall time
+    (``run.IN_FLIGHT_EVERY_S``): a sampled peak, so a peak shorter than that may be missed.
+    What the backend itself says it ran, whatever the gateways think they admitted (with
+    several replicas, the overshoot of limits that are not shared shows here)."""
+
+    samples: int
+    running_peak: int  # the most running at once, whole run (warm-up and drain included)
+    running_peak_window: int | None  # the same over the measurement window
+    running_mean_window: float | None
+    waiting_peak: int  # the most waiting in the simulator's own queue, whole run
+    held_peak: int  # the most running + waiting at one poll, whole run: all the backend held
+
+
+def in_flight_figures(points: Sequence[InFlightPoint], window: Window) -> InFlight | None:
+    """The peaks and the window's mean of some polls; None without any."""
+    if not points:
+        return None
+    inside = [p.running for p in points if window.start_s <= p.t_s < window.end_s]
+    return InFlight(
+        samples=len(points),
+        running_peak=max(p.running for p in points),
+        running_peak_window=max(inside) if inside else None,
+        running_mean_window=statistics.fmean(inside) if inside else None,
+        waiting_peak=max(p.waiting for p in points),
+        held_peak=max(p.running + p.waiting for p in points),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunSummary:
     """One strategy on one scenario run, over the measurement window (simulated seconds)."""
 
@@ -137,6 +186,12 @@ class RunSummary:
     wall_s: float
     # The scenario's figures (recovery_s, limit_settle_s, idle_use, ...), see summarize_run.
     scenario_figures: dict[str, float | None]
+    in_flight: InFlight | None = None  # the backend's requests in flight, polled
+
+    @property
+    def in_flight_peak(self) -> int | None:
+        """The most requests the backend ran at once (sampled), whole run."""
+        return self.in_flight.running_peak if self.in_flight is not None else None
 
     @property
     def goodput_rps(self) -> float:
@@ -157,6 +212,8 @@ class RunSummary:
         out["goodput_rps"] = self.goodput_rps
         out["goodput_tokens_per_s"] = self.overall.goodput_tokens_per_s
         out["interactive_ttft_p99_s"] = self.ttft_p99_s
+        out["interactive_ttft_p99_first_attempt_s"] = self.ttft_p99_first_attempt_s
+        out["in_flight_peak"] = self.in_flight_peak
         return out
 
 
@@ -213,11 +270,14 @@ def summarize_run(
     opts: Options,
     cap: Capacity,
     wall_s: float,
+    *,
+    in_flight: Sequence[InFlightPoint] = (),
 ) -> RunSummary:
     """Window statistics of one run. ``snaps``: counters at the start, at the window's start and
-    at its end. Wasted work is taken from the start of the run to the end of the window: a
-    request's tokens count as aborted only when it ends, so over a window that starts while
-    requests are running the ratio could pass 100 %."""
+    at its end; ``in_flight``: the polls of the backend's requests in flight. Wasted work is
+    taken from the start of the run to the end of the window: a request's tokens count as
+    aborted only when it ends, so over a window that starts while requests are running the
+    ratio could pass 100 %."""
     start, before, after = snaps
 
     def delta(prefix: str, since: Mapping[str, float]) -> dict[str, float]:
@@ -285,6 +345,7 @@ def summarize_run(
         harness_ok=harness_ok,
         wall_s=wall_s,
         scenario_figures=scenario_figures(run, recs, samples, cap),
+        in_flight=in_flight_figures(in_flight, window),
     )
 
 

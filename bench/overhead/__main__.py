@@ -30,22 +30,35 @@ from bench.overhead.ways import (
     CLASS_HEADER,
     FLOOR,
     NAIVE,
+    REDIS,
     SERVERS,
     SIDECAR,
     SIDECAR_GRPC,
+    SIDECAR_REDIS,
     SIDECAR_RW,
+    SIDECAR_SHARED,
     WAYS,
     chat_body,
     listener_of,
 )
+from testing.redis import redis_binary
 from testing.stack import REPO, envoy_binary
 
 __all__ = ["main", "run"]
 
 
 def sanity_check(bench: Bench, bodies: dict[str, bytes]) -> None:
-    """Each way answers 200; the sidecar really runs (it echoes the effective max_tokens)."""
-    expect = {FLOOR: None, NAIVE: None, SIDECAR_GRPC: "128", SIDECAR: "128", SIDECAR_RW: "256"}
+    """Each way answers 200; the sidecar really runs (it echoes the effective max_tokens); the
+    shared-pool sidecar is in shared mode (it reached Redis) and Redis served its scripts."""
+    calls = bench.redis_script_calls()
+    expect = {
+        FLOOR: None,
+        NAIVE: None,
+        SIDECAR_GRPC: "128",
+        SIDECAR: "128",
+        SIDECAR_RW: "256",
+        SIDECAR_REDIS: "128",
+    }
     for way in WAYS:
         req = urllib.request.Request(
             bench.url(listener_of(way)),
@@ -56,6 +69,11 @@ def sanity_check(bench: Bench, bodies: dict[str, bytes]) -> None:
             got = r.headers.get("x-llm-max-tokens") or None
             if r.status != 200 or got != expect[way]:
                 raise RuntimeError(f"{way}: status {r.status}, x-llm-max-tokens {got!r}")
+    state = bench.scrape(SIDECAR_SHARED).get("llm_extproc_shared_state")
+    if state != 0:
+        raise RuntimeError(f"{SIDECAR_REDIS}: llm_extproc_shared_state {state} (0: shared)")
+    if bench.redis_script_calls() <= calls:
+        raise RuntimeError(f"{SIDECAR_REDIS}: no script call reached Redis")
 
 
 def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
@@ -81,7 +99,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
             w: http_request(f"127.0.0.1:{port[w]}", CHAT_PATH, bodies[w], [CLASS_HEADER])
             for w in WAYS
         }
-        pids = {"envoy": bench.pid("envoy"), **{s: bench.pid(s) for s in SERVERS}}
+        pids = {"envoy": bench.pid("envoy"), **{s: bench.pid(s) for s in (*SERVERS, REDIS)}}
         sanity_check(bench, bodies)
         with CpuMeter(pids) as idle:
             time.sleep(2.0)
@@ -90,7 +108,14 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
 
         warm_up(bench, body_files, args.warmup)
         res["open_loop"] = open_loop_runs(
-            bench, port, requests, pids, args.rates, args.open_seconds, args.rounds
+            bench,
+            port,
+            requests,
+            pids,
+            args.rates,
+            args.open_seconds,
+            args.rounds,
+            redis_calls=bench.redis_script_calls,
         )
         res["closed_loop"] = closed_loop(
             bench, body_files, pids, args.connections, args.closed_seconds, log_dir
@@ -232,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     # Fail early, before starting anything.
     h2load_binary()
+    redis_binary()  # sidecar+redis's redis-server
     if args.profile:
         pyspy_binary()
     # SIGTERM (make, CI) unwinds like Ctrl-C, so every process started here is stopped.

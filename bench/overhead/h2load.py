@@ -19,7 +19,7 @@ from typing import Any
 
 from bench.overhead.meters import CpuMeter, log, pct
 from bench.overhead.procs import Bench
-from bench.overhead.ways import CLASS_HEADER, WAYS, listener_of, server_of
+from bench.overhead.ways import CLASS_HEADER, WAYS, listener_of, metered_of, server_of
 
 __all__ = [
     "H2Load",
@@ -166,6 +166,8 @@ def closed_loop(
         bench.check_alive()
         lf.unlink(missing_ok=True)
         server = server_of(w)
+        # The way's server CPU: its ext_proc server's (and sidecar+redis's redis-server's).
+        server_cpu = sum(m.delta[x] for x in metered_of(w))
         out[w] = {
             "rate": r.rate,
             "requests": r.succeeded,
@@ -174,8 +176,8 @@ def closed_loop(
             "p50_ms": pct(r.latency_s, 50, 1e3),
             "p99_ms": pct(r.latency_s, 99, 1e3),
             "envoy_cpu_us": 1e6 * m.delta["envoy"] / max(1, r.succeeded),
-            "server_cpu_us": (1e6 * m.delta[server] / max(1, r.succeeded)) if server else None,
-            "server_cores": (m.delta[server] / m.wall_s) if server else None,
+            "server_cpu_us": (1e6 * server_cpu / max(1, r.succeeded)) if server else None,
+            "server_cores": (server_cpu / m.wall_s) if server else None,
             "server_threads": (
                 {k: v / m.wall_s for k, v in m.threads[server].items() if v > 0} if server else None
             ),

@@ -8,6 +8,10 @@ its time whatever happened to earlier ones (a new connection is opened if none i
 latency is measured from the moment the request was written to the moment its last byte was
 read. Its lateness against the schedule (asyncio wakes up with millisecond granularity) and
 its own CPU are reported with every run.
+
+A way's server CPU is that of the processes ``ways.metered_of`` names (sidecar+redis: the
+sidecar and the redis-server together); on sidecar+redis the redis-server's script calls are
+counted over each run (``redis_calls_per_request``: how many requests made a round trip).
 """
 
 from __future__ import annotations
@@ -18,13 +22,13 @@ import re
 import resource
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from bench.overhead.meters import CpuMeter, log, pct
 from bench.overhead.procs import Bench
-from bench.overhead.ways import SERVERS, WAYS, server_of
+from bench.overhead.ways import REDIS, SIDECAR_REDIS, WAYS, metered_of
 
 __all__ = ["OpenLoop", "Samples", "http_request", "open_loop", "open_loop_runs"]
 
@@ -169,9 +173,18 @@ class Samples:
     gen_cpu_s: float = 0.0
     cpu_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     max_connections: int = 0
+    redis_calls: int | None = None  # script calls Redis served (sidecar+redis only)
 
-    def add(self, gen: OpenLoop, wall: float, gen_cpu: float, meter: CpuMeter) -> None:
-        """Pool one run: its requests, the generator's CPU and the metered processes' CPU."""
+    def add(
+        self,
+        gen: OpenLoop,
+        wall: float,
+        gen_cpu: float,
+        meter: CpuMeter,
+        redis_calls: int | None = None,
+    ) -> None:
+        """Pool one run: its requests, the generator's CPU, the metered processes' CPU and,
+        where counted, Redis's script calls."""
         for i in range(gen.count):
             self.statuses[gen.status[i]] += 1
             if gen.status[i] == 200:
@@ -184,6 +197,8 @@ class Samples:
         for name, cpu in meter.delta.items():
             self.cpu_s[name] += cpu
         self.cpu_s["machine"] += meter.system_s
+        if redis_calls is not None:
+            self.redis_calls = (self.redis_calls or 0) + redis_calls
 
 
 def open_loop(
@@ -202,9 +217,11 @@ def open_loop(
 
 def summarise(way: str, s: Samples) -> dict[str, Any]:
     """The figures of one way at one rate, as reported."""
-    server = server_of(way)
+    metered = metered_of(way)
+    server_cpu = sum(s.cpu_s[x] for x in metered)
     ok = len(s.latency_s)
-    others = s.cpu_s["machine"] - s.cpu_s["envoy"] - sum(s.cpu_s[x] for x in SERVERS) - s.gen_cpu_s
+    measured = sum(v for k, v in s.cpu_s.items() if k != "machine")
+    others = s.cpu_s["machine"] - measured - s.gen_cpu_s
     return {
         "requests": s.requests,
         "ok": ok,
@@ -220,8 +237,12 @@ def summarise(way: str, s: Samples) -> dict[str, Any]:
         "generator_cores": s.gen_cpu_s / s.wall_s if s.wall_s else 0.0,
         "connections": s.max_connections,
         "envoy_cpu_us": 1e6 * s.cpu_s["envoy"] / max(1, s.requests),
-        "server_cpu_us": (1e6 * s.cpu_s[server] / max(1, s.requests)) if server else None,
-        "server_cores": (s.cpu_s[server] / s.wall_s) if server else None,
+        "server_cpu_us": (1e6 * server_cpu / max(1, s.requests)) if metered else None,
+        "server_cores": (server_cpu / s.wall_s) if metered else None,
+        "redis_cpu_us": (1e6 * s.cpu_s[REDIS] / max(1, s.requests) if REDIS in metered else None),
+        "redis_calls_per_request": (
+            s.redis_calls / max(1, s.requests) if s.redis_calls is not None else None
+        ),
         "other_cores": max(0.0, others) / s.wall_s if s.wall_s else 0.0,
     }
 
@@ -234,9 +255,11 @@ def open_loop_runs(
     rates: Sequence[int],
     seconds: float,
     rounds: int,
+    redis_calls: Callable[[], int] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Every way at every rate, ``seconds`` per way and rate split over ``rounds`` whose order
-    of ways alternates; {rate: {way: figures}}."""
+    of ways alternates; {rate: {way: figures}}. ``redis_calls``: Redis's script calls so far,
+    read around each run of sidecar+redis."""
     out: dict[str, dict[str, Any]] = {}
     per_round = seconds / rounds
     for rate in rates:
@@ -245,10 +268,13 @@ def open_loop_runs(
             order = WAYS if k % 2 == 0 else tuple(reversed(WAYS))
             for w in order:
                 log(f"open loop: {rate} req/s, {w}, round {k + 1}/{rounds}")
+                count = redis_calls if w == SIDECAR_REDIS else None
+                calls0 = count() if count is not None else 0
                 with CpuMeter(pids) as m:
                     gen, wall, gen_cpu = open_loop(ports[w], requests[w], rate, per_round)
+                calls = count() - calls0 if count is not None else None
                 bench.check_alive()
-                samples[w].add(gen, wall, gen_cpu, m)
+                samples[w].add(gen, wall, gen_cpu, m, calls)
                 time.sleep(0.2)
         out[str(rate)] = {w: summarise(w, samples[w]) for w in WAYS}
     return out

@@ -1,34 +1,58 @@
 """The processes of one run: Envoy with one listener per way, the naive server, the sidecar on
-each transport and the held-queue sidecar, all on free ports of 127.0.0.1, started and
-stopped by ``testing.stack.Proc``."""
+each transport, the shared-pool sidecar and its redis-server (``testing.redis.RedisServer``),
+and the held-queue sidecar, all on free ports of 127.0.0.1, started and stopped by
+``testing.stack.Proc``."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+import redis
 
 from bench.overhead.ways import (
     CHAT_PATH,
     HELD,
     NAIVE,
+    REDIS,
     SIDECAR,
     SIDECAR_GRPC,
     SIDECAR_POLICY,
+    SIDECAR_SHARED,
     Ports,
     envoy_config,
     held_policy,
+    shared_policy,
 )
+from testing.redis import RedisServer
 from testing.stack import Proc, envoy_binary, wait_http, wait_tcp
 
-__all__ = ["Bench"]
+__all__ = ["Bench", "script_calls"]
+
+# The sidecars, in the order they are started and waited for.
+_SIDECARS = (SIDECAR_GRPC, SIDECAR, SIDECAR_SHARED, HELD)
+
+
+def script_calls(commandstats: Mapping[str, Any]) -> int:
+    """Lua script calls (EVAL, EVALSHA and their read-only forms) in Redis's ``INFO
+    commandstats``, as redis-py parses it (``{"cmdstat_evalsha": {"calls": 12, ...}}``): one
+    per round trip of the lease manager (``extproc.shared.scripts``)."""
+    total = 0
+    for name, stats in commandstats.items():
+        command = name.removeprefix("cmdstat_")
+        if command in ("eval", "evalsha", "eval_ro", "evalsha_ro") and isinstance(stats, Mapping):
+            total += int(stats.get("calls", 0))
+    return total
 
 
 class Bench:
-    """Envoy with five listeners, the naive server, the two sidecars of the ways and the
-    held-queue sidecar. A context manager: everything is stopped on exit (logs printed to
-    stderr when the block raised)."""
+    """Envoy with six listeners, the naive server, the three sidecars of the ways (the last one
+    with its redis-server) and the held-queue sidecar. A context manager: everything is
+    stopped on exit (logs printed to stderr when the block raised)."""
 
     def __init__(
         self,
@@ -43,6 +67,7 @@ class Bench:
         self.server_env = server_env or {}
         self.naive_style = naive_style
         self.procs: dict[str, Proc] = {}
+        self.redis = RedisServer(log_dir)
 
     def url(self, listener: str) -> str:
         return f"http://127.0.0.1:{self.ports.listeners[listener]}{CHAT_PATH}"
@@ -53,9 +78,20 @@ class Bench:
     def metrics_url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.ports.metrics[name]}/metrics"
 
+    def redis_script_calls(self) -> int:
+        """Script calls the redis-server has served so far (:func:`script_calls`)."""
+        client = redis.Redis.from_url(self.redis.url)
+        try:
+            return script_calls(client.info("commandstats"))
+        finally:
+            client.close()
+
     def start(self) -> None:
         py = sys.executable
         p = self.ports
+        self.redis.start()
+        assert self.redis.proc is not None
+        self.procs[REDIS] = self.redis.proc
         naive = self.procs[NAIVE] = Proc(
             NAIVE,
             [
@@ -73,6 +109,7 @@ class Bench:
         for name, text, transport in (
             (SIDECAR_GRPC, SIDECAR_POLICY, "grpc"),
             (SIDECAR, SIDECAR_POLICY, "h2"),
+            (SIDECAR_SHARED, shared_policy(self.redis.url), "h2"),
             (HELD, held_policy(self.held_max_queue), "h2"),
         ):
             policy = self.log_dir / f"{name}-policy.yaml"
@@ -97,7 +134,7 @@ class Bench:
                 env=self.server_env,
             )
         wait_tcp(p.grpc[NAIVE], proc=naive)
-        for name in (SIDECAR_GRPC, SIDECAR, HELD):
+        for name in _SIDECARS:
             wait_http(self.metrics_url(name), proc=self.procs[name])
             wait_tcp(p.grpc[name], proc=self.procs[name])
         cfg = self.log_dir / "envoy.yaml"
@@ -119,10 +156,12 @@ class Bench:
         wait_http(f"http://127.0.0.1:{p.admin}/ready", proc=envoy)
 
     def stop(self) -> None:
-        for name in ("envoy", SIDECAR_GRPC, SIDECAR, HELD, NAIVE):
+        for name in ("envoy", *_SIDECARS, NAIVE):
             proc = self.procs.get(name)
             if proc is not None:
                 proc.stop()
+        # After the sidecars: the shared one gives its leases back on the way out.
+        self.redis.stop()
 
     def check_alive(self) -> None:
         for proc in self.procs.values():

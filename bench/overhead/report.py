@@ -6,7 +6,7 @@ from typing import Any
 
 from bench.common.table import fmt, format_table
 from bench.overhead.profile import PROFILED
-from bench.overhead.ways import FLOOR, NAIVE, SIDECAR, SIDECAR_GRPC, SIDECAR_RW
+from bench.overhead.ways import FLOOR, NAIVE, SIDECAR, SIDECAR_GRPC, SIDECAR_REDIS, SIDECAR_RW
 
 __all__ = ["report", "targets"]
 
@@ -28,11 +28,18 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     closed = res.get("closed_loop", {})
     if o500:
         f = o500[FLOOR]
-        for w in (SIDECAR, SIDECAR_RW):
+        for w in (SIDECAR, SIDECAR_RW, SIDECAR_REDIS):
+            if w not in o500:
+                continue
             a50, a99 = o500[w]["p50_ms"] - f["p50_ms"], o500[w]["p99_ms"] - f["p99_ms"]
+            local = ""
+            if w == SIDECAR_REDIS:
+                r50 = o500[w]["p50_ms"] - o500[SIDECAR]["p50_ms"]
+                r99 = o500[w]["p99_ms"] - o500[SIDECAR]["p99_ms"]
+                local = f" (Redis over local: {r50:+.2f} ms / {r99:+.2f} ms)"
             add(
                 f"added latency at 500 req/s ({w}): p50 <= 0.5 ms, p99 <= 2 ms",
-                f"+{a50:.2f} ms / +{a99:.2f} ms",
+                f"+{a50:.2f} ms / +{a99:.2f} ms{local}",
                 a50 <= 0.5 and a99 <= 2.0,
             )
         n50, s50 = o500[NAIVE]["p50_ms"] - f["p50_ms"], o500[SIDECAR]["p50_ms"] - f["p50_ms"]
@@ -126,7 +133,7 @@ def _open_loop(rate: str, ways: dict[str, dict[str, Any]]) -> list[str]:
     out = [
         "",
         f"open loop, {rate} req/s (HTTP/1.1, fixed schedule; latency = send to last byte; "
-        "+ = minus the floor's)",
+        f"+ = minus the floor's; srv of {SIDECAR_REDIS}: its sidecar and the redis-server)",
     ]
     f = ways[FLOOR]
     rows, failed = [], []
@@ -155,7 +162,9 @@ def _open_loop(rate: str, ways: dict[str, dict[str, Any]]) -> list[str]:
     out.append(format_table(headers, rows))
     out += failed
     n = ways[NAIVE]
-    for w in (SIDECAR_GRPC, SIDECAR, SIDECAR_RW):
+    for w in (SIDECAR_GRPC, SIDECAR, SIDECAR_RW, SIDECAR_REDIS):
+        if w not in ways:
+            continue
         s = ways[w]
         a50 = _ratio(s["p50_ms"] - f["p50_ms"], n["p50_ms"] - f["p50_ms"])
         a99 = _ratio(s["p99_ms"] - f["p99_ms"], n["p99_ms"] - f["p99_ms"])
@@ -164,7 +173,23 @@ def _open_loop(rate: str, ways: dict[str, dict[str, Any]]) -> list[str]:
             f"added p99 {a99} naive's; CPU/req "
             f"{_ratio(s['server_cpu_us'], n['server_cpu_us'])} naive's"
         )
+    if SIDECAR_REDIS in ways and SIDECAR in ways:
+        out.append("  " + _shared_vs_local(ways[SIDECAR_REDIS], ways[SIDECAR]))
     return out
+
+
+def _shared_vs_local(shared: dict[str, Any], local: dict[str, Any]) -> str:
+    """sidecar+redis against the local sidecar at one rate: what the shared pool adds."""
+    calls = shared.get("redis_calls_per_request")
+    redis_us = shared.get("redis_cpu_us")
+    sidecar_us = (shared["server_cpu_us"] or 0.0) - (redis_us or 0.0)
+    return (
+        f"{SIDECAR_REDIS} over {SIDECAR} (shared pool through Redis vs local): p50 "
+        f"{_signed(shared['p50_ms'] - local['p50_ms'])} ms, p99 "
+        f"{_signed(shared['p99_ms'] - local['p99_ms'])} ms; Redis script calls per request "
+        f"{fmt(calls, 3)}; CPU/req {fmt(shared['server_cpu_us'], 0)} us (sidecar "
+        f"{sidecar_us:.0f} + redis-server {fmt(redis_us, 0)}) vs {fmt(local['server_cpu_us'], 0)}"
+    )
 
 
 def _closed_loop(cfg: dict[str, Any], closed: dict[str, dict[str, Any]]) -> list[str]:
@@ -196,7 +221,9 @@ def _closed_loop(cfg: dict[str, Any], closed: dict[str, dict[str, Any]]) -> list
     out.append(format_table(headers, rows))
     out += failed
     f, n = closed[FLOOR], closed[NAIVE]
-    for w in (NAIVE, SIDECAR_GRPC, SIDECAR, SIDECAR_RW):
+    for w in (NAIVE, SIDECAR_GRPC, SIDECAR, SIDECAR_RW, SIDECAR_REDIS):
+        if w not in closed:
+            continue
         s = closed[w]
         out.append(
             f"  {w}: {s['rate'] / f['rate']:.3f}x floor's rate, {s['rate'] / n['rate']:.2f}x "

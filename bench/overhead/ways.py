@@ -1,5 +1,9 @@
 """The ways through Envoy, what is sent on them, the servers' policies, the ports and the
-many-listener Envoy config (built from ``testing.envoy``'s building blocks)."""
+many-listener Envoy config (built from ``testing.envoy``'s building blocks).
+
+A way is what is measured (a listener and a body); a server is an ext_proc process behind
+one or more ways. ``metered_of`` says whose CPU a way's server CPU is: for ``sidecar+redis``
+the sidecar's and the redis-server's together (both work for each request of that way)."""
 
 from __future__ import annotations
 
@@ -28,18 +32,24 @@ __all__ = [
     "HELD",
     "HELD_POLICY",
     "NAIVE",
+    "REDIS",
     "SERVERS",
+    "SHARED_POLICY",
     "SIDECAR",
     "SIDECAR_GRPC",
     "SIDECAR_POLICY",
+    "SIDECAR_REDIS",
     "SIDECAR_RW",
+    "SIDECAR_SHARED",
     "WAYS",
     "Ports",
     "chat_body",
     "envoy_config",
     "held_policy",
     "listener_of",
+    "metered_of",
     "server_of",
+    "shared_policy",
 ]
 
 CHAT_PATH = "/v1/chat/completions"
@@ -49,23 +59,42 @@ CLASS_HEADER = ("x-llm-class", "interactive")
 FLOOR, NAIVE, SIDECAR, SIDECAR_RW = "floor", "naive", "sidecar", "sidecar+rw"
 # The same sidecar on its other transport, grpc.aio (``serve --transport grpc``).
 SIDECAR_GRPC = "sidecar-grpc"
-WAYS = (FLOOR, NAIVE, SIDECAR_GRPC, SIDECAR, SIDECAR_RW)
-# The ext_proc servers whose CPU is measured.
-SERVERS = (NAIVE, SIDECAR_GRPC, SIDECAR)
+# The sidecar's policy with its slots in a static pool shared through a local redis-server
+# (``pool.shared``): the way, its sidecar (server and listener), and the redis-server.
+SIDECAR_REDIS = "sidecar+redis"
+SIDECAR_SHARED = "sidecar-shared"
+REDIS = "redis"
+WAYS = (FLOOR, NAIVE, SIDECAR_GRPC, SIDECAR, SIDECAR_RW, SIDECAR_REDIS)
+# The ext_proc servers whose CPU is measured (and the redis-server, see metered_of).
+SERVERS = (NAIVE, SIDECAR_GRPC, SIDECAR, SIDECAR_SHARED)
 # The held-queue sidecar's listener and server (not a way: it is measured on its own).
 HELD = "held"
 
 
 def listener_of(way: str) -> str:
-    """The listener a way is sent to (sidecar+rw is the sidecar's, with another body)."""
-    return SIDECAR if way == SIDECAR_RW else way
+    """The listener a way is sent to (sidecar+rw is the sidecar's, with another body;
+    sidecar+redis the shared-pool sidecar's)."""
+    return {SIDECAR_RW: SIDECAR, SIDECAR_REDIS: SIDECAR_SHARED}.get(way, way)
 
 
 def server_of(way: str) -> str | None:
     """The ext_proc server behind a way (None for the floor)."""
-    return {NAIVE: NAIVE, SIDECAR_GRPC: SIDECAR_GRPC, SIDECAR: SIDECAR, SIDECAR_RW: SIDECAR}.get(
-        way
-    )
+    return {
+        NAIVE: NAIVE,
+        SIDECAR_GRPC: SIDECAR_GRPC,
+        SIDECAR: SIDECAR,
+        SIDECAR_RW: SIDECAR,
+        SIDECAR_REDIS: SIDECAR_SHARED,
+    }.get(way)
+
+
+def metered_of(way: str) -> tuple[str, ...]:
+    """The processes whose CPU counts as the way's server CPU: its ext_proc server, and for
+    sidecar+redis the redis-server too (every request it admits may cost Redis work)."""
+    server = server_of(way)
+    if server is None:
+        return ()
+    return (server, REDIS) if way == SIDECAR_REDIS else (server,)
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,6 +179,38 @@ buckets:
     max_queue: 5000
 """
 
+# sidecar+redis: SIDECAR_POLICY's buckets as the bands of one static pool with their slots
+# together (2 x 4096), shared through Redis (``{redis}``: the local redis-server's URL) with the
+# policy's default lease (10 s, renewed every lease / 3) and timeout (250 ms). One replica: what
+# is measured is the round trips, not a split. A lease freed with nobody waiting stays with the
+# replica as a spare and is reused without a round trip; ``redis_calls_per_request`` in the
+# report says how many requests went to Redis after all.
+SHARED_POLICY = """\
+tokens: {chars_per_token: 4.0}
+limits:
+  {max_prompt_tokens: 32768, default_max_tokens: 256, max_output_tokens: 1024, on_excess: clamp}
+retry_after: {min: 1s, max: 60s}
+pool:
+  max_concurrency: 8192
+  shared: {redis: "{redis}", key_prefix: overhead}
+buckets:
+  - name: interactive
+    match: {headers: {x-llm-class: interactive}, max_prompt_tokens: 2000, max_tokens: 128}
+    priority: 0
+    queue_timeout: 5s
+    max_queue: 4096
+  - name: batch
+    priority: 10
+    queue_timeout: 120s
+    max_queue: 5000
+"""
+
+
+def shared_policy(redis_url: str) -> str:
+    """SHARED_POLICY with the redis-server's URL."""
+    return SHARED_POLICY.replace("{redis}", redis_url)
+
+
 # The held-queue sidecar: one slot, a long deadline, room for the whole queue.
 HELD_POLICY = """\
 tokens: {chars_per_token: 4.0}
@@ -180,6 +241,7 @@ _CLUSTERS = {
     NAIVE: "naive_extproc",
     SIDECAR_GRPC: "sidecar_grpc_extproc",
     SIDECAR: "sidecar_extproc",
+    SIDECAR_SHARED: "sidecar_shared_extproc",
     HELD: "held_extproc",
 }
 
@@ -194,17 +256,20 @@ _ECHO_MAX_TOKENS = {
 @dataclass(frozen=True, slots=True)
 class Ports:
     admin: int
-    listeners: dict[str, int]  # way (floor, naive, sidecar-grpc, sidecar, held) -> listener port
-    grpc: dict[str, int]  # ext_proc server (naive, sidecar-grpc, sidecar, held) -> port
-    metrics: dict[str, int]  # sidecar-grpc, sidecar, held -> metrics port
+    # listener (floor and each ext_proc server's: naive, sidecar-grpc, sidecar, sidecar-shared,
+    # held) -> port
+    listeners: dict[str, int]
+    grpc: dict[str, int]  # ext_proc server (naive, sidecar-grpc, sidecar, sidecar-shared, held)
+    metrics: dict[str, int]  # sidecar-grpc, sidecar, sidecar-shared, held -> metrics port
 
     @staticmethod
     def pick() -> Ports:
+        servers = (NAIVE, SIDECAR_GRPC, SIDECAR, SIDECAR_SHARED, HELD)
         return Ports(
             admin=free_port(),
-            listeners={w: free_port() for w in (FLOOR, NAIVE, SIDECAR_GRPC, SIDECAR, HELD)},
-            grpc={s: free_port() for s in (NAIVE, SIDECAR_GRPC, SIDECAR, HELD)},
-            metrics={s: free_port() for s in (SIDECAR_GRPC, SIDECAR, HELD)},
+            listeners={w: free_port() for w in (FLOOR, *servers)},
+            grpc={s: free_port() for s in servers},
+            metrics={s: free_port() for s in servers if s != NAIVE},
         )
 
 
@@ -231,7 +296,7 @@ def envoy_config(ports: Ports) -> str:
         _listener(FLOOR, ports.listeners[FLOOR], _CLUSTERS[NAIVE], ext_proc_disabled=True),
         *(
             _listener(w, ports.listeners[w], _CLUSTERS[w], ext_proc_disabled=False)
-            for w in (NAIVE, SIDECAR_GRPC, SIDECAR, HELD)
+            for w in (NAIVE, SIDECAR_GRPC, SIDECAR, SIDECAR_SHARED, HELD)
         ),
     ]
     cfg = {
