@@ -99,8 +99,16 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return self._shares.statistics()
 
     async def Process(self, request_iterator: object, context: stream.Stream) -> None:
-        msg = await context.read()
+        try:
+            msg = await context.read()
+        except asyncio.CancelledError:
+            self._finish(stream.State(RequestRecord("")))  # see below
+            raise
         if msg is stream.EOF:
+            # Envoy opens the stream when a request for an LLM route arrives (every other
+            # route skips ext_proc) and cancels it when the client leaves, possibly before it
+            # sent the headers: one request, counted once, as having left before its body.
+            self._finish(stream.State(RequestRecord("")))
             return
         if msg.WhichOneof("request") != "request_headers":
             await context.write(respond.continue_for(msg))

@@ -200,11 +200,11 @@ def test_many_requests_with_aborts_leave_nothing_held_and_count_once(
     """``REQUESTS`` requests over the three gateways, 30% of the clients giving up at a
     random moment (waiting, running or never). Afterwards no lease is left in Redis and no
     slot in any replica, and the replicas' request counters add up to the requests their
-    Envoys received, none counted twice. The one gap is a client that gives up before its
-    sidecar read the first message of the request's ext_proc stream (on this loaded machine
-    that is sometimes more than 150 ms): Envoy counts the request, the sidecar never saw it
-    (``ExtProcService.Process`` returns on a stream that ends before its first message). The
-    test allows 1% of the aborted requests for that and prints how many there were."""
+    Envoys received, none counted twice. A stream that ends before its first message is
+    counted too (cancelled before its body); the one gap left is a client that gives up
+    before Envoy opened the request's ext_proc stream at all (while the buffer filter before
+    it reads the body): Envoy counts the request, the sidecar never hears of it. The test
+    allows 1% of the aborted requests for that and prints how many there were."""
 
     def counted() -> tuple[float, int]:
         """(requests the sidecars finished, requests their Envoys received)."""
