@@ -148,6 +148,27 @@ def sidecar_policy(cap: Capacity, opts: Options) -> str:
 """
 
 
+def _pool_buckets(opts: Options) -> str:
+    """The buckets of every pool policy here (``sidecar`` and the replica strategies):
+    interactive guaranteed half the pool, batch in a less urgent band, cheapest first."""
+    qt, s = opts.queue_timeouts_s, opts.speedup
+    return f"""\
+buckets:
+  - name: interactive
+    match: {{headers: {{x-llm-class: interactive}}}}
+    priority: 0
+    min_share: 0.5
+    queue_timeout: {_duration(qt["interactive"], s)}   # {qt["interactive"]:g} s simulated
+    max_queue: 2000
+  - name: batch
+    priority: 10
+    max_share: 0.9
+    order: cost
+    queue_timeout: {_duration(qt["batch"], s)}   # {qt["batch"]:g} s simulated
+    max_queue: 5000
+"""
+
+
 def pool_policy(cap: Capacity, opts: Options, metrics_urls: list[str]) -> str:
     """``sidecar``'s policy: one pool whose limit the sidecar reads from the simulators' own
     metrics against latency objectives. Nothing here comes from the capacity model but the
@@ -159,7 +180,6 @@ def pool_policy(cap: Capacity, opts: Options, metrics_urls: list[str]) -> str:
     Deadlines are the same as ``sidecar-static``'s (``--interactive-queue-timeout``,
     ``--batch-queue-frac``).
     """
-    qt = opts.queue_timeouts_s
     s = opts.speedup
     urls = ", ".join(f'"{u}"' for u in metrics_urls)
     return f"""\
@@ -181,20 +201,7 @@ def pool_policy(cap: Capacity, opts: Options, metrics_urls: list[str]) -> str:
 window: {_duration(30.0, s)}}}
 backend:
   metrics: [{urls}]
-buckets:
-  - name: interactive
-    match: {{headers: {{x-llm-class: interactive}}}}
-    priority: 0
-    min_share: 0.5
-    queue_timeout: {_duration(qt["interactive"], s)}   # {qt["interactive"]:g} s simulated
-    max_queue: 2000
-  - name: batch
-    priority: 10
-    max_share: 0.9
-    order: cost
-    queue_timeout: {_duration(qt["batch"], s)}   # {qt["batch"]:g} s simulated
-    max_queue: 5000
-"""
+{_pool_buckets(opts)}"""
 
 
 def replica_limits(strategy: Strategy, cap: Capacity, opts: Options) -> list[int]:
@@ -231,7 +238,6 @@ def replica_pool_policy(opts: Options, *, limit: int, shared: bool) -> str:
     turns it off (a local release rate says nothing about the pool's), so it is off in the
     other two too, and the three differ only in the limit and the sharing.
     """
-    qt = opts.queue_timeouts_s
     s = opts.speedup
     lease_s = _shared_lease_s(opts)
     timeout_ms = max(1, round(1000 * min(0.25, lease_s / 4)))
@@ -254,20 +260,7 @@ def replica_pool_policy(opts: Options, *, limit: int, shared: bool) -> str:
   fail_fast: false
 {shared_line}  overload: {{tighten_eviction_rate: 0.05, step_hold: {_duration(120.0, s)}, \
 window: {_duration(30.0, s)}}}
-buckets:
-  - name: interactive
-    match: {{headers: {{x-llm-class: interactive}}}}
-    priority: 0
-    min_share: 0.5
-    queue_timeout: {_duration(qt["interactive"], s)}   # {qt["interactive"]:g} s simulated
-    max_queue: 2000
-  - name: batch
-    priority: 10
-    max_share: 0.9
-    order: cost
-    queue_timeout: {_duration(qt["batch"], s)}   # {qt["batch"]:g} s simulated
-    max_queue: 5000
-"""
+{_pool_buckets(opts)}"""
 
 
 def replica_policies(strategy: Strategy, cap: Capacity, opts: Options) -> list[str]:
