@@ -236,19 +236,55 @@ class PoolControl:
             self._shared.publish_limit(limit.limit)
         else:
             self._gate.set_pool_limit(limit.limit)
-        return Poller(scraper, limit, a.interval_s, self._on_limit, self._demand)
+        return Poller(
+            scraper, limit, a.interval_s, self._on_limit, self._demand, self._objectives_apply
+        )
 
     def _demand(self) -> tuple[int, int]:
-        """(in flight, waiting) for the adaptive limit. Waiters count as demand only while the
-        pool is full: those held back by a bucket's cap or the overload cut would not use a
-        higher limit, so they must not raise it. A shared pool: every replica's."""
+        """(in flight, waiting) for the adaptive limit. Waiters count as demand while the pool
+        is full, or while their bucket is held at its share of the limit (``max_share``, or
+        the overload cut of it): both grow with the limit. Waiters held back by a bucket's
+        absolute cap (``max_concurrency``) or by the token bound would not use a higher limit,
+        so they must not raise it. (The first version counted waiters only while the pool was
+        full: a batch flood alone, held at ``max_share: 0.9`` of the limit, never filled the
+        pool, and the limit stayed where it started.) A shared pool: every replica's waiters,
+        counted while the whole pool is full."""
         if self._shared is not None:
             held, waiting = self._shared.pool_demand()
             return (held, waiting if held >= self._shared.limit else 0)
         s = self._gate.pool_statistics().get(POOL)
         if s is None:
             return (0, 0)
-        return (s.in_flight, s.queued if s.in_flight >= s.limit else 0)
+        if s.in_flight >= s.limit:
+            return (s.in_flight, s.queued)
+        policy = self._policy
+        stats = self._gate.statistics()
+        held_by_share = 0
+        for b in policy.buckets if policy is not None else ():
+            st = stats.get(b.name)
+            if st is None or st.queued == 0 or st.in_flight < st.capacity:
+                continue
+            if b.max_concurrency and st.capacity >= b.max_concurrency:
+                continue  # its absolute cap binds: a higher limit changes nothing
+            held_by_share += st.queued
+        return (s.in_flight, held_by_share)
+
+    def _objectives_apply(self) -> bool:
+        """Whether the latency objectives bound the limit now: while a band more urgent than
+        the least urgent has requests running or waiting here, or when all buckets share one
+        band. A shared pool's leader reads its own replica's bands (with requests spread over
+        the replicas, the same answer)."""
+        policy = self._policy
+        if policy is None:
+            return True
+        least = max(b.priority for b in policy.buckets)
+        urgent = [b.name for b in policy.buckets if b.priority < least]
+        if not urgent:
+            return True
+        stats = self._gate.statistics()
+        return any(
+            stats[name].in_flight > 0 or stats[name].queued > 0 for name in urgent if name in stats
+        )
 
     def _on_limit(self, limit: int, signals: Signals | None) -> None:
         self._signals = signals

@@ -7,12 +7,16 @@ it is given within the objectives, and keeps the queue on our side of the wire.
 
 Control law (one ``update`` per scrape; ``L`` is the limit)
 -----------------------------------------------------------
-Decrease, ``L := floor(L * 0.8)``, when any of these holds, the first one named in ``reason``:
+Decrease, ``L := floor(L * f)``, when any of these holds, the first one named in ``reason``:
 
-- ``ttft`` / ``itl``: the windowed quantile is above its objective, over at least
-  ``min_observations`` (10) observations: fewer, and a p90 is the latency of one request;
-- ``vllm_queue``: vLLM's own waiting queue (summed over endpoints) is longer than the
-  allowance ``max(8, floor(0.1 * L))`` in three rounds in a row: vLLM could not take in
+- ``ttft`` / ``itl``: the windowed quantile ``q`` is above its objective ``o``, over at least
+  ``min_observations`` (10) observations: fewer, and a p90 is the latency of one request.
+  ``f = min(0.8, max(0.5, o / q))``: a small breach takes 20 %, a quantile twice its objective
+  halves the limit at once. The first version always took 20 %; when the backend lost half its
+  speed (bench.compare ``halve``) the limit needed 100 s, one cut per cooldown, to fall from 86
+  to 35, and the queue deadlines expired meanwhile;
+- ``vllm_queue`` (``f = 0.8``): vLLM's own waiting queue (summed over endpoints) is longer than
+  the allowance ``max(8, floor(0.1 * L))`` in three rounds in a row: vLLM could not take in
   everything we admitted. A request joins vLLM's waiting queue on arrival and leaves it at a
   scheduler step with room in its prefill budget (``max_num_batched_tokens``, 8192 tokens by
   default: four 2k-token prompts), so with the limit refilled at every release a few requests
@@ -21,14 +25,30 @@ Decrease, ``L := floor(L * 0.8)``, when any of these holds, the first one named 
   stays long. The first version cut on any queue below ``L = 50`` and held the limit at half
   of what the backend could run (bench.compare: 4.6 good req/s at 0.5x load, where every other
   strategy served all 6.3);
-- ``kv``: the fullest endpoint's KV cache is at or above ``max_kv_usage`` (0.9): past it vLLM
-  preempts running requests and recomputes them, which costs more than it serves.
+- ``kv`` (``f = 0.8``): the fullest endpoint's KV cache is at or above ``max_kv_usage`` (0.9):
+  past it vLLM preempts running requests and recomputes them, which costs more than it serves.
 
-After a decrease the limit holds, up or down, for ``cooldown_s`` (10 s, the scraper's default
-window): the windowed quantiles still hold observations from the old limit, and the requests
-admitted under it finish only over their own duration (lowering the limit stops no running
-request), so the signals need that long to show the effect. One breach therefore costs at most
-one cut per cooldown, never a collapse to ``min_limit``.
+A breach does not cut again until the last cut has landed:
+
+- for ``cooldown_s`` (10 s, the scraper's default window) after a decrease the limit holds, up
+  or down: the windowed quantiles still hold observations from the old limit;
+- while more requests run than the limit (``in_flight > L``), there is no further cut: lowering
+  the limit stops no running request, the requests admitted under the old limit finish only over
+  their own duration, and until they have the signals describe the old load, not the new
+  limit. Without this rule a breach that lasts as long as the longest requests (tens of
+  seconds for long answers) cut once per cooldown all along and overshot far below the level
+  that meets the objective.
+
+One breach therefore costs at most one cut per cooldown, never a collapse to ``min_limit``.
+
+Objectives protect the urgent bands. ``update(..., objectives=False)``, which the pool's
+controller passes while no band but the least urgent has requests running or waiting, leaves
+the latency objectives out of both the decrease and the increase: only vLLM's queue and KV
+bound the limit. The least urgent band (batch, typically long prompts) would otherwise break
+an interactive TTFT objective with its own TTFTs and hold the limit far below what the backend
+can run while it is alone (bench.compare ``shift``: the limit fell to 9-12, and batch got 57 %
+of the idle capacity). vLLM's histograms have no class label, so the objectives cannot be read
+per band.
 
 Increase, ``L := L + max(1, floor(0.05 * L))``, when all of these hold:
 
@@ -41,7 +61,7 @@ Increase, ``L := L + max(1, floor(0.05 * L))``, when all of these hold:
   on good signals that say nothing about it.
 
 The step is 5% of the limit (at least 1), so the climb takes the same number of rounds at any
-scale (about 14 rounds to double); the 0.8 cut takes back about four steps at once, the usual
+scale (about 14 rounds to double); a cut takes back four steps or more at once, the usual
 asymmetry of AIMD that keeps a shared backend stable. Otherwise the limit holds. It is always
 clamped to ``[min_limit, max_limit]``.
 
@@ -97,6 +117,7 @@ class AdaptiveLimit:
         cooldown_s: float = 10.0,
         increase_fraction: float = 0.05,
         decrease_factor: float = 0.8,
+        deepest_cut: float = 0.5,
         headroom: float = 0.9,
         min_observations: int = 10,
         queue_tolerance: float = 0.1,
@@ -108,9 +129,14 @@ class AdaptiveLimit:
         to ``initial``. The law's constants are keywords so tests and operators can see them."""
         if min_limit < 1 or max_limit < min_limit:
             raise ValueError("need 1 <= min_limit <= max_limit")
-        if not 0.0 < decrease_factor < 1.0 or increase_fraction < 0 or not 0 < headroom <= 1:
+        if (
+            not 0.0 < deepest_cut <= decrease_factor < 1.0
+            or increase_fraction < 0
+            or not 0 < headroom <= 1
+        ):
             raise ValueError(
-                "need 0 < decrease_factor < 1, increase_fraction >= 0, headroom in (0, 1]"
+                "need 0 < deepest_cut <= decrease_factor < 1, increase_fraction >= 0, "
+                "headroom in (0, 1]"
             )
         if fallback_after_s < stale_after_s:
             raise ValueError("fallback_after_s must not be shorter than stale_after_s")
@@ -125,6 +151,7 @@ class AdaptiveLimit:
         self.cooldown_s = cooldown_s
         self.increase_fraction = increase_fraction
         self.decrease_factor = decrease_factor
+        self.deepest_cut = deepest_cut
         self.headroom = headroom
         self.min_observations = min_observations
         self.queue_tolerance = queue_tolerance
@@ -152,9 +179,18 @@ class AdaptiveLimit:
         'vllm_queue', 'kv', 'stale', 'fallback' or 'resumed'."""
         return self._reason
 
-    def update(self, now: float, signals: Signals | None, *, in_flight: int, waiting: int) -> int:
+    def update(
+        self,
+        now: float,
+        signals: Signals | None,
+        *,
+        in_flight: int,
+        waiting: int,
+        objectives: bool = True,
+    ) -> int:
         """One control step; returns the limit. ``in_flight`` and ``waiting`` are our own
-        requests to the pool (holding a slot, queued for one)."""
+        requests to the pool (holding a slot, queued for one); ``objectives`` False leaves the
+        latency objectives out of this step (only the least urgent band has requests)."""
         if signals is None or signals.endpoints_ok == 0 or now - signals.at >= self.stale_after_s:
             return self._no_data(now)
         self._last_good = (
@@ -164,16 +200,18 @@ class AdaptiveLimit:
             self._state = LimitState.TRACKING
             self._reason = "resumed"
         cooling = self._decreased_at is not None and now - self._decreased_at < self.cooldown_s
-        breach = self._breach(signals)
+        breach = self._breach(signals, objectives)
         if breach is not None:
-            if not cooling:
-                cut = self._clamp(math.floor(self._limit * self.decrease_factor))
+            reason, factor = breach
+            landing = self._decreased_at is not None and in_flight > self._limit
+            if not cooling and not landing:
+                cut = self._clamp(math.floor(self._limit * factor))
                 if cut < self._limit:
                     self._limit = cut
-                    self._reason = breach
+                    self._reason = reason
                     self._decreased_at = now
             return self._limit
-        if not cooling and self._may_grow(signals, in_flight, waiting):
+        if not cooling and self._may_grow(signals, in_flight, waiting, objectives):
             step = max(1, math.floor(self._limit * self.increase_fraction))
             grown = self._clamp(self._limit + step)
             if grown > self._limit:
@@ -212,26 +250,40 @@ class AdaptiveLimit:
     def _slo_has_headroom(self, q: float | None, slo: float | None) -> bool:
         return slo is None or q is None or q < self.headroom * slo
 
-    def _breach(self, s: Signals) -> str | None:
-        if self._slo_breached(s.ttft_s, s.ttft_count, self.ttft_slo_s):
-            return "ttft"
-        if self._slo_breached(s.itl_s, s.itl_count, self.itl_slo_s):
-            return "itl"
+    def _latency_cut(self, q: float, slo: float) -> float:
+        """The factor for a latency breach: the objective over the quantile, within
+        [deepest_cut, decrease_factor]."""
+        return min(self.decrease_factor, max(self.deepest_cut, slo / q))
+
+    def _breach(self, s: Signals, objectives: bool) -> tuple[str, float] | None:
+        """(reason, factor) of the first rule broken, or None."""
+        if objectives:
+            if self._slo_breached(s.ttft_s, s.ttft_count, self.ttft_slo_s):
+                assert s.ttft_s is not None and self.ttft_slo_s is not None
+                return "ttft", self._latency_cut(s.ttft_s, self.ttft_slo_s)
+            if self._slo_breached(s.itl_s, s.itl_count, self.itl_slo_s):
+                assert s.itl_s is not None and self.itl_slo_s is not None
+                return "itl", self._latency_cut(s.itl_s, self.itl_slo_s)
         if s.waiting > self._queue_allowance():
             self._queued_rounds += 1
             if self._queued_rounds >= self.queue_rounds:
-                return "vllm_queue"
+                return "vllm_queue", self.decrease_factor
         else:
             self._queued_rounds = 0
         if s.kv_usage >= self.max_kv_usage:
-            return "kv"
+            return "kv", self.decrease_factor
         return None
 
-    def _may_grow(self, s: Signals, in_flight: int, waiting: int) -> bool:
+    def _may_grow(self, s: Signals, in_flight: int, waiting: int, objectives: bool) -> bool:
         margin = max(1, math.floor(self.demand_margin * self._limit))
         return (
-            self._slo_has_headroom(s.ttft_s, self.ttft_slo_s)
-            and self._slo_has_headroom(s.itl_s, self.itl_slo_s)
+            (
+                not objectives
+                or (
+                    self._slo_has_headroom(s.ttft_s, self.ttft_slo_s)
+                    and self._slo_has_headroom(s.itl_s, self.itl_slo_s)
+                )
+            )
             and s.waiting <= self._queue_allowance()
             and s.kv_usage < self.max_kv_usage
             and (waiting > 0 or in_flight >= self._limit - margin)
@@ -263,8 +315,10 @@ class Poller:
         interval_s: float,
         on_update: Callable[[int, Signals | None], None],
         demand: Callable[[], tuple[int, int]],
+        objectives: Callable[[], bool] | None = None,
     ) -> None:
-        """``demand()`` returns our (in_flight, waiting) for the pool, read at each round."""
+        """``demand()`` returns our (in_flight, waiting) for the pool, read at each round;
+        ``objectives()`` whether the latency objectives apply this round (default: always)."""
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
         self.scraper = scraper
@@ -272,6 +326,7 @@ class Poller:
         self.interval_s = interval_s
         self._on_update = on_update
         self._demand = demand
+        self._objectives = objectives
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._errors: tuple[str, ...] = ()  # the last round's endpoint errors, logged on change
@@ -304,8 +359,16 @@ class Poller:
             except Exception:
                 log.exception("backend demand callback failed")
                 in_flight, waiting = 0, 0  # no increase; decreases and staleness still apply
+            objectives = True
+            if self._objectives is not None:
+                try:
+                    objectives = self._objectives()
+                except Exception:
+                    log.exception("backend objectives callback failed")
             before = (self.adaptive.limit, self.adaptive.state)
-            limit = self.adaptive.update(loop.time(), signals, in_flight=in_flight, waiting=waiting)
+            limit = self.adaptive.update(
+                loop.time(), signals, in_flight=in_flight, waiting=waiting, objectives=objectives
+            )
             self.rounds += 1
             self._log_round(before, signals)
             try:

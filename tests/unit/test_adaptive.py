@@ -92,18 +92,21 @@ def test_holds_between_increase_and_decrease(signals: dict[str, float], why: str
 
 
 @pytest.mark.parametrize(
-    ("signals", "reason"),
+    ("signals", "reason", "limit"),
     [
-        ({"ttft": 1.01}, "ttft"),
-        ({"itl": 0.051}, "itl"),
-        ({"kv": 0.9}, "kv"),
-        ({"ttft": 5.0, "waiting": 50, "kv": 1.0}, "ttft"),  # the first one named
-        ({"waiting": 50, "kv": 1.0}, "kv"),  # one round of vLLM queueing is not yet a breach
+        ({"ttft": 1.01}, "ttft", 80),  # a small breach: 20 %
+        ({"itl": 0.051}, "itl", 80),
+        ({"kv": 0.9}, "kv", 80),
+        ({"ttft": 5.0, "waiting": 50, "kv": 1.0}, "ttft", 50),  # the first one named
+        ({"waiting": 50, "kv": 1.0}, "kv", 80),  # one round of vLLM queueing is no breach yet
+        ({"ttft": 1.6}, "ttft", 62),  # objective / quantile = 0.625
+        ({"itl": 0.1}, "itl", 50),  # twice the objective: half
+        ({"itl": 0.5}, "itl", 50),  # never deeper than half in one cut
     ],
 )
-def test_falls_on_each_breach(signals: dict[str, float], reason: str) -> None:
+def test_falls_on_each_breach(signals: dict[str, float], reason: str, limit: int) -> None:
     a = limiter(initial=100)
-    assert a.update(0.0, sig(0, **signals), in_flight=100, waiting=10) == 80  # type: ignore[arg-type]
+    assert a.update(0.0, sig(0, **signals), in_flight=100, waiting=10) == limit  # type: ignore[arg-type]
     assert a.reason == reason
 
 
@@ -133,13 +136,40 @@ def test_objectives_are_optional() -> None:
 
 def test_cooldown_after_a_decrease() -> None:
     a = limiter(initial=100, cooldown_s=10.0)
-    assert a.update(0.0, sig(0, ttft=3.0), in_flight=100, waiting=9) == 80
+    assert a.update(0.0, sig(0, ttft=1.1), in_flight=100, waiting=9) == 80
     for t in (1.0, 5.0, 9.9):
         # Still breaking (the window lags): no second cut; all fine: no climb either.
-        assert a.update(t, sig(t, ttft=3.0), in_flight=100, waiting=9) == 80
-        assert a.update(t, sig(t), in_flight=100, waiting=9) == 80
-    assert a.update(10.0, sig(10, ttft=3.0), in_flight=100, waiting=9) == 64
-    assert a.update(20.0, sig(20), in_flight=100, waiting=9) == 67  # 64 + floor(3.2)
+        assert a.update(t, sig(t, ttft=1.1), in_flight=80, waiting=9) == 80
+        assert a.update(t, sig(t), in_flight=80, waiting=9) == 80
+    assert a.update(10.0, sig(10, ttft=1.1), in_flight=80, waiting=9) == 64
+    assert a.update(20.0, sig(20), in_flight=64, waiting=9) == 67  # 64 + floor(3.2)
+
+
+def test_no_second_cut_until_the_first_has_landed() -> None:
+    """After a cut the requests admitted under the old limit still run; while more run than
+    the limit, the signals describe the old load, so a breach then does not cut again."""
+    a = limiter(initial=100, cooldown_s=10.0)
+    assert a.update(0.0, sig(0, itl=0.1), in_flight=100, waiting=9) == 50
+    for t in (10.0, 20.0, 30.0):  # cooldown over, still breaking, 51..90 still running
+        assert a.update(t, sig(t, itl=0.1), in_flight=90 - int(t), waiting=9) == 50
+    assert a.reason == "itl"
+    assert a.update(40.0, sig(40, itl=0.06), in_flight=50, waiting=9) == 40  # landed: cut again
+    # A limit that was never cut has nothing landing: more in flight than the limit (a reload
+    # lowered it) does not stop the first cut.
+    b = limiter(initial=100)
+    assert b.update(0.0, sig(0, kv=0.95), in_flight=150, waiting=0) == 80
+
+
+def test_objectives_left_out_while_only_the_least_urgent_band_runs() -> None:
+    """``objectives=False``: slow TTFT and ITL neither cut nor hold back the climb; vLLM's
+    queue and KV still do."""
+    a = limiter(initial=100)
+    slow = {"ttft": 30.0, "itl": 0.5}
+    assert a.update(0.0, sig(0, **slow), in_flight=100, waiting=1, objectives=False) == 105
+    assert a.update(1.0, sig(1, **slow, kv=0.95), in_flight=105, waiting=1, objectives=False) == 84
+    assert a.reason == "kv"
+    b = limiter(initial=100)
+    assert b.update(0.0, sig(0, **slow), in_flight=100, waiting=1, objectives=True) == 50
 
 
 def test_bounds() -> None:
@@ -251,6 +281,31 @@ def test_poller_rounds_survive_exceptions(caplog: pytest.LogCaptureFixture) -> N
     assert "backend scrape failed" in messages
     assert "backend demand callback failed" in messages
     assert "backend on_update callback failed" in messages
+
+
+def test_poller_asks_whether_the_objectives_apply(caplog: pytest.LogCaptureFixture) -> None:
+    """Each round reads ``objectives()``; a callback that raises counts as True (the
+    objectives apply: the safe side)."""
+
+    class Slow:
+        async def scrape(self, now: float) -> Signals:
+            return sig(now, ttft=30.0)  # far over the 1 s objective
+
+    async def main() -> None:
+        answers = iter([False, False])
+
+        def objectives() -> bool:
+            return next(answers)  # StopIteration on the third round
+
+        a = limiter(initial=100)
+        poller = Poller(Slow(), a, 1.0, lambda limit, s: None, lambda: (100, 1), objectives)
+        assert await poller.poll_once() == 105  # left out: climbs on queue and KV alone
+        assert await poller.poll_once() == 110
+        assert await poller.poll_once() == 55  # the callback broke: the objectives apply
+
+    with caplog.at_level(logging.ERROR, logger="extproc.backend"):
+        run(main())
+    assert "backend objectives callback failed" in [r.getMessage() for r in caplog.records]
 
 
 def test_poller_never_overlaps_scrapes() -> None:

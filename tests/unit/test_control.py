@@ -108,3 +108,71 @@ def test_without_a_pool_there_is_nothing_to_control() -> None:
         assert control.gauges() == {} and control.debug() is None
 
     asyncio.run(main())
+
+
+def test_latency_objectives_apply_while_a_more_urgent_band_has_requests() -> None:
+    """The adaptive limit's objectives protect the urgent bands: with only batch running they
+    are left out; a chat request running or waiting brings them back; one band, always."""
+
+    async def main() -> None:
+        gate = Gate(POLICY)
+        control = PoolControl(gate, Metrics(gate.statistics))
+        control.apply(POLICY)
+        assert control._objectives_apply() is False  # nobody at all
+        held = [gate.enter("batch", 1.0) for _ in range(4)]
+        assert control._objectives_apply() is False  # batch alone
+        waiting = gate.enter("chat", 5.0)
+        assert isinstance(waiting, Waiter)
+        assert control._objectives_apply() is True  # chat waits
+        for s in held:
+            assert isinstance(s, Slot)
+            s.release()
+        chat = await waiting.admitted()
+        assert control._objectives_apply() is True  # chat runs
+        chat.release()
+        assert control._objectives_apply() is False
+        one = policy_from_yaml(
+            "pool: {max_concurrency: 2}\nbuckets: [{name: a, queue_timeout: 1s, max_queue: 5}]"
+        )
+        control.apply(one)
+        assert control._objectives_apply() is True
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("batch", "demand"),
+    [
+        ("max_share: 0.5", (2, 3)),  # held at its share of the limit: a higher one lets them in
+        ("max_share: 0.5, max_concurrency: 2", (2, 0)),  # its own cap binds: no demand
+    ],
+)
+def test_waiters_held_by_their_share_are_demand_for_a_higher_limit(
+    batch: str, demand: tuple[int, int]
+) -> None:
+    policy = policy_from_yaml(
+        f"""
+pool: {{max_concurrency: 4}}
+buckets:
+  - {{name: chat, match: {{headers: {{x: y}}}}, priority: 0, queue_timeout: 1s, max_queue: 9}}
+  - {{name: batch, priority: 10, {batch}, queue_timeout: 5s, max_queue: 9}}
+"""
+    )
+
+    async def main() -> None:
+        gate = Gate(policy)
+        control = PoolControl(gate, Metrics(gate.statistics))
+        control.apply(policy)
+        entered = [gate.enter("batch", 5.0) for _ in range(5)]
+        assert [isinstance(e, Slot) for e in entered] == [True, True, False, False, False]
+        assert control._demand() == demand
+        full = [gate.enter("chat", 1.0) for _ in range(2)]  # the pool is full: all waiters count
+        assert all(isinstance(e, Slot) for e in full)
+        assert control._demand() == (4, 3)
+        for e in entered + full:
+            if isinstance(e, Slot):
+                e.release()
+            else:
+                e.cancel()
+
+    asyncio.run(main())
