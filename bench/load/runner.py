@@ -19,6 +19,9 @@ from .workload import ClassSpec, PlannedRequest, build_schedule
 
 DEFAULT_MODEL: Final = "meta-llama/Llama-3.1-8B-Instruct"
 CLASS_HEADER: Final = "x-llm-class"
+# What the OpenAI SDKs (Stainless-generated) send on every attempt: the retries taken so far,
+# "0" on the first (openai-python ``_build_headers``).
+RETRY_COUNT_HEADER: Final = "x-stainless-retry-count"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -171,6 +174,7 @@ async def _run_request(
     attempts = 0
     while True:
         attempts += 1
+        headers[RETRY_COUNT_HEADER] = str(attempts - 1)
         att = await _attempt(session, url, body, headers, spec.timeout_s / cfg.speedup, spec.stream)
         if att.outcome == "ok" or attempts > cfg.max_retries:
             break

@@ -437,12 +437,15 @@ def test_end_to_end_against_simulator() -> None:
 
 
 def test_retries_honour_retry_after() -> None:
-    """A stub that answers 429 (retry-after-ms) twice, then 200; and one that always fails."""
+    """A stub that answers 429 (retry-after-ms) twice, then 200; and one that always fails.
+    Each attempt says how many retries came before it, as the OpenAI SDK does."""
     hits: dict[str, int] = {}
+    counts: dict[str, list[str]] = {}
 
     async def handler(request: web.Request) -> web.StreamResponse:
         cls = request.headers["x-llm-class"]
         hits[cls] = hits.get(cls, 0) + 1
+        counts.setdefault(cls, []).append(request.headers.get("x-stainless-retry-count", "-"))
         if cls == "flaky" and hits[cls] <= 2:
             return web.json_response({"error": {}}, status=429, headers={"retry-after-ms": "500"})
         if cls == "down":
@@ -481,6 +484,7 @@ def test_retries_honour_retry_after() -> None:
     result = run(go)
     flaky, down = result.records
     assert hits == {"flaky": 3, "down": 3}
+    assert counts == {"flaky": ["0", "1", "2"], "down": ["0", "1", "2"]}
     assert flaky.outcome == "ok" and flaky.attempts == 3 and flaky.good
     assert flaky.e2e_s >= 1.0  # two 0.5 s (simulated) retry-after waits
     assert down.outcome == "http_error" and down.status == 503 and down.attempts == 3

@@ -25,6 +25,11 @@ POLICY = """
 pool: {max_concurrency: 2}
 client_deadline: {headers: [x-envoy-expected-rq-timeout-ms, x-request-deadline-ms]}
 buckets:
+  - name: interactive-retry
+    match: {headers: {x-llm-class: interactive}, retried: true}
+    priority: 1
+    queue_timeout: 3s
+    max_queue: 10
   - name: interactive
     match: {headers: {x-llm-class: interactive}}
     priority: 0
@@ -73,13 +78,21 @@ def test_idle_capacity_is_borrowed_and_the_pool_is_shown(stack: Stack) -> None:
     run(main())
 
 
+async def hold_both_slots(
+    s: aiohttp.ClientSession, url: str
+) -> tuple[asyncio.Future[Any], asyncio.Future[Any]]:
+    """Two streamed requests that hold the pool's two slots, ~0.6 s and ~1.2 s."""
+    first = asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(3, 200)))
+    second = asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(6, 200)))
+    await asyncio.sleep(0.2)
+    return first, second
+
+
 def test_a_freed_slot_goes_to_the_more_urgent_bucket_first(stack: Stack) -> None:
     async def main() -> None:
         async with aiohttp.ClientSession() as s:
             url = f"{stack.url}/v1/chat/completions"
-            first = asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(3, 200)))
-            second = asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(6, 200)))
-            await asyncio.sleep(0.2)
+            first, second = await hold_both_slots(s, url)
             batch = asyncio.ensure_future(post(s, url, chat()))  # waits first ...
             await asyncio.sleep(0.1)
             urgent = asyncio.ensure_future(  # ... then this one, which holds its slot ~0.6 s
@@ -93,6 +106,34 @@ def test_a_freed_slot_goes_to_the_more_urgent_bucket_first(stack: Stack) -> None
             u_ms = int(first_chunk["echo"]["headers"]["x-llm-queue-ms"])
             b_ms = int(b.echo["headers"]["x-llm-queue-ms"])
             assert u_ms < 700 and b_ms > u_ms + 300, (u_ms, b_ms)
+            assert [(await first).status, (await second).status] == [200, 200]
+
+    run(main())
+
+
+def test_a_retry_waits_behind_first_attempts_in_its_own_band(stack: Stack) -> None:
+    """The SDK's x-stainless-retry-count reaches the sidecar through Envoy: a retry goes to the
+    `retried: true` bucket, and a first attempt that came after it gets the freed slot first."""
+
+    def first_echo(body: bytes) -> dict[str, str]:
+        chunk = json.loads(body.split(b"\n\n")[0].removeprefix(b"data: "))
+        return chunk["echo"]["headers"]  # type: ignore[no-any-return]
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as s:
+            url = f"{stack.url}/v1/chat/completions"
+            first, second = await hold_both_slots(s, url)
+            retried = {**INTERACTIVE, "x-stainless-retry-count": "1", **slow_stream(3, 200)}
+            retry = asyncio.ensure_future(post(s, url, chat(stream=True), retried))
+            await asyncio.sleep(0.1)
+            fresh_headers = {**INTERACTIVE, "x-stainless-retry-count": "0", **slow_stream(3, 200)}
+            fresh = asyncio.ensure_future(post(s, url, chat(stream=True), fresh_headers))
+            f, r = await fresh, await retry
+            assert (f.status, r.status) == (200, 200)
+            fe, re_ = first_echo(f.body), first_echo(r.body)
+            assert (fe["x-llm-bucket"], re_["x-llm-bucket"]) == ("interactive", "interactive-retry")
+            f_ms, r_ms = int(fe["x-llm-queue-ms"]), int(re_["x-llm-queue-ms"])
+            assert f_ms < 700 and r_ms > f_ms + 300, (f_ms, r_ms)
             assert [(await first).status, (await second).status] == [200, 200]
 
     run(main())

@@ -7,9 +7,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from extproc.app import default_policy
-from extproc.config.policy import OnExcess, PolicyError, parse_duration, policy_from_yaml
+from extproc.config.policy import (
+    OnExcess,
+    PolicyError,
+    is_retry,
+    parse_duration,
+    policy_from_yaml,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,6 +104,53 @@ buckets:
     )
     assert p.limits.on_excess is OnExcess.REJECT
     assert p.buckets[0].match.headers == (("x-team", "blue"),)
+
+
+@pytest.mark.parametrize(
+    ("value", "retry"),
+    [
+        (None, False),
+        ("0", False),
+        ("000", False),
+        ("1", True),
+        ("2", True),
+        ("0010", True),
+        ("9" * 5000, True),  # no int(): Python refuses to convert over 4300 digits
+        ("-1", False),
+        ("1.0", False),
+        (" 1", False),
+        ("", False),
+        ("١", False),  # a digit, but not ASCII
+        ("yes", False),
+    ],
+)
+def test_a_retry_is_a_retry_count_above_zero(value: str | None, retry: bool) -> None:
+    headers = {} if value is None else {"x-stainless-retry-count": value}
+    assert is_retry(headers) is retry
+
+
+def test_retried_splits_first_attempts_from_retries() -> None:
+    p = policy_from_yaml(
+        """
+pool: {max_concurrency: 4}
+buckets:
+  - {name: again, match: {headers: {x-c: i}, retried: true}, priority: 1, queue_timeout: 1s,
+     max_queue: 9}
+  - {name: first, match: {retried: false}, queue_timeout: 1s, max_queue: 9}
+  - {name: rest, queue_timeout: 1s, max_queue: 9}
+"""
+    )
+    again, first, rest = p.buckets
+    assert again.match.retried is True and first.match.retried is False
+    assert rest.match.retried is None and rest.match.is_catch_all
+    assert not first.match.is_catch_all
+    retry = {"x-c": "i", "x-stainless-retry-count": "2"}
+    assert again.match.matches(retry, 10, 10)
+    assert not again.match.matches({"x-c": "i", "x-stainless-retry-count": "0"}, 10, 10)
+    assert not again.match.matches({"x-stainless-retry-count": "2"}, 10, 10)  # headers too
+    assert first.match.matches({"x-c": "i"}, 10, 10) and not first.match.matches(retry, 10, 10)
+    assert p.to_dict()["buckets"][0]["match"] == {"headers": {"x-c": "i"}, "retried": True}
+    assert policy_from_yaml(yaml.safe_dump(p.to_dict())) == p
 
 
 @pytest.mark.parametrize(
@@ -230,8 +284,6 @@ def test_check_command(tmp_path: Path) -> None:
 
 def test_round_trip_of_check_output() -> None:
     """What `check` prints is itself a valid policy that resolves to the same thing."""
-    import yaml
-
     p = default_policy()
     again = policy_from_yaml(yaml.safe_dump(p.to_dict()))
     assert again == p

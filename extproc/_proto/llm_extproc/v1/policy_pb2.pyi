@@ -188,7 +188,7 @@ class RetryAfter(_message.Message):
     def __init__(self, min: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., jitter: _Optional[float] = ...) -> None: ...
 
 class Match(_message.Message):
-    __slots__ = ("headers", "max_prompt_tokens", "max_tokens")
+    __slots__ = ("headers", "max_prompt_tokens", "max_tokens", "retried")
     class HeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -199,10 +199,12 @@ class Match(_message.Message):
     HEADERS_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETRIED_FIELD_NUMBER: _ClassVar[int]
     headers: _containers.ScalarMap[str, str]
     max_prompt_tokens: int
     max_tokens: int
-    def __init__(self, headers: _Optional[_Mapping[str, str]] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    retried: bool
+    def __init__(self, headers: _Optional[_Mapping[str, str]] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., retried: _Optional[bool] = ...) -> None: ...
 
 class Bucket(_message.Message):
     __slots__ = ("name", "match", "max_concurrency", "queue_timeout", "max_queue", "trusted", "priority", "min_share", "max_share", "order", "vllm_priority")
