@@ -73,7 +73,7 @@ class Options:
     interactive_timeout_s: float = 30.0
     batch_timeout_s: float = 300.0
     max_retries: int = 2
-    interactive_queue_timeout_s: float = 1.5
+    interactive_queue_timeout_s: float = 1.0
     batch_queue_timeout_frac: float = 0.8
     queue_bound: Literal["deadline", "drain"] = "drain"
     cb_pending_s: float = 2.0

@@ -44,7 +44,7 @@ from bench.compare.timeline import (
 from bench.load.summary import Outcome, RequestRecord
 from bench.load.workload import build_schedule
 from extproc.config.envoy import extproc_streams
-from extproc.config.policy import policy_from_yaml
+from extproc.config.policy import Order, policy_from_yaml
 from testing.envoy import envoy_validate, hcm_config, render_envoy_config
 
 OPTS = Options(model_requests=1500)
@@ -78,7 +78,7 @@ def test_capacity_model_and_derived_settings(cap: Capacity) -> None:
     policy = policy_from_yaml(sidecar_policy(cap, OPTS), source="generated")
     by_name = {b.name: b for b in policy.buckets}
     assert by_name["interactive"].max_concurrency == slots["interactive"]
-    assert by_name["interactive"].queue_timeout_s == pytest.approx(1.5 / OPTS.speedup)
+    assert by_name["interactive"].queue_timeout_s == pytest.approx(1.0 / OPTS.speedup, abs=1e-3)
     assert by_name["batch"].queue_timeout_s == pytest.approx(240.0 / OPTS.speedup)
     breakers = envoy_breakers(cap, OPTS)
     assert breakers["max_requests"] == breakers["max_connections"] == cap.concurrency
@@ -101,6 +101,11 @@ def test_pool_policy_timers_scaled_slos_not(cap: Capacity) -> None:
     assert policy.backend.metrics == ("http://127.0.0.1:9/metrics",)
     b = {x.name: x for x in policy.buckets}
     assert (b["interactive"].priority, b["interactive"].min_share) == (0, 0.5)
+    assert [x.name for x in policy.buckets] == ["interactive-retry", "interactive", "batch"]
+    retry = b["interactive-retry"]
+    assert (retry.priority, retry.match.retried) == (1, True)  # behind first attempts
+    assert retry.match.headers == b["interactive"].match.headers
+    assert all(x.order is Order.COST for x in policy.buckets)
     assert (b["batch"].priority, b["batch"].max_share) == (10, 0.9)
     assert b["batch"].queue_timeout_s == pytest.approx(240 / OPTS.speedup, abs=1e-3)
 
