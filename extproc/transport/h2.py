@@ -934,7 +934,12 @@ class _Connection(asyncio.Protocol):
                     if call.recv_credit >= self._stream_credit_at:
                         self._announce_stream(call)
                 else:
-                    self._fail_call(call, e.code, e.message)
+                    # One loop turn first: a method that the message before this one woke may
+                    # still write its answer (grpc.aio sends it); then the call fails. Failing
+                    # at once lost that answer now and then (tests/service/test_h2_fuzz.py).
+                    # Meanwhile its input is dropped, and a read raises the failure.
+                    call._failure = e
+                    self.loop.call_soon(self._fail_soon, call, e)
                 return
             if partial:
                 self._partials[sid] = call
@@ -1256,6 +1261,11 @@ class _Connection(asyncio.Protocol):
         call.reset = True  # nothing more is read or written
         self._cancel(call)
         self._end(call)
+
+    def _fail_soon(self, call: Call, failure: CallAbort) -> None:
+        if self.closed or call.reset or call.closed or self.calls.get(call.id) is not call:
+            return  # over already: the method met the failure in a read, or the peer left
+        self._fail_call(call, failure.code, failure.message)
 
     def _reset_call(self, call: Call, code: int) -> None:
         """A stream error: RST_STREAM with ``code``, and the call is over."""

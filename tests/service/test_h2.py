@@ -324,6 +324,25 @@ def test_bad_messages_end_the_call_with_a_status(message: bytes, code: str) -> N
     run(t)
 
 
+def test_an_answer_written_just_before_a_bad_message_still_goes_out() -> None:
+    """A good message and a too-large one in one read: the echo method, woken by the first,
+    writes its answer before the call fails, as grpc.aio does (the fuzz found it)."""
+
+    async def t(server: H2Server, st: dict[str, Any]) -> None:
+        c = await Client.connect(st["port"])
+        c.open(1, "/t.T/Echo")
+        await asyncio.sleep(0.05)  # the method waits in read
+        c.send(
+            frame(DATA, 0, 1, grpc_msg(b"first"))
+            + frame(DATA, END_STREAM, 1, grpc_msg(b"x" * 1001))
+        )
+        _, data, trailers = await c.response(1)
+        assert (data, trailers["grpc-status"]) == (grpc_msg(b"first"), "8")
+        c.close()
+
+    run(t)
+
+
 def test_bad_preface_closes_with_goaway() -> None:
     async def t(server: H2Server, st: dict[str, Any]) -> None:
         r, w = await asyncio.open_connection("127.0.0.1", st["port"])
