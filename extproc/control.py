@@ -242,13 +242,17 @@ class PoolControl:
 
     def _demand(self) -> tuple[int, int]:
         """(in flight, waiting) for the adaptive limit. Waiters count as demand while the pool
-        is full, or while their bucket is held at its share of the limit (``max_share``, or
-        the overload cut of it): both grow with the limit. Waiters held back by a bucket's
-        absolute cap (``max_concurrency``) or by the token bound would not use a higher limit,
-        so they must not raise it. (The first version counted waiters only while the pool was
-        full: a batch flood alone, held at ``max_share: 0.9`` of the limit, never filled the
-        pool, and the limit stayed where it started.) A shared pool: every replica's waiters,
-        counted while the whole pool is full."""
+        is full, or while their bucket is held at its share of the limit (``max_share``),
+        which grows with the limit. Waiters held back by a bucket's absolute cap
+        (``max_concurrency``), by the overload cut (down to a guaranteed share that may be 0;
+        the staged recovery, not the limit, lets them in) or by the token bound would not use
+        a higher limit, so they must not raise it. (The first version counted waiters only
+        while the pool was full: a batch flood alone, held at ``max_share: 0.9`` of the limit,
+        never filled the pool, and the limit stayed where it started. The second counted the
+        cut's waiters too: at half load, with batch held back by an early overload, the limit
+        climbed to its maximum with 25 requests running, and the next burst went to vLLM
+        unchecked; bench.compare 0.5x.) A shared pool: every replica's waiters, counted while
+        the whole pool is full."""
         if self._shared is not None:
             held, waiting = self._shared.pool_demand()
             return (held, waiting if held >= self._shared.limit else 0)
@@ -258,14 +262,19 @@ class PoolControl:
         if s.in_flight >= s.limit:
             return (s.in_flight, s.queued)
         policy = self._policy
+        if policy is None:
+            return (s.in_flight, 0)
         stats = self._gate.statistics()
+        least = max(b.priority for b in policy.buckets)
         held_by_share = 0
-        for b in policy.buckets if policy is not None else ():
+        for b in policy.buckets:
             st = stats.get(b.name)
             if st is None or st.queued == 0 or st.in_flight < st.capacity:
                 continue
             if b.max_concurrency and st.capacity >= b.max_concurrency:
                 continue  # its absolute cap binds: a higher limit changes nothing
+            if s.cut < 1.0 and b.priority == least:
+                continue  # held by the overload cut: the staged recovery lets them in
             held_by_share += st.queued
         return (s.in_flight, held_by_share)
 

@@ -169,6 +169,10 @@ buckets:
         full = [gate.enter("chat", 1.0) for _ in range(2)]  # the pool is full: all waiters count
         assert all(isinstance(e, Slot) for e in full)
         assert control._demand() == (4, 3)
+        full.pop().release()  # room again; chat still runs, so a cut applies to batch
+        gate.set_cut(0.0)
+        assert gate.statistics()["batch"].capacity == 0  # cut to its guaranteed share, none
+        assert control._demand() == (3, 0)  # held by the cut: the limit would not let them in
         for e in entered + full:
             if isinstance(e, Slot):
                 e.release()
