@@ -37,6 +37,7 @@ from extproc.backend.scrape import Scraper, Signals
 from extproc.config.policy import (
     AdaptivePolicy,
     BackendPolicy,
+    BucketPolicy,
     OverloadPolicy,
     Policy,
     PoolPolicy,
@@ -52,6 +53,13 @@ log = logging.getLogger("extproc.control")
 OVERLOAD_TICK_S = 1.0
 _STATE_CODE = {OverloadState.NORMAL: 0, OverloadState.OVERLOADED: 1, OverloadState.RECOVERING: 2}
 _LIMIT_CODE = {LimitState.TRACKING: 0, LimitState.HOLDING: 1, LimitState.FALLBACK: 2}
+
+
+def _protected(policy: Policy) -> tuple[int, list[BucketPolicy]]:
+    """(the least urgent band, the buckets of every band more urgent than it): what the
+    overload cut and the latency objectives protect. One band: nothing is protected."""
+    least = max(b.priority for b in policy.buckets)
+    return least, [b for b in policy.buckets if b.priority < least]
 
 
 def _p95(values: list[float]) -> float | None:
@@ -265,7 +273,7 @@ class PoolControl:
         if policy is None:
             return (s.in_flight, 0)
         stats = self._gate.statistics()
-        least = max(b.priority for b in policy.buckets)
+        least, _ = _protected(policy)
         held_by_share = 0
         for b in policy.buckets:
             st = stats.get(b.name)
@@ -286,13 +294,14 @@ class PoolControl:
         policy = self._policy
         if policy is None:
             return True
-        least = max(b.priority for b in policy.buckets)
-        urgent = [b.name for b in policy.buckets if b.priority < least]
+        _, urgent = _protected(policy)
         if not urgent:
             return True
         stats = self._gate.statistics()
         return any(
-            stats[name].in_flight > 0 or stats[name].queued > 0 for name in urgent if name in stats
+            stats[b.name].in_flight > 0 or stats[b.name].queued > 0
+            for b in urgent
+            if b.name in stats
         )
 
     def _on_limit(self, limit: int, signals: Signals | None) -> None:
@@ -328,8 +337,7 @@ class PoolControl:
         if policy is None or policy.pool is None or monitor is None:
             return None
         stats = self._gate.statistics()
-        least = max(b.priority for b in policy.buckets)
-        protected = [b for b in policy.buckets if b.priority < least and b.name in stats]
+        protected = [b for b in _protected(policy)[1] if b.name in stats]
         if not protected:
             return None  # one band: nothing to protect it from
         waits: list[float] = []

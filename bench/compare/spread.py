@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from bench.load.runner import LoadConfig, run_load
 from bench.load.summary import LoadResult, summarize
-from bench.load.workload import PlannedRequest, build_schedule
+from bench.load.workload import PlannedRequest
 
 __all__ = ["merge_results", "round_robin", "run_spread"]
 
@@ -62,13 +62,7 @@ def merge_results(cfg: LoadConfig, parts: Sequence[LoadResult]) -> LoadResult:
 
 async def run_spread(cfg: LoadConfig, urls: Sequence[str]) -> LoadResult:
     """The schedule of ``cfg`` sent round robin over ``urls`` (``cfg.url`` is not used)."""
-    schedule = build_schedule(
-        cfg.classes,
-        duration_s=cfg.duration_s,
-        max_requests=cfg.max_requests,
-        seed=cfg.seed,
-        traces_dir=cfg.traces_dir,
-    )[: cfg.max_requests]
+    schedule = cfg.schedule()  # cut at max_requests, as run_load's
     parts = round_robin(schedule, len(urls))
     results = await asyncio.gather(
         *(

@@ -41,6 +41,16 @@ class LoadConfig:
     prompt_tokens_header: bool = False  # also send x-sim-prompt-tokens
     max_run_s: float | None = None  # hard cap on the whole run; default derived from timeouts
 
+    def schedule(self) -> tuple[PlannedRequest, ...]:
+        """The arrivals this config describes (``build_schedule`` of its classes and seed)."""
+        return build_schedule(
+            self.classes,
+            duration_s=self.duration_s,
+            max_requests=self.max_requests,
+            seed=self.seed,
+            traces_dir=self.traces_dir,
+        )
+
     def hard_cap_s(self) -> float:
         """The run's hard cap: ``max_run_s``, else the arrivals plus the slowest request's
         attempts and retry waits (at most 60 s each), plus 5 s."""
@@ -221,13 +231,7 @@ async def run_load(cfg: LoadConfig, schedule: Sequence[PlannedRequest] | None = 
     if cfg.speedup <= 0:
         raise ValueError("speedup must be > 0")
     if schedule is None:
-        schedule = build_schedule(
-            cfg.classes,
-            duration_s=cfg.duration_s,
-            max_requests=cfg.max_requests,
-            seed=cfg.seed,
-            traces_dir=cfg.traces_dir,
-        )
+        schedule = cfg.schedule()
     specs = {c.name: c for c in cfg.classes}
     loop = asyncio.get_running_loop()
     connector = aiohttp.TCPConnector(limit=0, force_close=False)

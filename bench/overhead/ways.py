@@ -159,14 +159,20 @@ _COMPLETION = json.dumps(
 # Policies
 # --------------------------------------------------------------------------------------------
 
-# The sidecars of the ways: the default policy's shape (interactive by header, batch for the
-# rest), with slots and queues far above what the load reaches, so every request is admitted
-# at once.
-SIDECAR_POLICY = """\
+# Tokens, limits and Retry-After of every sidecar way: the default policy's.
+_COMMON = """\
 tokens: {chars_per_token: 4.0}
 limits:
   {max_prompt_tokens: 32768, default_max_tokens: 256, max_output_tokens: 1024, on_excess: clamp}
 retry_after: {min: 1s, max: 60s}
+"""
+
+# The sidecars of the ways: the default policy's shape (interactive by header, batch for the
+# rest), with slots and queues far above what the load reaches, so every request is admitted
+# at once.
+SIDECAR_POLICY = (
+    _COMMON
+    + """\
 buckets:
   - name: interactive
     match: {headers: {x-llm-class: interactive}, max_prompt_tokens: 2000, max_tokens: 128}
@@ -178,6 +184,7 @@ buckets:
     queue_timeout: 120s
     max_queue: 5000
 """
+)
 
 # sidecar+redis: SIDECAR_POLICY's buckets as the bands of one static pool with their slots
 # together (2 x 4096), shared through Redis (``{redis}``: the local redis-server's URL) with the
@@ -185,11 +192,9 @@ buckets:
 # is measured is the round trips, not a split. A lease freed with nobody waiting stays with the
 # replica as a spare and is reused without a round trip; ``redis_calls_per_request`` in the
 # report says how many requests went to Redis after all.
-SHARED_POLICY = """\
-tokens: {chars_per_token: 4.0}
-limits:
-  {max_prompt_tokens: 32768, default_max_tokens: 256, max_output_tokens: 1024, on_excess: clamp}
-retry_after: {min: 1s, max: 60s}
+SHARED_POLICY = (
+    _COMMON
+    + """\
 pool:
   max_concurrency: 8192
   shared: {redis: "{redis}", key_prefix: overhead}
@@ -204,6 +209,7 @@ buckets:
     queue_timeout: 120s
     max_queue: 5000
 """
+)
 
 
 def shared_policy(redis_url: str) -> str:

@@ -939,7 +939,7 @@ class _Connection(asyncio.Protocol):
                     # at once lost that answer now and then (tests/service/test_h2_fuzz.py).
                     # Meanwhile its input is dropped, and a read raises the failure.
                     call._failure = e
-                    self.loop.call_soon(self._fail_soon, call, e)
+                    self.loop.call_soon(self._fail_soon, call)
                 return
             if partial:
                 self._partials[sid] = call
@@ -1262,9 +1262,11 @@ class _Connection(asyncio.Protocol):
         self._cancel(call)
         self._end(call)
 
-    def _fail_soon(self, call: Call, failure: CallAbort) -> None:
+    def _fail_soon(self, call: Call) -> None:
+        failure = call._failure
         if self.closed or call.reset or call.closed or self.calls.get(call.id) is not call:
             return  # over already: the method met the failure in a read, or the peer left
+        assert failure is not None
         self._fail_call(call, failure.code, failure.message)
 
     def _reset_call(self, call: Call, code: int) -> None:
