@@ -36,10 +36,14 @@ import asyncio
 import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from extproc.backend.http import MAX_BODY_BYTES, Target, get
 from extproc.backend.vllm import EndpointSample, parse_metrics
 from extproc.backend.window import HistogramWindow, histogram_quantile, observations
+
+if TYPE_CHECKING:
+    from extproc.config.policy import AdaptivePolicy, BackendPolicy
 
 __all__ = [
     "EndpointSample",
@@ -101,14 +105,18 @@ def _describe(exc: BaseException) -> str:
 
 
 class Scraper:
+    """The metrics endpoints of one pool, read a round at a time (``scrape``); between rounds
+    it holds the histogram windows. Its settings come from the resolved policy
+    (``from_policy``); only the body bound and the resolver have defaults here."""
+
     def __init__(
         self,
         urls: Sequence[str],
         *,
-        timeout_s: float = 0.5,
-        window_s: float = 10.0,
-        ttft_quantile: float = 0.9,
-        itl_quantile: float = 0.9,
+        timeout_s: float,
+        window_s: float,
+        ttft_quantile: float,
+        itl_quantile: float,
         max_body_bytes: int = MAX_BODY_BYTES,
         resolve: Resolver | None = None,
     ) -> None:
@@ -131,6 +139,26 @@ class Scraper:
         self._resolve: Resolver = resolve or _getaddrinfo
         self._ttft = HistogramWindow(window_s)
         self._itl = HistogramWindow(window_s)
+
+    @classmethod
+    def from_policy(
+        cls,
+        backend: BackendPolicy,
+        adaptive: AdaptivePolicy,
+        *,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        resolve: Resolver | None = None,
+    ) -> Scraper:
+        """The scraper of ``backend.metrics``, with the resolved policy's settings."""
+        return cls(
+            backend.metrics,
+            timeout_s=backend.scrape_timeout_s,
+            window_s=adaptive.window_s,
+            ttft_quantile=adaptive.ttft_quantile,
+            itl_quantile=adaptive.itl_quantile,
+            max_body_bytes=max_body_bytes,
+            resolve=resolve,
+        )
 
     async def scrape(self, now: float) -> Signals:
         """Scrape every address of every URL once; ``now`` stamps the readings."""
