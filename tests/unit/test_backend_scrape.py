@@ -5,13 +5,21 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
-from extproc.backend.scrape import EndpointSample, Scraper, histogram_quantile, parse_metrics
+from extproc.backend.http import MAX_BODY_BYTES
+from extproc.backend.scrape import (
+    EndpointSample,
+    Resolver,
+    Scraper,
+    histogram_quantile,
+    parse_metrics,
+)
+from extproc.config.policy import AdaptivePolicy, BackendPolicy
 
 INF = float("inf")
 # vLLM's bucket bounds (vllm/v1/metrics/loggers.py).
@@ -24,6 +32,23 @@ LATENCY_BOUNDS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0
                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # fmt: on
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def make_scraper(
+    urls: Sequence[str],
+    *,
+    backend: BackendPolicy | None = None,
+    adaptive: AdaptivePolicy | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    resolve: Resolver | None = None,
+) -> Scraper:
+    """A scraper of ``urls`` with the policy's settings (its defaults where not given)."""
+    return Scraper.from_policy(
+        replace(backend or BackendPolicy(), metrics=tuple(urls)),
+        adaptive or AdaptivePolicy(),
+        max_body_bytes=max_body_bytes,
+        resolve=resolve,
+    )
 
 
 def run(coro: Awaitable[None]) -> None:
@@ -291,11 +316,20 @@ def test_histogram_quantile_matches_a_hand_computation() -> None:
 def test_urls_and_settings_are_checked() -> None:
     for url in ("https://a:8000/metrics", "ftp://a/x", "http:///metrics", "http://a:99999/"):
         with pytest.raises(ValueError):
-            Scraper([url])
+            make_scraper([url])
     with pytest.raises(ValueError):
-        Scraper([])
+        make_scraper([])
     with pytest.raises(ValueError):
-        Scraper(["http://a:1/m"], ttft_quantile=1.0)
+        make_scraper(["http://a:1/m"], adaptive=AdaptivePolicy(ttft_quantile=1.0))
+
+
+def test_from_policy_takes_the_resolved_policy_settings() -> None:
+    backend = BackendPolicy(metrics=("http://a:1/m", "http://b:2/m"), scrape_timeout_s=0.2)
+    adaptive = AdaptivePolicy(window_s=7.0, ttft_quantile=0.5, itl_quantile=0.99)
+    s = Scraper.from_policy(backend, adaptive)
+    assert (s.timeout_s, s.window_s, s.ttft_quantile, s.itl_quantile) == (0.2, 7.0, 0.5, 0.99)
+    assert s.max_body_bytes == MAX_BODY_BYTES
+    assert repr(s) == "<Scraper a:1, b:2, 0 endpoints known>"
 
 
 # --- scraping ----------------------------------------------------------------------------------
@@ -307,7 +341,7 @@ def test_every_body_framing_is_read(mode: str) -> None:
         page = vllm_page(Engine(waiting=2, running=7, kv=0.4))
         assert len(page) > 1000  # several chunks
         async with MetricsServer(page, mode) as server:
-            s = await Scraper([server.url]).scrape(0.0)  # the default resolver
+            s = await make_scraper([server.url]).scrape(0.0)  # the default resolver
         assert (s.endpoints_ok, s.endpoints_failed, s.errors) == (1, 0, ())
         assert (s.waiting, s.running, s.kv_usage) == (2, 7, 0.4)
         head = server.requests[0].decode()
@@ -333,7 +367,7 @@ def test_an_aiohttp_server() -> None:
         await site.start()
         port = runner.addresses[0][1]
         try:
-            s = await Scraper([f"http://127.0.0.1:{port}/metrics"]).scrape(0.0)
+            s = await make_scraper([f"http://127.0.0.1:{port}/metrics"]).scrape(0.0)
         finally:
             await runner.cleanup()
         assert (s.endpoints_ok, s.waiting, s.running) == (1, 1, 3)
@@ -347,7 +381,7 @@ def test_every_address_of_a_name_and_windowed_quantiles_over_all_of_them() -> No
         b = Engine(waiting=0, running=20, kv=0.6, ttft={0.1: 50}, itl={0.05: 50})
         async with MetricsServer(vllm_page(a)) as sa, MetricsServer(vllm_page(b)) as sb:
             resolve = fixed(("127.0.0.1", sa.port), ("127.0.0.1", sb.port))
-            scraper = Scraper(["http://pool.svc:8000/metrics"], resolve=resolve)
+            scraper = make_scraper(["http://pool.svc:8000/metrics"], resolve=resolve)
             first = await scraper.scrape(100.0)
             # The first sight of an endpoint is a baseline: its history is not recent.
             assert (first.endpoints_ok, first.waiting, first.running, first.kv_usage) == (
@@ -393,7 +427,7 @@ def test_one_name_many_addresses_on_one_port() -> None:
                     return [("127.0.0.1", port), ("127.0.0.2", port), ("127.0.0.1", port)]
 
                 url = f"http://vllm.ns.svc.cluster.local:{one.port}/metrics"
-                s = await Scraper([url], resolve=resolve).scrape(0.0)
+                s = await make_scraper([url], resolve=resolve).scrape(0.0)
         assert (s.endpoints_ok, s.running) == (2, 3)  # the repeated address is scraped once
         assert len(one.requests) == len(two.requests) == 1
 
@@ -429,9 +463,9 @@ def test_failing_endpoints_are_counted_never_raised() -> None:
                     raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
                 return await resolve(host, port)
 
-            scraper = Scraper(
+            scraper = make_scraper(
                 ["http://pool.svc:1/metrics", "http://gone.svc:1/metrics"],
-                timeout_s=0.3,
+                backend=BackendPolicy(scrape_timeout_s=0.3),
                 max_body_bytes=len(big) - 1,
                 resolve=no_such_host,
             )
@@ -465,14 +499,16 @@ def test_each_failure_kind_has_a_short_error() -> None:
         ]
         for server, expected in cases:
             async with server:
-                s = await Scraper([server.url], timeout_s=0.2, max_body_bytes=1000).scrape(0.0)
+                timeout = BackendPolicy(scrape_timeout_s=0.2)
+                scraper = make_scraper([server.url], backend=timeout, max_body_bytes=1000)
+                s = await scraper.scrape(0.0)
             assert (s.endpoints_ok, s.endpoints_failed) == (0, 1), expected
             assert len(s.errors) == 1 and expected in s.errors[0], (expected, s.errors)
             assert s.errors[0].startswith(f"127.0.0.1:{server.port}: ")
         refused = socket.socket()
         refused.bind(("127.0.0.1", 0))
         port = refused.getsockname()[1]
-        s = await Scraper([f"http://127.0.0.1:{port}/metrics"]).scrape(0.0)
+        s = await make_scraper([f"http://127.0.0.1:{port}/metrics"]).scrape(0.0)
         refused.close()
         assert s.errors == (f"127.0.0.1:{port}: refused",)
 
@@ -483,7 +519,7 @@ def test_counter_reset_window_expiry_and_gap() -> None:
     async def main() -> None:
         engine = Engine(ttft={0.1: 1000})
         async with MetricsServer(vllm_page(engine)) as server:
-            scraper = Scraper([server.url], window_s=10.0)
+            scraper = make_scraper([server.url], adaptive=AdaptivePolicy(window_s=10.0))
 
             async def at(now: float, ttft: dict[float, int]) -> tuple[float | None, int]:
                 engine.ttft = ttft

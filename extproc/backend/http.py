@@ -1,0 +1,136 @@
+"""A bounded HTTP/1.1 GET on asyncio streams, enough to read a Prometheus page.
+
+The sidecar does not depend on an HTTP library for this: one request per connection, sent
+with ``Connection: close`` and without ``Accept-Encoding`` (the body comes uncompressed). The
+answer must be a 200 over HTTP/1.x; its body may come with Content-Length, chunked or until
+EOF.
+
+Bounds: the whole GET runs under ``timeout_s``; the headers and each chunk-size line must fit
+in ``HEAD_LIMIT`` (asyncio's ``StreamReader`` limit); past ``max_body_bytes`` of body the GET
+fails. A GET fails with ``HttpError`` (an answer we cannot use; its text is the short reason)
+or with what the stream raises (``OSError``, ``TimeoutError``, ``asyncio.IncompleteReadError``,
+``asyncio.LimitOverrunError``); the caller names them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+__all__ = ["HEAD_LIMIT", "MAX_BODY_BYTES", "HttpError", "Target", "get"]
+
+HEAD_LIMIT = 64 * 1024
+# A vLLM page is about 100 KB; the bound only stops a runaway answer.
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+class HttpError(Exception):
+    """An endpoint answered, but not with a page we can use."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Target:
+    """A parsed ``http://`` URL and the request bytes that GET it."""
+
+    host: str
+    port: int
+    path: str
+    request: bytes
+
+    @classmethod
+    def parse(cls, url: str) -> Target:
+        """Raises ValueError for a URL that is not plain ``http://`` with a host, or whose
+        port is not a number in range."""
+        parts = urlsplit(url)
+        if parts.scheme != "http":
+            raise ValueError(f"{url!r}: only http:// URLs can be scraped")
+        host = parts.hostname
+        if not host:
+            raise ValueError(f"{url!r}: no host")
+        port = parts.port or 80  # ValueError for a port that is not a number or out of range
+        path = parts.path or "/"
+        if parts.query:
+            path += "?" + parts.query
+        authority = f"[{host}]" if ":" in host else host
+        if parts.port is not None:
+            authority += f":{port}"
+        request = (
+            f"GET {path} HTTP/1.1\r\n"
+            f"Host: {authority}\r\n"
+            "Accept: text/plain\r\n"  # no Accept-Encoding: the body comes uncompressed
+            "User-Agent: llm-extproc\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode("ascii")
+        return cls(host=host, port=port, path=path, request=request)
+
+
+async def get(
+    address: str, port: int, request: bytes, *, timeout_s: float, max_body_bytes: int
+) -> bytes:
+    """Send ``request`` to ``address:port``; the body of a 200, within the bounds above."""
+    async with asyncio.timeout(timeout_s):
+        return await _get(address, port, request, max_body_bytes)
+
+
+async def _get(address: str, port: int, request: bytes, max_body_bytes: int) -> bytes:
+    reader, writer = await asyncio.open_connection(address, port, limit=HEAD_LIMIT)
+    try:
+        writer.write(request)
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        status_line, *header_lines = head.decode("latin-1").split("\r\n")
+        version, _, rest = status_line.partition(" ")
+        if not version.startswith("HTTP/1."):
+            raise HttpError("not HTTP/1.x")
+        status = rest[:3]
+        if status != "200" or rest[3:4] not in ("", " "):
+            raise HttpError(f"status {status or '?'}")
+        headers: dict[str, str] = {}
+        for h in header_lines:
+            name, sep, value = h.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip().lower()
+        if headers.get("content-encoding", "identity") != "identity":
+            raise HttpError("compressed body")
+        transfer = headers.get("transfer-encoding")
+        if transfer is not None:
+            if transfer != "chunked":
+                raise HttpError(f"transfer-encoding {transfer}")
+            return await _read_chunked(reader, max_body_bytes)
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise HttpError("bad content-length")
+            n = int(length)
+            if n > max_body_bytes:
+                raise HttpError(f"body over {max_body_bytes} bytes")
+            return await reader.readexactly(n)
+        body = bytearray()
+        while chunk := await reader.read(65536):
+            body += chunk
+            if len(body) > max_body_bytes:
+                raise HttpError(f"body over {max_body_bytes} bytes")
+        return bytes(body)
+    finally:
+        writer.close()
+
+
+async def _read_chunked(reader: asyncio.StreamReader, max_body_bytes: int) -> bytes:
+    body = bytearray()
+    while True:
+        line = await reader.readuntil(b"\r\n")
+        size_field = line.split(b";", 1)[0].strip()
+        try:
+            size = int(size_field, 16)
+        except ValueError:
+            raise HttpError("bad chunk size") from None
+        if size < 0:
+            raise HttpError("bad chunk size")
+        if size == 0:
+            return bytes(body)  # trailers, if any, are left unread: the connection closes
+        if len(body) + size > max_body_bytes:
+            raise HttpError(f"body over {max_body_bytes} bytes")
+        body += await reader.readexactly(size)
+        if await reader.readexactly(2) != b"\r\n":
+            raise HttpError("bad chunk")
