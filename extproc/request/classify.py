@@ -9,11 +9,13 @@ Order matters and is fixed:
    (headers, prompt tokens, effective max_tokens);
 Route metadata (``RouteOverride``) may also replace the limits of steps 1-2 and the queue
 timeout for its route.
-4. the body is rewritten only when max_tokens changed, or the bucket's ``vllm_priority`` is not
-   what the body says. Each max_tokens key the client sent is set to the effective value; when
-   it sent none, ``max_tokens`` is added (vLLM reads it on both endpoints); ``priority`` is set
-   to the bucket's (vLLM's own queue then orders the same way, with
-   ``--scheduling-policy priority``). A key that is absent is appended to the client's bytes;
+4. the body is rewritten only when max_tokens changed, or its ``priority`` is not the bucket's
+   ``vllm_priority``. Each max_tokens key the client sent is set to the effective value; when
+   it sent none, ``max_tokens`` is added (vLLM reads it on both endpoints). ``priority`` is
+   vLLM's queue order (lower runs first, with ``--scheduling-policy priority``), so only the
+   policy may set it: a bucket with ``vllm_priority`` writes its own value over the client's,
+   and a bucket without one removes the client's (vLLM then uses its default, 0), so no
+   client jumps vLLM's queue. A key that is absent is appended to the client's bytes;
    otherwise the body is re-serialised.
 """
 
@@ -116,12 +118,16 @@ def _append(req: ParsedRequest, max_tokens: int | None, priority: int | None) ->
 
 
 def _rewrite(
-    original: dict[str, Any], keys: tuple[str, ...], value: int, priority: int | None = None
+    original: dict[str, Any], keys: tuple[str, ...], value: int, priority: int | None
 ) -> bytes:
+    """The body re-serialised with every max_tokens key at ``value`` and ``priority`` the
+    bucket's (None: no ``priority`` key at all)."""
     body = dict(original)  # shallow copy: the parsed request stays as the client sent it
     for key in keys or ("max_tokens",):
         body[key] = value
-    if priority is not None:
+    if priority is None:
+        body.pop("priority", None)
+    else:
         body["priority"] = priority
     try:
         text = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
@@ -191,20 +197,21 @@ def classify(
             raise AssertionError("policy has no catch-all bucket")
 
     # Both keys present with different values also needs a rewrite, so the backend cannot
-    # read the other one. A bucket with vllm_priority sets the body's `priority` (whatever the
-    # client sent: the bucket decides, not the client).
+    # read the other one. `priority` is the bucket's or none (step 4): never the client's.
     priority = bucket.vllm_priority
+    strip_priority = priority is None and "priority" in req.body
     needs_rewrite = (
         action is not MaxTokensAction.KEPT
         or any(req.body.get(k) != max_tokens for k in req.max_tokens_keys)
         or (priority is not None and req.body.get("priority") != priority)
+        or strip_priority
     )
     new_body = None
     if needs_rewrite:
         tokens_kept = action is MaxTokensAction.KEPT and all(
             req.body.get(k) == max_tokens for k in req.max_tokens_keys
         )
-        if action is MaxTokensAction.DEFAULTED or tokens_kept:
+        if not strip_priority and (action is MaxTokensAction.DEFAULTED or tokens_kept):
             new_body = _append(req, None if tokens_kept else max_tokens, priority)
         if new_body is None:
             new_body = _rewrite(req.body, req.max_tokens_keys, max_tokens, priority)

@@ -5,8 +5,9 @@
 raises anything else on any input (tests/unit/test_parse_props.py drives it with arbitrary bytes).
 
 What it accepts, on purpose strict where laxness would let a request slip past the limits:
-- UTF-8 JSON (a UTF-8 byte-order mark is tolerated) holding one object; NaN/Infinity literals and
-  duplicate keys are refused (a duplicate ``max_tokens`` could mean one value to us and another
+- UTF-8 JSON (a UTF-8 byte-order mark is tolerated) holding one object; NaN/Infinity literals,
+  numbers beyond the double range (``1e400``, which Python reads as infinity) and duplicate keys
+  are refused (a duplicate ``max_tokens`` could mean one value to us and another
   to the backend);
 - chat: ``messages``, a non-empty list of objects whose ``content`` is a string, null, or a list of
   content parts; ``text`` parts are counted as text, any other part type costs a fixed number of
@@ -24,6 +25,7 @@ Prompt text is gathered as a tuple of strings; counting it is the next stage's j
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -76,6 +78,16 @@ class ParsedRequest:
 
 def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(literal: str) -> float:
+    """A JSON number with a fraction or exponent, as a double; one beyond the double range
+    (``1e400``) is refused: it would parse as infinity, and a rewritten body would carry
+    ``Infinity``, which is not JSON."""
+    value = float(literal)
+    if math.isinf(value):
+        raise ValueError(f"the number {literal[:32]} is out of range")
+    return value
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -251,14 +263,19 @@ def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
     if text.startswith("\ufeff"):
         text = text[1:]
     try:
-        body = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+        body = json.loads(
+            text,
+            object_pairs_hook=_no_duplicates,
+            parse_constant=_reject_constant,
+            parse_float=_finite_float,
+        )
     except json.JSONDecodeError as e:
         raise RequestError(
             "invalid_json", f"The request body is not valid JSON: {e.msg} at byte {e.pos}."
         ) from None
     except RecursionError:
         raise RequestError("invalid_json", "The request body is nested too deeply.") from None
-    except ValueError as e:  # NaN/Infinity, integers too long to convert
+    except ValueError as e:  # NaN/Infinity, out-of-range numbers, integers too long to convert
         raise RequestError("invalid_json", f"The request body is not valid JSON: {e}.") from None
     if not isinstance(body, dict):
         raise RequestError(

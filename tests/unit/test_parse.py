@@ -74,6 +74,9 @@ BAD = [
     (CHAT, b"null", 400, "invalid_body", None),
     (CHAT, b'{"max_tokens": NaN, "messages": []}', 400, "invalid_json", None),
     (CHAT, b'{"max_tokens": Infinity}', 400, "invalid_json", None),
+    # Beyond the double range: Python reads these as infinity, which a rewrite would emit.
+    (CHAT, b'{"temperature": 1e400, "messages": [{"role":"user"}]}', 400, "invalid_json", None),
+    (CHAT, b'{"temperature": -1E+999, "messages": [{"role":"user"}]}', 400, "invalid_json", None),
     (
         CHAT,
         b'{"max_tokens": 1, "max_tokens": 99999, "messages": [{"role":"user"}]}',
@@ -399,3 +402,41 @@ def test_vllm_priority_already_right_leaves_the_body_alone() -> None:
         PRIORITY_POLICY, token_counter(PRIORITY_POLICY.tokens), {}, parse_body(CHAT, body)
     )
     assert cls.new_body is None
+
+
+def test_a_number_near_the_double_range_is_kept_and_a_rewrite_stays_json() -> None:
+    raw = b'{"temperature": 1e308, "top_p": 1e-400, "messages": [{"role":"user","content":"x"}]}'
+    cls = run(CHAT, raw)
+    assert cls.new_body is not None  # max_tokens defaulted
+    sent = json.loads(cls.new_body, parse_constant=lambda c: pytest.fail(f"{c} in the body"))
+    assert sent["temperature"] == 1e308
+
+
+def test_out_of_range_numbers_are_named_in_the_error() -> None:
+    with pytest.raises(RequestError, match="1e400 is out of range"):
+        parse_body(CHAT, b'{"temperature": 1e400, "messages": [{"role":"user"}]}')
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        chat(max_tokens=10, priority=-2147483648),  # tokens kept: only the key goes
+        chat(priority=-5),  # max_tokens defaulted as well
+        chat(max_tokens=100000, priority=0),  # clamped as well
+        chat(max_tokens=10, priority="high"),  # whatever its type
+        chat(max_tokens=10, priority=None),
+    ],
+)
+def test_a_bucket_without_vllm_priority_removes_the_clients(body: bytes) -> None:
+    """vLLM orders its queue by `priority` (--scheduling-policy priority): only the policy may
+    set it, so a client cannot jump the queue in a bucket that sets none."""
+    cls = run(CHAT, body)
+    assert cls.new_body is not None
+    sent = json.loads(cls.new_body)
+    assert "priority" not in sent
+    assert sent["max_tokens"] == cls.max_tokens
+    assert sent["messages"] == json.loads(body)["messages"]
+
+
+def test_a_body_without_priority_is_left_alone_by_a_bucket_without_vllm_priority() -> None:
+    assert run(CHAT, chat(max_tokens=10)).new_body is None
