@@ -1,7 +1,8 @@
 """The test harness that tests, ``make demo`` and the benchmarks share.
 
 ``testing.stack`` starts the real pieces on 127.0.0.1 (a backend, the sidecar, Envoy),
-``testing.envoy`` is the one builder (and checker) of Envoy configs for them,
+``testing.envoy`` builds (from the shipped configs and ``extproc.config.envoy_objects``)
+and checks the Envoy configs for them,
 ``testing.harness`` reads the sidecar's metrics back, ``testing.backend`` is a small
 OpenAI-compatible stand-in, and ``testing.dockerfile`` reads the Dockerfile and its build
 context without a Docker engine.

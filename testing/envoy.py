@@ -1,18 +1,21 @@
-"""The one builder of Envoy configs for tests, ``make demo`` and the benchmarks.
+"""Envoy configs for tests, ``make demo`` and the benchmarks.
 
 Everything starts from ``envoy/envoy.yaml`` (what ``llm-extproc render-envoy`` prints for the
 embedded default policy, checked by ``tests/deploy/test_render.py``) and changes only what a run on
 127.0.0.1 must change: ports, the access-log path, and a few knobs the tests and benchmarks
 turn (failure mode, backend circuit breakers, plain Envoy without ext_proc, mutual TLS to the
-sidecar). The building blocks below it (``address``, ``grpc_cluster``, ...) serve configs that
-do not start from the shipped file, such as the overhead benchmark's many-listener Envoy.
-The last section serves the tests that read, patch and check configs (``shipped_envoy``,
-``cluster_named``, ``minimal_bootstrap``, the Istio patches, ``assert_valid``, ...).
+sidecar). Configs that do not start from the shipped file, such as the overhead benchmark's
+many-listener Envoy, are built from the product's own builders (``address``, ``grpc_cluster``,
+``http_listener``, ...: ``extproc.config.envoy_objects``, re-exported here with the defaults the
+benchmarks use). The last section serves the tests that read, patch and check configs
+(``shipped_envoy``, ``cluster_named``, ``minimal_bootstrap``, the Istio patches,
+``assert_valid``, ...).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import shutil
 import subprocess
@@ -23,18 +26,36 @@ from typing import Any
 
 import yaml
 
-from extproc.config.envoy import EXT_PROC_TYPE, HTTP_OPTIONS_TYPE, render, to_rds
+from extproc.config import envoy_objects
+from extproc.config.envoy import render, to_rds
+from extproc.config.envoy_objects import (
+    BUFFER_FILTER,
+    BUFFER_TYPE,
+    EXT_PROC_FILTER,
+    EXT_PROC_PER_ROUTE_TYPE,
+    EXT_PROC_TYPE,
+    HCM_TYPE,
+    HEADER_MUTATION_FILTER,
+    ROUTER_FILTER,
+    ROUTER_TYPE,
+    address,
+    buffer_filter,
+    direct_response_route,
+    ext_proc_filter,
+    grpc_cluster,
+    router_filter,
+    static_cluster,
+)
+from extproc.config.envoy_objects import HTTP_OPTIONS_TYPE as HTTP_PROTOCOL_OPTIONS_TYPE
 from extproc.config.policy import Policy
 
 __all__ = ["EXT_PROC_FILTER", "REPO", "render_envoy_config", "with_upstream_tls"]
 
 REPO = Path(__file__).resolve().parent.parent
-EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
-_EXT_PROC = EXT_PROC_FILTER
 
 
 def _set_address(obj: dict[str, Any], port: int) -> None:
-    obj["socket_address"] = {"address": "127.0.0.1", "port_value": port}
+    obj["socket_address"] = address(port)["socket_address"]
 
 
 def render_envoy_config(
@@ -74,7 +95,7 @@ def render_envoy_config(
             for f in chain["filters"]:
                 hcm = f["typed_config"]
                 for hf in hcm.get("http_filters", []):
-                    is_ext_proc = hf["name"] == _EXT_PROC
+                    is_ext_proc = hf["name"] == EXT_PROC_FILTER
                     if is_ext_proc and failure_mode_allow is not None:
                         hf["typed_config"]["failure_mode_allow"] = failure_mode_allow
                 if access_log is not None:
@@ -144,9 +165,6 @@ def with_upstream_tls(text: str, tls: Mapping[str, Path]) -> str:
     return yaml.safe_dump(cfg, sort_keys=False)
 
 
-_BUFFER = "envoy.filters.http.buffer"
-
-
 def _drop_ext_proc(cfg: dict[str, Any]) -> None:
     """Plain Envoy: remove the ext_proc filter and the buffer filter that only serves it, every
     per-route config that names them, the local-reply mappers for the sidecar's failures, and
@@ -159,7 +177,7 @@ def _drop_ext_proc(cfg: dict[str, Any]) -> None:
                 hcm["http_filters"] = [
                     hf
                     for hf in hcm.get("http_filters", [])
-                    if hf["name"] not in (_EXT_PROC, _BUFFER)
+                    if hf["name"] not in (EXT_PROC_FILTER, BUFFER_FILTER)
                 ]
                 replies = hcm.get("local_reply_config", {})
                 replies["mappers"] = [
@@ -169,8 +187,8 @@ def _drop_ext_proc(cfg: dict[str, Any]) -> None:
                     for route in [vhost, *vhost.get("routes", [])]:
                         per_filter = route.get("typed_per_filter_config")
                         if per_filter is not None:
-                            per_filter.pop(_EXT_PROC, None)
-                            per_filter.pop(_BUFFER, None)
+                            per_filter.pop(EXT_PROC_FILTER, None)
+                            per_filter.pop(BUFFER_FILTER, None)
                             if not per_filter:
                                 del route["typed_per_filter_config"]
     resources["clusters"] = [c for c in resources["clusters"] if c["name"] != "llm_extproc"]
@@ -178,8 +196,9 @@ def _drop_ext_proc(cfg: dict[str, Any]) -> None:
 
 # --------------------------------------------------------------------------------------------
 # Building blocks for configs that do not start from envoy/envoy.yaml (the overhead benchmark's
-# many-listener Envoy): plain dicts in Envoy's v3 YAML shape, to be put together by the caller
-# and written with ``yaml.safe_dump``.
+# many-listener Envoy, the Istio stand-ins): the product's builders (extproc.config.envoy_objects),
+# plain dicts in Envoy's v3 YAML shape, to be put together by the caller and written with
+# ``yaml.safe_dump``; ``http_listener`` here has the benchmarks' timeouts and buffer limit.
 # --------------------------------------------------------------------------------------------
 
 __all__ += [
@@ -199,155 +218,21 @@ __all__ += [
     "router_filter",
 ]
 
-_TYPE = "type.googleapis.com/envoy.extensions."
-EXT_PROC_PER_ROUTE_TYPE = _TYPE + "filters.http.ext_proc.v3.ExtProcPerRoute"
-HCM_TYPE = _TYPE + "filters.network.http_connection_manager.v3.HttpConnectionManager"
-BUFFER_TYPE = _TYPE + "filters.http.buffer.v3.Buffer"
-ROUTER_TYPE = _TYPE + "filters.http.router.v3.Router"
-HTTP_PROTOCOL_OPTIONS_TYPE = HTTP_OPTIONS_TYPE
-_FOUR_MIB = 4 * 1024 * 1024
-
-
-def address(port: int, host: str = "127.0.0.1") -> dict[str, Any]:
-    """An Envoy ``Address`` (a TCP socket address)."""
-    return {"socket_address": {"address": host, "port_value": port}}
-
-
-def grpc_cluster(
-    name: str,
-    port: int,
-    *,
-    circuit_breakers: Mapping[str, int] | None = None,
-    connect_timeout: str = "1s",
-) -> dict[str, Any]:
-    """A STATIC cluster of one endpoint on 127.0.0.1 spoken to over HTTP/2 (h2c), as a gRPC
-    service such as an ext_proc server needs. ``circuit_breakers`` sets the default-priority
-    thresholds, e.g. ``{"max_requests": 100000}`` (each stream an ext_proc server holds counts
-    as one request; Envoy's default limits are 1024)."""
-    cluster: dict[str, Any] = {
-        "name": name,
-        "type": "STATIC",
-        "connect_timeout": connect_timeout,
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": HTTP_PROTOCOL_OPTIONS_TYPE,
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        },
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address(port)}}]}],
-        },
-    }
-    if circuit_breakers is not None:
-        cluster["circuit_breakers"] = {"thresholds": [dict(circuit_breakers)]}
-    return cluster
-
-
-def ext_proc_filter(
-    cluster: str,
-    processing_mode: Mapping[str, str],
-    *,
-    failure_mode_allow: bool = False,
-    message_timeout: str = "1s",
-    max_message_timeout: str = "600s",
-    allow_mode_override: bool = True,
-) -> dict[str, Any]:
-    """The ext_proc HTTP filter, talking to ``cluster`` over Envoy's own gRPC client.
-    ``processing_mode`` is usually the shipped one, ``extproc.config.envoy.PROCESSING_MODE``."""
-    return {
-        "name": EXT_PROC_FILTER,
-        "typed_config": {
-            "@type": EXT_PROC_TYPE,
-            "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
-            "failure_mode_allow": failure_mode_allow,
-            "processing_mode": dict(processing_mode),
-            "message_timeout": message_timeout,
-            "max_message_timeout": max_message_timeout,
-            "allow_mode_override": allow_mode_override,
-        },
-    }
-
-
-def buffer_filter(max_request_bytes: int = _FOUR_MIB) -> dict[str, Any]:
-    """The buffer HTTP filter: the whole request body is read before the next filter runs."""
-    return {
-        "name": "envoy.filters.http.buffer",
-        "typed_config": {"@type": BUFFER_TYPE, "max_request_bytes": max_request_bytes},
-    }
-
-
-def router_filter() -> dict[str, Any]:
-    """The router HTTP filter (always the last one)."""
-    return {"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER_TYPE}}
-
 
 def ext_proc_disabled() -> dict[str, Any]:
     """A route's ``typed_per_filter_config`` that turns the ext_proc filter off for that route
     (as ``envoy/envoy.yaml`` does on every non-LLM route)."""
-    return {EXT_PROC_FILTER: {"@type": EXT_PROC_PER_ROUTE_TYPE, "disabled": True}}
+    return envoy_objects.disabled_on_route(EXT_PROC_FILTER)
 
 
-def direct_response_route(
-    path: str,
-    body: str,
-    *,
-    status: int = 200,
-    content_type: str = "application/json",
-    without_ext_proc: bool = False,
-) -> dict[str, Any]:
-    """A route on the exact ``path`` that Envoy answers itself (``direct_response``) with
-    ``body``: a backend with no process of its own. ``without_ext_proc`` disables the ext_proc
-    filter on it (``ext_proc_disabled``)."""
-    route: dict[str, Any] = {
-        "match": {"path": path},
-        "direct_response": {"status": status, "body": {"inline_string": body}},
-        "response_headers_to_add": [{"header": {"key": "content-type", "value": content_type}}],
-    }
-    if without_ext_proc:
-        route["typed_per_filter_config"] = ext_proc_disabled()
-    return route
-
-
-def http_listener(
-    name: str,
-    port: int,
-    *,
-    routes: list[dict[str, Any]],
-    http_filters: list[dict[str, Any]],
-    response_headers_to_add: list[dict[str, Any]] | None = None,
-    stream_idle_timeout: str = "600s",
-    request_timeout: str = "0s",
-    buffer_limit_bytes: int = _FOUR_MIB,
-) -> dict[str, Any]:
-    """A listener on 127.0.0.1:``port`` with one HTTP connection manager (stats under
-    ``http.<name>.``), one virtual host for every domain holding ``routes``, and
-    ``http_filters`` in order (end with ``router_filter()``). ``response_headers_to_add`` is
-    set on the virtual host."""
-    vhost: dict[str, Any] = {"name": name, "domains": ["*"]}
-    if response_headers_to_add:
-        vhost["response_headers_to_add"] = [dict(h) for h in response_headers_to_add]
-    vhost["routes"] = [dict(r) for r in routes]
-    hcm = {
-        "@type": HCM_TYPE,
-        "stat_prefix": name,
-        "stream_idle_timeout": stream_idle_timeout,
-        "request_timeout": request_timeout,
-        "route_config": {"name": name, "virtual_hosts": [vhost]},
-        "http_filters": [dict(f) for f in http_filters],
-    }
-    return {
-        "name": name,
-        "address": address(port),
-        "per_connection_buffer_limit_bytes": buffer_limit_bytes,
-        "filter_chains": [
-            {
-                "filters": [
-                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
-                ]
-            }
-        ],
-    }
+# The benchmarks' listener (each setting a keyword the caller may override): queued requests
+# may wait up to ten minutes, no request timeout, the smallest body buffer ``render`` gives.
+http_listener = functools.partial(
+    envoy_objects.http_listener,
+    stream_idle_timeout="600s",
+    request_timeout="0s",
+    buffer_limit_bytes=envoy_objects.DEFAULT_BODY_BYTES,
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,8 +274,6 @@ __all__ += [
     "without_address",
 ]
 
-HEADER_MUTATION_FILTER = "envoy.filters.http.header_mutation"
-ROUTER_FILTER = "envoy.filters.http.router"
 SHIPPED_ENVOY = REPO / "envoy" / "envoy.yaml"
 COMPOSE_ENVOY = REPO / "deploy" / "compose" / "envoy.yaml"
 
@@ -517,49 +400,13 @@ def with_route_metadata(
     return routes
 
 
-def static_cluster(name: str, port: int) -> dict[str, Any]:
-    """A STATIC cluster of one endpoint on 127.0.0.1, spoken to over HTTP/1.1."""
-    return {
-        "name": name,
-        "type": "STATIC",
-        "connect_timeout": "1s",
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address(port)}}]}],
-        },
-    }
-
-
 def minimal_listener(
     filters: list[dict[str, Any]], routes: list[dict[str, Any]], port: int, name: str
 ) -> dict[str, Any]:
     """A listener on 127.0.0.1:``port`` with nothing but an HTTP connection manager (stats
     under ``http.<name>.``), ``filters`` in order and one virtual host holding ``routes``;
-    every other setting is Envoy's default (``http_listener`` sets the shipped timeouts)."""
-    return {
-        "name": name,
-        "address": address(port),
-        "filter_chains": [
-            {
-                "filters": [
-                    {
-                        "name": "envoy.filters.network.http_connection_manager",
-                        "typed_config": {
-                            "@type": HCM_TYPE,
-                            "stat_prefix": name,
-                            "route_config": {
-                                "name": name,
-                                "virtual_hosts": [
-                                    {"name": name, "domains": ["*"], "routes": routes}
-                                ],
-                            },
-                            "http_filters": filters,
-                        },
-                    }
-                ]
-            }
-        ],
-    }
+    every other setting is Envoy's default (``http_listener`` sets the benchmarks' timeouts)."""
+    return envoy_objects.http_listener(name, port, routes=routes, http_filters=filters)
 
 
 def minimal_bootstrap(

@@ -36,7 +36,8 @@ sidecar_timeout, backend_unavailable, backend_timeout, body_too_large, request_t
 gateway_error). Envoy's detail strings are its own words and carry internals (addresses, reset
 reasons): they go to the access log, never to the client.
 
-Everything is built as plain dicts and checked against Envoy's own typed messages (the xds-protos
+Everything is built as plain dicts (by the builders of ``extproc.config.envoy_objects``, which
+the tests and benchmarks use too) and checked against Envoy's own typed messages (the xds-protos
 stubs) before it is printed; none of this runs on the request path. (envoy-data-plane's
 typed classes would do the same; the xds-protos messages we already depend on need no other
 dependency.)
@@ -61,12 +62,35 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from extproc.config.envoy_objects import (
+    BUFFER_FILTER,
+    BUFFER_PER_ROUTE_TYPE,
+    BUFFER_TYPE,
+    DEFAULT_BODY_BYTES,
+    EXT_PROC_FILTER,
+    EXT_PROC_PER_ROUTE_TYPE,
+    EXT_PROC_TYPE,
+    HEADER_MUTATION_TYPE,
+    ROUTE_CONFIG_TYPE,
+    buffer_filter,
+    disabled_on_route,
+    ext_proc_filter,
+    grpc_cluster,
+    header_mutation_filter,
+)
 from extproc.config.local_replies import ENVOY_ANSWER_CODES, EnvoyAnswer, local_reply_config
 from extproc.config.policy import Policy
-from extproc.contract import MESSAGE_TIMEOUT_MARGIN_S, METADATA_NAMESPACE, PROCESSING_MODE
+from extproc.contract import (
+    MESSAGE_TIMEOUT_MARGIN_S,
+    METADATA_NAMESPACE,
+    PROCESSING_MODE,
+    ROUTE_ATTRIBUTE,
+)
 
 __all__ = [
     "ENVOY_ANSWER_CODES",
+    "EXT_PROC_FILTER",
+    "EXT_PROC_TYPE",
     "LLM_ROUTE_TIMEOUT_S",
     "PROCESSING_MODE",
     "REQUEST_HEADERS_TIMEOUT_S",
@@ -85,7 +109,6 @@ __all__ = [
 # (tests/e2e/test_pool_through_envoy.py).
 LLM_ROUTE_TIMEOUT_S = 600
 _STREAM_HEADROOM = 1024  # streams being parsed or answered, beyond queued + running
-_MIN_BUFFER = 4 * 1024 * 1024
 _MIN_IDLE_S = 300
 _ENVOY_IDLE_DEFAULT_S = 300  # HCM stream_idle_timeout when unset (Envoy's docs: 5 minutes)
 # A character of prompt can take up to 6 bytes in JSON (\uXXXX), and a body carries more
@@ -96,19 +119,6 @@ _BYTES_PER_PROMPT_CHAR = 6
 REQUEST_TIMEOUT_S = 60
 # How long a client may take to send its request headers (a few hundred bytes).
 REQUEST_HEADERS_TIMEOUT_S = 10
-
-EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
-EXT_PROC_PER_ROUTE_TYPE = (
-    "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
-)
-BUFFER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer"
-BUFFER_PER_ROUTE_TYPE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute"
-HEADER_MUTATION_TYPE = (
-    "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
-)
-HTTP_OPTIONS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
-BUFFER_FILTER = "envoy.filters.http.buffer"
 
 
 def _seconds(s: float) -> str:
@@ -136,7 +146,7 @@ def body_buffer_bytes(policy: Policy) -> int:
     prompt_bytes = math.ceil(
         policy.limits.max_prompt_tokens * policy.tokens.chars_per_token * _BYTES_PER_PROMPT_CHAR
     )
-    return max(_MIN_BUFFER, 1 << math.ceil(math.log2(prompt_bytes)))
+    return max(DEFAULT_BODY_BYTES, 1 << math.ceil(math.log2(prompt_bytes)))
 
 
 def render(
@@ -153,79 +163,28 @@ def render(
 
     filters: list[dict[str, Any]] = []
     if policy.trusted_headers:
-        filters.append(
-            {
-                "name": "envoy.filters.http.header_mutation",
-                "typed_config": {
-                    "@type": HEADER_MUTATION_TYPE,
-                    "mutations": {
-                        "request_mutations": [{"remove": h} for h in policy.trusted_headers]
-                    },
-                },
-            }
-        )
+        filters.append(header_mutation_filter(policy.trusted_headers))
     # The whole body is in before ext_proc opens its stream (the module docstring says why).
+    filters.append(buffer_filter(buffer))
     filters.append(
-        {
-            "name": BUFFER_FILTER,
-            "typed_config": {"@type": BUFFER_TYPE, "max_request_bytes": buffer},
-        }
+        ext_proc_filter(
+            "llm_extproc",
+            PROCESSING_MODE,
+            max_message_timeout=_seconds(longest_wait + MESSAGE_TIMEOUT_MARGIN_S),
+            request_attributes=[ROUTE_ATTRIBUTE],
+            receiving_namespaces=[METADATA_NAMESPACE],
+        )
     )
-    filters.append(
-        {
-            "name": EXT_PROC_FILTER,
-            "typed_config": {
-                "@type": EXT_PROC_TYPE,
-                "grpc_service": {"envoy_grpc": {"cluster_name": "llm_extproc"}},
-                "failure_mode_allow": False,
-                "processing_mode": dict(PROCESSING_MODE),
-                "message_timeout": "1s",
-                "max_message_timeout": _seconds(longest_wait + MESSAGE_TIMEOUT_MARGIN_S),
-                "allow_mode_override": True,
-                "request_attributes": ["xds.route_metadata"],
-                "metadata_options": {"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}},
-            },
-        }
+    cluster = grpc_cluster(
+        "llm_extproc",
+        extproc_port,
+        host=extproc_address,
+        circuit_breakers={
+            "max_connections": 1024,
+            "max_pending_requests": streams,
+            "max_requests": streams,
+        },
     )
-    cluster = {
-        "name": "llm_extproc",
-        "type": "STATIC",
-        "connect_timeout": "1s",
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": HTTP_OPTIONS_TYPE,
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        },
-        "load_assignment": {
-            "cluster_name": "llm_extproc",
-            "endpoints": [
-                {
-                    "lb_endpoints": [
-                        {
-                            "endpoint": {
-                                "address": {
-                                    "socket_address": {
-                                        "address": extproc_address,
-                                        "port_value": extproc_port,
-                                    }
-                                }
-                            }
-                        }
-                    ]
-                }
-            ],
-        },
-        "circuit_breakers": {
-            "thresholds": [
-                {
-                    "max_connections": 1024,
-                    "max_pending_requests": streams,
-                    "max_requests": streams,
-                }
-            ]
-        },
-    }
     return {
         "http_filters": filters,
         "clusters": [cluster],
@@ -239,10 +198,7 @@ def render(
         "llm_routes": {"timeout": f"{LLM_ROUTE_TIMEOUT_S}s"},
         # Every other route skips the sidecar and streams its body upstream unbuffered.
         "other_routes": {
-            "typed_per_filter_config": {
-                EXT_PROC_FILTER: {"@type": EXT_PROC_PER_ROUTE_TYPE, "disabled": True},
-                BUFFER_FILTER: {"@type": BUFFER_PER_ROUTE_TYPE, "disabled": True},
-            }
+            "typed_per_filter_config": disabled_on_route(EXT_PROC_FILTER, BUFFER_FILTER)
         },
     }
 
@@ -273,9 +229,6 @@ def validate(rendered: dict[str, Any]) -> None:
     json_format.ParseDict(
         rendered["http_connection_manager"], http_connection_manager_pb2.HttpConnectionManager()
     )
-
-
-ROUTE_CONFIG_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
 
 
 def _duration_s(value: object) -> float | None:

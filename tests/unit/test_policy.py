@@ -310,3 +310,109 @@ def test_route_overrides_are_validated_against_the_schema_and_policy() -> None:
     ]:
         with pytest.raises(PolicyError, match=message):
             route_override_from_mapping(data, p)
+
+
+FULL = """
+mode: shadow
+trusted_headers: [x-tier]
+tokens: {chars_per_token: 3.5, non_text_part_tokens: 100, message_overhead_tokens: 2}
+limits: {max_prompt_tokens: 9000, default_max_tokens: 100, max_output_tokens: 200,
+         on_excess: reject, max_queued_bytes: 1000000}
+retry_after: {min: 2s, max: 90s, jitter: 0.25}
+pool:
+  max_concurrency: 40
+  max_tokens_in_flight: 500000
+  fail_fast: false
+  overload: {enabled: false, tighten_eviction_rate: 0.1, step_hold: 1m, window: 20s}
+  shared: {redis: "redis://cache:6380/2", key_prefix: "p:x", lease: 4s, timeout: 100ms,
+           replicas: 3}
+  adaptive: {min: 2, max: 80, initial: 10, interval: 250ms, window: 5s, max_kv_usage: 0.8,
+             stale_after: 2s, fallback_after: 4s,
+             slo: {ttft: 1500ms, ttft_quantile: 0.95, inter_token: 50ms,
+                   inter_token_quantile: 0.5}}
+backend: {metrics: ["http://vllm:8000/metrics"], scrape_timeout: 1s}
+client_deadline: {headers: [x-deadline-ms], margin: 250ms}
+buckets:
+  - {name: vip, match: {headers: {x-tier: gold}}, trusted: true, priority: 0, min_share: 0.25,
+     max_share: 0.5, order: cost, max_concurrency: 8, queue_timeout: 30s, max_queue: 5,
+     vllm_priority: -1}
+  - {name: small, match: {max_prompt_tokens: 100, max_tokens: 50, retried: false},
+     queue_timeout: 2s, max_queue: 9}
+  - {name: rest, queue_timeout: 500ms, max_queue: 20}
+"""
+
+
+def _schema_keys(desc: object, data: object, path: str) -> list[str]:
+    """The keys of ``data`` that the message descriptor ``desc`` does not define."""
+    if not isinstance(data, dict):
+        return []
+    unknown = []
+    for key, value in data.items():
+        fd = desc.fields_by_name.get(key)  # type: ignore[attr-defined]
+        if fd is None:
+            unknown.append(f"{path}{key}")
+        elif fd.message_type is not None and not fd.message_type.GetOptions().map_entry:
+            for item in value if isinstance(value, list) else [value]:
+                unknown += _schema_keys(fd.message_type, item, f"{path}{key}.")
+    return unknown
+
+
+def test_check_output_of_a_policy_that_sets_everything() -> None:
+    """Every setting comes back from `check` under the schema's own key, and resolves to the
+    same policy: ``to_dict`` derives the keys from the model's fields and a few renames."""
+    from extproc._proto.llm_extproc.v1 import policy_pb2
+
+    p = policy_from_yaml(FULL)
+    printed = p.to_dict()
+    assert _schema_keys(policy_pb2.Policy.DESCRIPTOR, printed, "") == []
+    assert policy_from_yaml(yaml.safe_dump(printed)) == p
+    assert printed["pool"]["adaptive"]["slo"] == {
+        "ttft": "1.5s",
+        "ttft_quantile": 0.95,
+        "inter_token": "50ms",
+        "inter_token_quantile": 0.5,
+    }
+    assert printed["buckets"][2] == {
+        "name": "rest",
+        "match": {},
+        "max_concurrency": 0,
+        "queue_timeout": "500ms",
+        "max_queue": 20,
+        "trusted": False,
+        "priority": 0,
+        "min_share": 0.0,
+        "max_share": 1.0,
+        "order": "fifo",
+    }
+
+
+def test_check_output_leaves_out_what_is_unset() -> None:
+    """No pool: no pool section and no pool settings on a bucket; an adaptive limit without
+    objectives prints an empty ``slo``; a password never shows."""
+    printed = policy_from_yaml(MINIMAL).to_dict()
+    assert "pool" not in printed
+    assert printed["buckets"][0] == {
+        "name": "all",
+        "match": {},
+        "max_concurrency": 4,
+        "queue_timeout": "5s",
+        "max_queue": 10,
+        "trusted": False,
+    }
+    assert printed["tokens"]["tokenizer"] is None
+    pooled = policy_from_yaml(
+        "pool: {adaptive: {}, shared: {redis: 'redis://u:pw@cache:6379'}}\n"
+        "backend: {metrics: ['http://vllm:8000/metrics']}\n"
+        "buckets: [{name: all, queue_timeout: 1s, max_queue: 1}]"
+    ).to_dict()["pool"]
+    assert list(pooled) == [
+        "max_concurrency",
+        "max_tokens_in_flight",
+        "fail_fast",
+        "overload",
+        "shared",
+        "adaptive",
+    ]
+    assert pooled["max_tokens_in_flight"] is None
+    assert pooled["adaptive"]["slo"] == {}
+    assert pooled["shared"]["redis"] == "redis://u:***@cache:6379"

@@ -1,0 +1,449 @@
+"""A policy file or route metadata -> the model, every default filled in, every rule checked.
+
+``extproc.config.schema`` first reads the YAML data into the proto message (``Policy`` or
+``RouteOverride``), checking every key and type. Each section of the message is then resolved
+by a function of its own (``_tokens``, ``_limits``, ..., ``_pool``) that reads its defaults
+from the model and checks the section's rules; ``_resolve`` calls them in the file's order and
+hands each what it needs of the others (the trusted headers, whether there is a pool, the
+backend's metrics). The first problem found is reported, naming the key path and the reason
+(``buckets[1].queue_timeout: required (e.g. 5s)``); the public functions put the file first.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from google.protobuf import duration_pb2
+
+from extproc._proto.llm_extproc.v1 import policy_pb2
+from extproc.config.policy.model import (
+    AdaptivePolicy,
+    BackendPolicy,
+    BucketPolicy,
+    ClientDeadlinePolicy,
+    Limits,
+    MatchRule,
+    Mode,
+    OnExcess,
+    Order,
+    OverloadPolicy,
+    Policy,
+    PoolPolicy,
+    RetryAfterPolicy,
+    RouteOverride,
+    SharedPolicy,
+    TokenPolicy,
+)
+from extproc.config.schema import PolicyError, fill
+
+__all__ = [
+    "load_policy",
+    "policy_from_mapping",
+    "policy_from_yaml",
+    "route_override_from_mapping",
+]
+
+_T = TypeVar("_T")
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9a-z-]+$")
+_METRICS_URL = re.compile(r"^http://[^/\s:]+(:\d{1,5})?(/\S*)?$")
+_REDIS_URL = re.compile(r"^(rediss?://[^\s/]*(/\d{1,5})?|unix:///\S+)$")
+_KEY_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
+
+
+def _default(cls: type[Any], name: str) -> Any:
+    """The default the model writes for ``cls.name``."""
+    (f,) = [f for f in fields(cls) if f.name == name]
+    if f.default is MISSING:
+        raise TypeError(f"{cls.__name__}.{name} has no plain default")
+    return f.default
+
+
+def _set_or(msg: Any, name: str, default: Any) -> Any:
+    """A proto3 ``optional`` field's value when the file set it, else the default."""
+    return getattr(msg, name) if msg.HasField(name) else default
+
+
+def _duration_or(msg: Any, name: str, default: _T) -> float | _T:
+    """A duration field's seconds when the file set it, else the default."""
+    if not msg.HasField(name):
+        return default
+    d: duration_pb2.Duration = getattr(msg, name)
+    return float(d.ToNanoseconds()) / 1e9
+
+
+def _header_name(name: str, where: str) -> str:
+    """A header name, lower-cased; ``where`` is its key, named when it is not valid."""
+    if not _HEADER_NAME.match(name.lower()):
+        raise PolicyError(f"{where}: {name!r} is not a valid header name")
+    return name.lower()
+
+
+# --- the sections, in the file's order ------------------------------------------------------
+
+
+def _tokens(msg: policy_pb2.Tokens) -> TokenPolicy:
+    d = TokenPolicy()
+    tokens = TokenPolicy(
+        chars_per_token=_set_or(msg, "chars_per_token", d.chars_per_token),
+        tokenizer=msg.tokenizer or d.tokenizer,
+        non_text_part_tokens=_set_or(msg, "non_text_part_tokens", d.non_text_part_tokens),
+        message_overhead_tokens=_set_or(msg, "message_overhead_tokens", d.message_overhead_tokens),
+    )
+    if tokens.chars_per_token <= 0:
+        raise PolicyError("tokens.chars_per_token: must be greater than 0")
+    if tokens.tokenizer and not Path(tokens.tokenizer).is_file():
+        raise PolicyError(f"tokens.tokenizer: no such file {tokens.tokenizer!r}")
+    return tokens
+
+
+def _limits(msg: policy_pb2.Limits) -> Limits:
+    d = Limits()
+    limits = Limits(
+        max_prompt_tokens=_set_or(msg, "max_prompt_tokens", d.max_prompt_tokens),
+        default_max_tokens=_set_or(msg, "default_max_tokens", d.default_max_tokens),
+        max_output_tokens=_set_or(msg, "max_output_tokens", d.max_output_tokens),
+        on_excess={policy_pb2.REJECT: OnExcess.REJECT, policy_pb2.CLAMP: OnExcess.CLAMP}.get(
+            msg.on_excess, d.on_excess
+        ),
+        max_queued_bytes=_set_or(msg, "max_queued_bytes", d.max_queued_bytes),
+    )
+    for name in ("max_prompt_tokens", "default_max_tokens", "max_output_tokens"):
+        if getattr(limits, name) < 1:
+            raise PolicyError(f"limits.{name}: must be at least 1")
+    if limits.default_max_tokens > limits.max_output_tokens:
+        raise PolicyError(
+            f"limits.default_max_tokens: {limits.default_max_tokens} is above "
+            f"limits.max_output_tokens ({limits.max_output_tokens})"
+        )
+    return limits
+
+
+def _retry_after(msg: policy_pb2.RetryAfter) -> RetryAfterPolicy:
+    d = RetryAfterPolicy()
+    retry_after = RetryAfterPolicy(
+        min_s=_duration_or(msg, "min", d.min_s),
+        max_s=_duration_or(msg, "max", d.max_s),
+        jitter=_set_or(msg, "jitter", d.jitter),
+    )
+    if retry_after.min_s < 1.0:
+        raise PolicyError("retry_after.min: must be at least 1s (Retry-After is whole seconds)")
+    if retry_after.max_s < retry_after.min_s:
+        raise PolicyError("retry_after.max: must not be below retry_after.min")
+    if not 0 <= retry_after.jitter <= 10:
+        raise PolicyError("retry_after.jitter: must be between 0 and 10")
+    return retry_after
+
+
+def _buckets(
+    msgs: Sequence[policy_pb2.Bucket], *, pooled: bool, trusted_headers: tuple[str, ...]
+) -> tuple[BucketPolicy, ...]:
+    """The buckets, and the rules between them: names unique, one catch-all and it comes
+    last, the guaranteed shares fit in the pool."""
+    if not msgs:
+        raise PolicyError("buckets: at least one bucket is required")
+    buckets: list[BucketPolicy] = []
+    seen: set[str] = set()
+    for i, msg in enumerate(msgs):
+        where = f"buckets[{i}]"
+        if not _NAME.match(msg.name):
+            raise PolicyError(
+                f"{where}.name: {msg.name!r} must be 1-63 characters of a-z, 0-9, '_' or '-'"
+            )
+        if msg.name in seen:
+            raise PolicyError(f"{where}.name: bucket {msg.name!r} is defined twice")
+        seen.add(msg.name)
+        bucket = _bucket(msg, where, pooled=pooled, trusted_headers=trusted_headers)
+        if bucket.match.is_catch_all and i != len(msgs) - 1:
+            raise PolicyError(
+                f"{where}: bucket {bucket.name!r} matches every request, so the buckets after "
+                "it could never be chosen; put it last"
+            )
+        buckets.append(bucket)
+    if not buckets[-1].match.is_catch_all:
+        raise PolicyError(
+            f"buckets[{len(buckets) - 1}]: the last bucket must have no `match`, so that every "
+            "request has a bucket"
+        )
+    if sum(b.min_share for b in buckets) > 1.0 + 1e-9:
+        raise PolicyError("buckets: the min_share values add up to more than 1")
+    return tuple(buckets)
+
+
+def _bucket(
+    msg: policy_pb2.Bucket, where: str, *, pooled: bool, trusted_headers: tuple[str, ...]
+) -> BucketPolicy:
+    if not pooled:
+        if msg.max_concurrency < 1:
+            raise PolicyError(f"{where}.max_concurrency: must be at least 1 (or use a `pool`)")
+        for name in ("priority", "min_share", "max_share"):
+            if msg.HasField(name):
+                raise PolicyError(f"{where}.{name}: needs a `pool` (the buckets' shared slots)")
+        if msg.order != policy_pb2.ORDER_UNSPECIFIED:
+            raise PolicyError(f"{where}.order: needs a `pool` (the buckets' shared slots)")
+    min_share = _set_or(msg, "min_share", _default(BucketPolicy, "min_share"))
+    max_share = _set_or(msg, "max_share", _default(BucketPolicy, "max_share"))
+    if not 0.0 <= min_share <= 1.0 or not 0.0 < max_share <= 1.0 or min_share > max_share:
+        raise PolicyError(
+            f"{where}: min_share and max_share must satisfy 0 <= min_share <= max_share <= 1 "
+            f"and max_share > 0 (got {min_share:g}, {max_share:g})"
+        )
+    if not msg.HasField("queue_timeout"):
+        raise PolicyError(f"{where}.queue_timeout: required (e.g. 5s)")
+    match = _match(msg.match, f"{where}.match")
+    if msg.trusted:
+        untrusted = [name for name, _ in match.headers if name not in trusted_headers]
+        if not match.headers or untrusted:
+            raise PolicyError(
+                f"{where}.match.headers: bucket {msg.name!r} is trusted, so it may match only "
+                "on headers listed in trusted_headers"
+                + (f" (not: {', '.join(untrusted)})" if untrusted else "")
+            )
+    return BucketPolicy(
+        name=msg.name,
+        match=match,
+        max_concurrency=msg.max_concurrency,
+        queue_timeout_s=_duration_or(msg, "queue_timeout", 0.0),
+        max_queue=msg.max_queue,
+        trusted=msg.trusted,
+        priority=_set_or(msg, "priority", _default(BucketPolicy, "priority")),
+        min_share=min_share,
+        max_share=max_share,
+        order=Order.COST if msg.order == policy_pb2.COST else _default(BucketPolicy, "order"),
+        vllm_priority=_set_or(msg, "vllm_priority", _default(BucketPolicy, "vllm_priority")),
+    )
+
+
+def _match(msg: policy_pb2.Match, where: str) -> MatchRule:
+    return MatchRule(
+        headers=tuple(
+            (_header_name(name, f"{where}.headers"), value)
+            for name, value in sorted(msg.headers.items())
+        ),
+        max_prompt_tokens=_set_or(msg, "max_prompt_tokens", None),
+        max_tokens=_set_or(msg, "max_tokens", None),
+        retried=_set_or(msg, "retried", None),
+    )
+
+
+def _backend(msg: policy_pb2.Backend) -> BackendPolicy:
+    for i, url in enumerate(msg.metrics):
+        if not _METRICS_URL.match(url):
+            raise PolicyError(
+                f"backend.metrics[{i}]: {url!r} must be http://host[:port][/path] (plain HTTP)"
+            )
+    timeout = _duration_or(msg, "scrape_timeout", BackendPolicy().scrape_timeout_s)
+    if not 0 < timeout <= 10:
+        raise PolicyError("backend.scrape_timeout: must be above 0 and at most 10s")
+    return BackendPolicy(metrics=tuple(msg.metrics), scrape_timeout_s=timeout)
+
+
+def _pool(msg: policy_pb2.Pool, backend: BackendPolicy) -> PoolPolicy:
+    adaptive = _adaptive(msg.adaptive, backend) if msg.HasField("adaptive") else None
+    if msg.HasField("max_concurrency"):
+        limit = msg.max_concurrency
+    elif adaptive is not None:
+        limit = adaptive.initial
+    else:
+        raise PolicyError("pool.max_concurrency: required unless the pool is `adaptive`")
+    if limit < 1:
+        raise PolicyError("pool.max_concurrency: must be at least 1")
+    tokens = _set_or(msg, "max_tokens_in_flight", _default(PoolPolicy, "max_tokens_in_flight"))
+    if tokens is not None and tokens < 1:
+        raise PolicyError("pool.max_tokens_in_flight: must be at least 1")
+    overload = _overload(msg.overload)
+    shared = _shared(msg.shared) if msg.HasField("shared") else None
+    return PoolPolicy(
+        max_concurrency=limit,
+        max_tokens_in_flight=tokens,
+        fail_fast=_set_or(msg, "fail_fast", _default(PoolPolicy, "fail_fast")),
+        overload=overload,
+        shared=shared,
+        adaptive=adaptive,
+    )
+
+
+def _adaptive(msg: policy_pb2.Adaptive, backend: BackendPolicy) -> AdaptivePolicy:
+    slo, d = msg.slo, AdaptivePolicy()
+    adaptive = AdaptivePolicy(
+        min_limit=_set_or(msg, "min", d.min_limit),
+        max_limit=_set_or(msg, "max", d.max_limit),
+        initial=_set_or(msg, "initial", d.initial),
+        ttft_slo_s=_duration_or(slo, "ttft", d.ttft_slo_s),
+        ttft_quantile=_set_or(slo, "ttft_quantile", d.ttft_quantile),
+        itl_slo_s=_duration_or(slo, "inter_token", d.itl_slo_s),
+        itl_quantile=_set_or(slo, "inter_token_quantile", d.itl_quantile),
+        interval_s=_duration_or(msg, "interval", d.interval_s),
+        window_s=_duration_or(msg, "window", d.window_s),
+        max_kv_usage=_set_or(msg, "max_kv_usage", d.max_kv_usage),
+        stale_after_s=_duration_or(msg, "stale_after", d.stale_after_s),
+        fallback_after_s=_duration_or(msg, "fallback_after", d.fallback_after_s),
+    )
+    if not 1 <= adaptive.min_limit <= adaptive.initial <= adaptive.max_limit:
+        raise PolicyError("pool.adaptive: need 1 <= min <= initial <= max")
+    for objective in (adaptive.ttft_slo_s, adaptive.itl_slo_s):
+        if objective is not None and objective <= 0:
+            raise PolicyError("pool.adaptive.slo: an objective must be above 0")
+    for quantile in (adaptive.ttft_quantile, adaptive.itl_quantile):
+        if not 0 < quantile < 1:
+            raise PolicyError("pool.adaptive.slo: quantiles must be between 0 and 1")
+    if not 0 < adaptive.max_kv_usage <= 1:
+        raise PolicyError("pool.adaptive.max_kv_usage: must be in (0, 1]")
+    if not 0.05 <= adaptive.interval_s <= 60:
+        raise PolicyError("pool.adaptive.interval: must be between 50ms and 60s")
+    if adaptive.window_s < adaptive.interval_s:
+        raise PolicyError("pool.adaptive.window: must not be shorter than the interval")
+    if adaptive.fallback_after_s < adaptive.stale_after_s:
+        raise PolicyError("pool.adaptive.fallback_after: must not be below stale_after")
+    if not backend.metrics:
+        raise PolicyError(
+            "pool.adaptive: needs backend.metrics (the vLLM /metrics URLs to read the limit from)"
+        )
+    return adaptive
+
+
+def _overload(msg: policy_pb2.Overload) -> OverloadPolicy:
+    d = OverloadPolicy()
+    overload = OverloadPolicy(
+        enabled=_set_or(msg, "enabled", d.enabled),
+        tighten_eviction_rate=_set_or(msg, "tighten_eviction_rate", d.tighten_eviction_rate),
+        step_hold_s=_duration_or(msg, "step_hold", d.step_hold_s),
+        window_s=_duration_or(msg, "window", d.window_s),
+    )
+    if not 0 < overload.tighten_eviction_rate < 1:
+        raise PolicyError("pool.overload.tighten_eviction_rate: must be between 0 and 1")
+    if overload.window_s <= 0 or overload.step_hold_s <= 0:
+        raise PolicyError("pool.overload: window and step_hold must be above 0")
+    return overload
+
+
+def _shared(msg: policy_pb2.Shared) -> SharedPolicy:
+    d = SharedPolicy(redis="")
+    shared = SharedPolicy(
+        redis=msg.redis,
+        key_prefix=msg.key_prefix or d.key_prefix,
+        lease_s=_duration_or(msg, "lease", d.lease_s),
+        timeout_s=_duration_or(msg, "timeout", d.timeout_s),
+        replicas=_set_or(msg, "replicas", d.replicas),
+    )
+    if not _REDIS_URL.match(shared.redis):
+        raise PolicyError(
+            f"pool.shared.redis: {shared.redis_display!r} must be redis://host[:port][/db], "
+            "rediss://... or unix:///path"
+        )
+    if not _KEY_PREFIX.match(shared.key_prefix):
+        raise PolicyError(
+            "pool.shared.key_prefix: 1-100 characters of A-Z, a-z, 0-9, '_', '.', ':' or '-'"
+        )
+    if not 0.5 <= shared.lease_s <= 600:
+        raise PolicyError("pool.shared.lease: must be between 500ms and 10m")
+    # A renewal goes out every lease / 3: a call must end well within that.
+    if not 0 < shared.timeout_s <= shared.lease_s / 4:
+        raise PolicyError("pool.shared.timeout: must be above 0 and at most a quarter of the lease")
+    if shared.replicas < 1:
+        raise PolicyError("pool.shared.replicas: must be at least 1")
+    return shared
+
+
+def _client_deadline(msg: policy_pb2.ClientDeadline) -> ClientDeadlinePolicy:
+    d = ClientDeadlinePolicy()
+    where = "client_deadline.headers"
+    headers = tuple(_header_name(h, f"{where}[{i}]") for i, h in enumerate(msg.headers))
+    return ClientDeadlinePolicy(
+        headers=headers or d.headers, margin_s=_duration_or(msg, "margin", d.margin_s)
+    )
+
+
+def _resolve(msg: policy_pb2.Policy) -> Policy:
+    tokens = _tokens(msg.tokens)
+    limits = _limits(msg.limits)
+    retry_after = _retry_after(msg.retry_after)
+    trusted_headers = tuple(
+        _header_name(h, f"trusted_headers[{i}]") for i, h in enumerate(msg.trusted_headers)
+    )
+    pooled = msg.HasField("pool")
+    buckets = _buckets(msg.buckets, pooled=pooled, trusted_headers=trusted_headers)
+    backend = _backend(msg.backend)
+    pool = _pool(msg.pool, backend) if pooled else None
+    client_deadline = _client_deadline(msg.client_deadline)
+    return Policy(
+        mode=Mode.SHADOW if msg.mode == policy_pb2.SHADOW else _default(Policy, "mode"),
+        trusted_headers=trusted_headers,
+        tokens=tokens,
+        limits=limits,
+        retry_after=retry_after,
+        buckets=buckets,
+        pool=pool,
+        backend=backend,
+        client_deadline=client_deadline,
+    )
+
+
+# --- the public entry points ----------------------------------------------------------------
+
+
+def route_override_from_mapping(data: object, policy: Policy) -> RouteOverride:
+    """Validate route metadata (namespace ``llm_extproc``) against the RouteOverride schema
+    and the policy it refines. Raises PolicyError naming the key."""
+    msg = policy_pb2.RouteOverride()
+    fill(msg, data, "")
+    names = {b.name for b in policy.buckets}
+    override = RouteOverride(
+        bucket=msg.bucket or None,
+        max_concurrency=_set_or(msg, "max_concurrency", None),
+        max_queue=_set_or(msg, "max_queue", None),
+        queue_timeout_s=_duration_or(msg, "queue_timeout", None),
+        max_prompt_tokens=_set_or(msg, "max_prompt_tokens", None),
+        max_output_tokens=_set_or(msg, "max_output_tokens", None),
+        default_max_tokens=_set_or(msg, "default_max_tokens", None),
+        timeout_s=_duration_or(msg, "timeout", None),
+    )
+    if override.bucket is not None and override.bucket not in names:
+        raise PolicyError(
+            f"bucket: {override.bucket!r} is not a bucket of the policy "
+            f"(known: {', '.join(sorted(names))})"
+        )
+    if (override.max_concurrency is not None or override.max_queue is not None) and (
+        override.bucket is None
+    ):
+        raise PolicyError("max_concurrency/max_queue: set `bucket` too, to say whose limits")
+    if override.max_concurrency is not None and override.max_concurrency < 1:
+        raise PolicyError("max_concurrency: must be at least 1")
+    for name in ("max_prompt_tokens", "max_output_tokens", "default_max_tokens"):
+        value = getattr(override, name)
+        if value is not None and value < 1:
+            raise PolicyError(f"{name}: must be at least 1")
+    return override
+
+
+def policy_from_mapping(data: object, source: str = "<policy>") -> Policy:
+    """Validate and resolve a policy given as plain data (what YAML or JSON parse into)."""
+    msg = policy_pb2.Policy()
+    try:
+        fill(msg, data, "")
+        return _resolve(msg)
+    except PolicyError as e:
+        raise PolicyError(f"{source}: {e}") from None
+
+
+def policy_from_yaml(text: str, source: str = "<policy>") -> Policy:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise PolicyError(f"{source}: not valid YAML: {e}") from None
+    return policy_from_mapping({} if data is None else data, source)
+
+
+def load_policy(path: str | Path) -> Policy:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PolicyError(f"{p}: cannot read: {e}") from None
+    return policy_from_yaml(text, str(p))
