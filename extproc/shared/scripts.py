@@ -38,6 +38,7 @@ its waiters, so within one band the pool's slots go to replicas as their waiters
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["ACQUIRE", "RENEW", "RETURN", "Keys", "decode_demand", "encode_demand"]
@@ -72,7 +73,7 @@ class Keys:
         return [self.leases, self.replicas, self.demand, self.leader, self.limit, self.handoff]
 
 
-def encode_demand(demand: dict[int, int]) -> str:
+def encode_demand(demand: Mapping[int, int]) -> str:
     """{band: waiters} -> ``band:count,...``, most urgent first, zero counts left out."""
     return ",".join(f"{band}:{n}" for band, n in sorted(demand.items()) if n > 0)
 

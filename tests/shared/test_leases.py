@@ -1,7 +1,8 @@
 """The Lua scripts and the lease manager against a real redis-server: the limit holds across
 replicas, leases renew in one call and expire with a dead replica, the more urgent band goes
 first across replicas, a release nobody waits for costs no round trip, and a Redis outage
-falls back to local shares and rejoins without overshoot."""
+falls back to local shares and rejoins without overshoot. The tables of the pure decisions
+are in tests/unit/test_lease_decisions.py."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import pytest
 import redis.asyncio as aioredis
 
 from extproc.config.policy import SharedPolicy
 from extproc.shared import LeaseManager, Mode
-from extproc.shared.leases import local_share, return_decision
+from extproc.shared.decide import local_share
 from extproc.shared.scripts import ACQUIRE, RENEW, RETURN, Keys, decode_demand, encode_demand
 from testing.redis import RedisServer
 
@@ -109,32 +109,6 @@ def test_demand_tables_round_trip() -> None:
     assert encode_demand({10: 2, 0: 1, 5: 0}) == "0:1,10:2"
     assert decode_demand("0:1,10:2") == {0: 1, 10: 2}
     assert decode_demand(b"") == {} and decode_demand("x:1,3:") == {}
-
-
-@pytest.mark.parametrize(
-    ("limit", "replicas", "shares"),
-    [(12, 3, [4, 4, 4]), (7, 3, [3, 2, 2]), (2, 3, [1, 1, 0]), (5, 1, [5])],
-)
-def test_local_shares_add_up_to_the_limit(limit: int, replicas: int, shares: list[int]) -> None:
-    ids = [f"r{i}" for i in range(replicas)]
-    assert [local_share(limit, ids, me) for me in ids] == shares
-
-
-@pytest.mark.parametrize(
-    ("mine", "theirs", "u", "back"),
-    [
-        ({0: 3}, {}, 0.0, False),  # nobody elsewhere: keep
-        ({}, {5: 1}, 0.9, True),  # nobody here: back
-        ({10: 3}, {0: 1}, 0.9, True),  # more urgent elsewhere: back
-        ({0: 1}, {10: 5}, 0.0, False),  # more urgent here: keep
-        ({5: 1}, {5: 3}, 0.7, True),  # same band, theirs 3 of 4 waiters: back for u < 0.75
-        ({5: 1}, {5: 3}, 0.8, False),
-    ],
-)
-def test_who_gets_a_freed_lease(
-    mine: dict[int, int], theirs: dict[int, int], u: float, back: bool
-) -> None:
-    assert return_decision(mine, theirs, u) is back
 
 
 # --- the scripts ------------------------------------------------------------------------------

@@ -1,0 +1,239 @@
+"""What one replica knows of its leases and of the pool, kept without I/O and without a clock.
+
+A ``Ledger`` holds
+
+- the lease ids this replica holds, an ordered set: the newest goes back first; ids are
+  ``<replica>:<n>``, ``n`` counting up from 1;
+- the *doubtful* ids: those a failed call carried, which Redis may or may not hold; they go
+  back with the next renewal;
+- the pool as the last reply or message told it: its limit, the leases held by everyone,
+  the live replicas, the leader, the others' demand (replaced on every update, never changed
+  in place, so a ``View`` made from them stays as it was), and our demand as our last call
+  wrote it;
+- its mode and clocks: degraded since when, until when Redis counts our leases, the grace
+  after a rejoin.
+
+Its methods apply one decoded reply (``extproc.shared.replies``) or one change of mode, with
+the time passed in, and say what the caller must act on. ``known`` is what the decisions
+read (``extproc.shared.decide.View``): made again after each change (every method that
+changes a field of it, and the shell after it changes its calls in flight, call
+``changed``), and the same object until then. The asyncio shell,
+``extproc.shared.leases.LeaseManager``, is a ``Ledger`` that also does the calls, so the
+state a gauge or a test reads (``limit``, ``held``, ``mode``...) is the ledger's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from extproc.config.policy import SharedPolicy
+from extproc.shared import decide, replies
+from extproc.shared.decide import NO_GRACE, Mode, View
+
+__all__ = ["Ledger", "Renewed"]
+
+Demand = Mapping[int, int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Renewed:
+    """What a renewal's answer changed that the caller acts on."""
+
+    raised: bool  # the limit went up: look at the demand at once
+    leader_changed: bool  # we gained or lost the leadership
+    uncovered: int  # running requests that hold no lease (ids lost, claims refused)
+
+
+class Ledger:
+    def __init__(self, policy: SharedPolicy, replica: str, *, limit: int, adaptive: bool) -> None:
+        self.policy = policy
+        self.replica = replica
+        self.static_limit = limit
+        self.adaptive = adaptive
+        # The pool as last heard: its limit, leases held by everyone, live replicas, leader.
+        self.limit = limit
+        self.count = 0
+        self.replicas: list[str] = []
+        self.leader = ""
+        self._others: Mapping[str, Demand] = {}  # the others' demand as last heard
+        self._published: Demand = {}  # our demand as our last call wrote it
+        self._ids: dict[str, None] = {}  # leases held (an ordered set)
+        self._doubtful: list[str] = []
+        self._seq = itertools.count(1)
+        self.mode = Mode.SHARED
+        self.connected = False  # a renewal succeeded since the start
+        self.degraded_since: float | None = None
+        self.degraded_transitions = 0
+        self.last_error: str | None = None
+        self._valid_until = -math.inf  # our leases live in Redis at least until then
+        self._grace = NO_GRACE
+        # The calls in flight, which the shell sets (then calls ``changed``).
+        self._acquiring = False
+        self._updating = False
+        self._last_acquire = -math.inf
+        self._known: View | None = None
+
+    @property
+    def held(self) -> int:
+        return len(self._ids)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.connected and self.leader == self.replica
+
+    @property
+    def own_limit(self) -> int:
+        """The limit each call passes, which the scripts use while no leader publishes one."""
+        return self.static_limit if not self.adaptive else self.limit
+
+    # --- what the decisions read --------------------------------------------------------------
+
+    def known(self) -> View:
+        known = self._known
+        if known is None:
+            known = self._known = self._make_view()
+        return known
+
+    def changed(self) -> None:
+        """A field of ``known`` changed: make it again when it is next read."""
+        self._known = None
+
+    def _make_view(self) -> View:
+        return View(
+            me=self.replica,
+            mode=self.mode,
+            limit=self.limit,
+            count=self.count,
+            replicas=self.replicas,
+            connected=self.connected,
+            expected_replicas=self.policy.replicas,
+            valid_until=self._valid_until,
+            others=self._others,
+            published=self._published,
+            grace=self._grace,
+            acquiring=self._acquiring,
+            updating=self._updating,
+            last_acquire=self._last_acquire,
+        )
+
+    # --- ids -----------------------------------------------------------------------------------
+
+    def set_static_limit(self, limit: int) -> None:
+        """The policy's limit changed (a reload); a static pool's limit is that."""
+        self.static_limit = limit
+        if not self.adaptive:
+            self.limit = limit
+            self.changed()
+
+    def new_ids(self, n: int) -> list[str]:
+        return [f"{self.replica}:{next(self._seq)}" for _ in range(n)]
+
+    def pop_ids(self, n: int) -> list[str]:
+        """Up to ``n`` ids no longer held here, the newest first."""
+        out: list[str] = []
+        while self._ids and len(out) < n:
+            lease = next(reversed(self._ids))
+            del self._ids[lease]
+            out.append(lease)
+        return out
+
+    def doubt(self, ids: Sequence[str]) -> None:
+        """A failed call carried ``ids``: Redis may hold them."""
+        self._doubtful.extend(ids)
+
+    def take_doubtful(self) -> list[str]:
+        doubtful, self._doubtful = self._doubtful, []
+        return doubtful
+
+    def take_all(self) -> list[str]:
+        """Every id held or doubtful, forgotten here (leaving the pool)."""
+        ids = [*self._ids, *self._doubtful]
+        self._ids.clear()
+        self._doubtful = []
+        return ids
+
+    # --- what the pool told us -----------------------------------------------------------------
+
+    def _heard_pool(self, count: int, limit: int) -> None:
+        """A reply's count and limit (every script answers both)."""
+        self.count, self.limit = count, limit
+        self.changed()
+
+    def heard_others(self, others: Mapping[str, Demand]) -> None:
+        self._others = others
+        self.changed()
+
+    def heard_demand(self, replica: str, demand: Demand) -> None:
+        """A ``demand`` message: ``replica`` waits for ``demand`` now (empty: nothing)."""
+        others = dict(self._others)
+        if demand:
+            others[replica] = demand
+        else:
+            others.pop(replica, None)
+        self.heard_others(others)
+
+    def gave_back(self, ids: Sequence[str], to: str | None) -> None:
+        """``ids`` (popped) go back; for anyone, they leave the pool's count at once."""
+        if to is None:
+            self.count -= len(ids)
+            self.changed()
+
+    def acquired(self, ids: Sequence[str], ask: Demand, reply: replies.Acquired) -> None:
+        """An ``ACQUIRE`` for ``ask`` with ``ids`` answered."""
+        for lease in ids[: reply.granted]:
+            self._ids[lease] = None
+        self._heard_pool(reply.count, reply.limit)
+        self.heard_others(reply.others)
+        self._published = decide.minus(ask, reply.granted)
+        self.changed()
+
+    def returned(self, reply: replies.Returned) -> None:
+        self._heard_pool(reply.count, reply.limit)
+
+    def wrote_demand(self, demand: Demand) -> None:
+        self._published = demand
+        self.changed()
+
+    def renewed(
+        self, sent: float, claim: Sequence[str], unmet: Demand, reply: replies.Renewed
+    ) -> Renewed:
+        """A ``RENEW`` sent at ``sent``, claiming ``claim`` and writing ``unmet``, answered."""
+        for lease in reply.lost:
+            self._ids.pop(lease, None)
+        for lease in claim[: reply.claimed]:
+            self._ids[lease] = None
+        was_leader, raised = self.is_leader, reply.limit > self.limit
+        self._heard_pool(reply.count, reply.limit)
+        self.leader = reply.leader
+        self.replicas = sorted(reply.live)
+        self.heard_others(reply.others)
+        self._published = unmet
+        self._valid_until = decide.holding_until(sent, self.policy.lease_s)
+        self.connected = True
+        self.changed()
+        return Renewed(
+            raised=raised,
+            leader_changed=self.is_leader != was_leader,
+            uncovered=len(reply.lost) + len(claim) - reply.claimed,
+        )
+
+    # --- mode ----------------------------------------------------------------------------------
+
+    def degrade(self, now: float) -> None:
+        self.mode = Mode.DEGRADED
+        self.degraded_since = now
+        self.degraded_transitions += 1
+        self.changed()
+
+    def rejoin(self, now: float, share_before: int) -> float:
+        """Shared again; returns how long we were degraded. ``share_before``: the local
+        share as it was before the renewal that rejoined (``decide.rejoin``)."""
+        since = self.degraded_since if self.degraded_since is not None else now
+        self.mode = Mode.SHARED
+        self.degraded_since = None
+        self._grace = decide.rejoin(now, self.policy.lease_s, self.held, share_before)
+        self.changed()
+        return now - since
