@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from testing.stack import Proc, free_port, wait_tcp
+from testing.tools import note_started
 
 __all__ = ["RedisServer", "redis_binary"]
 
@@ -35,6 +36,7 @@ def _wheel_binary() -> Path | None:
 
 def redis_binary() -> str:
     """``$LLM_EXTPROC_REDIS_SERVER``, else the test extra's binary, else ``PATH``'s."""
+    note_started("redis")  # tests/conftest.py: a test that starts Redis says so
     named = os.environ.get("LLM_EXTPROC_REDIS_SERVER")
     if named:
         if not Path(named).is_file():
