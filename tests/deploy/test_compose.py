@@ -16,7 +16,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -50,6 +49,7 @@ from testing.envoy import (
 from testing.redis import RedisServer
 from testing.stack import REPO, Proc, free_port, render_envoy_config, wait_http, wait_tcp
 from testing.tools import optional_tool
+from testing.wait import until
 
 DEPLOY = REPO / "deploy"
 
@@ -393,27 +393,29 @@ def test_compose_envoy_config_serves_through_the_sidecar(tmp_path: Path) -> None
             headers={"content-type": "application/json"},
             method="POST",
         )
-        # STRICT_DNS resolves asynchronously after start: allow Envoy a moment.
-        deadline = time.monotonic() + 10
-        while True:
+
+        def answer() -> dict[str, Any] | None:
+            """The backend's echo, or None while Envoy answers 503 (STRICT_DNS resolves
+            asynchronously after start)."""
             try:
                 with urllib.request.urlopen(req, timeout=10) as r:
                     assert r.status == 200
                     assert r.headers["x-llm-max-tokens"] == "1024"  # clamped by the policy
-                    echo = json.loads(r.read())["echo"]
-                break
+                    return json.loads(r.read())["echo"]  # type: ignore[no-any-return]
             except urllib.error.HTTPError as e:
-                if e.code != 503 or time.monotonic() > deadline:
+                if e.code != 503:
                     raise
-                time.sleep(0.2)
+                return None
+
+        echo = until(answer, "Envoy resolved the backend's name (no more 503)", every=0.2)
         assert json.loads(echo["body"])["max_tokens"] == 1024
         assert echo["headers"]["x-llm-bucket"] == "batch"
         # Admitted on a lease: in shared mode the local limit is the leases held, none at start.
         # The one sidecar of an adaptive pool leads it (the first renewal elects it).
-        deadline = time.monotonic() + 5
-        while not (shared := shared_view(ports["metrics"]))["is_leader"]:
-            assert time.monotonic() < deadline, shared
-            time.sleep(0.05)
+        shared = until(
+            lambda: v if (v := shared_view(ports["metrics"]))["is_leader"] else None,
+            "the sidecar leads the pool",
+        )
         assert shared["state"] == "shared" and shared["degraded_transitions"] == 0, shared
         assert shared["replicas"] == 1 and shared["last_error"] is None, shared
         client = redis.Redis.from_url(redis_server.url)

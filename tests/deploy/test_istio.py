@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import socket
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -55,6 +54,7 @@ from testing.envoy import (
 from testing.harness import running_stack
 from testing.redis import RedisServer
 from testing.stack import REPO, Stack, free_port, running_envoy
+from testing.wait import until
 
 DEPLOY = REPO / "deploy"
 ISTIO = DEPLOY / "istio"
@@ -520,10 +520,10 @@ def test_istio_gateway_serves_through_the_sidecar_on_the_real_envoy(tmp_path: Pa
             assert json.loads(echo["body"])["max_tokens"] == 1024
             # Admitted on a lease (in shared mode the local limit is the leases held, none at
             # start), with Redis answering all along; the replica is registered in Redis.
-            deadline = time.monotonic() + 5
-            while (view := shared_view(stack))["replicas"] != 1:
-                assert time.monotonic() < deadline, view
-                time.sleep(0.05)
+            view = until(
+                lambda: v if (v := shared_view(stack))["replicas"] == 1 else None,
+                "the replica registered in Redis",
+            )
             assert view["state"] == "shared" and view["degraded_transitions"] == 0, view
             assert view["pool_limit"] == 64 and view["last_error"] is None, view
             client = redis.Redis.from_url(redis_server.url)
