@@ -8,6 +8,7 @@ requests by what happened ("the holder has the slot", "two are queued") instead 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import sys
@@ -18,6 +19,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from testing.clients import Reply, chat, post
 from testing.stack import REPO, Stack
 from testing.wait import TIMEOUT_S, until, until_async
 
@@ -83,6 +85,39 @@ async def gauge_reaches(
         limit_s=limit_s,
         blocking=True,
     )
+
+
+async def until_in_flight(stack: Stack, bucket: str, n: float) -> None:
+    """Wait until ``n`` requests of ``bucket`` hold a slot (a holder is admitted)."""
+    await gauge_reaches(stack, "llm_extproc_in_flight", bucket, n)
+
+
+async def until_queued(stack: Stack, bucket: str, n: float) -> None:
+    """Wait until ``n`` requests of ``bucket`` are queued."""
+    await gauge_reaches(stack, "llm_extproc_queue_depth", bucket, n)
+
+
+async def holder_and_queue(
+    stack: Stack,
+    session: Any,
+    url: str,
+    *,
+    bucket: str,
+    hold: dict[str, str],
+    queue: int = 0,
+    headers: dict[str, str] | None = None,
+) -> tuple[asyncio.Future[Reply], list[asyncio.Future[Reply]]]:
+    """A streamed request holding ``bucket``'s one slot (``hold``: the test backend's headers
+    for how long), once it is admitted; then ``queue`` more, each queued before the next is
+    sent. ``session`` is an ``aiohttp.ClientSession``."""
+    headers = headers or {}
+    holder = asyncio.ensure_future(post(session, url, chat(stream=True), {**headers, **hold}))
+    await until_in_flight(stack, bucket, 1)
+    waiting: list[asyncio.Future[Reply]] = []
+    for i in range(1, queue + 1):
+        waiting.append(asyncio.ensure_future(post(session, url, chat(), headers)))
+        await until_queued(stack, bucket, i)
+    return holder, waiting
 
 
 def wait_idle(stack: Stack, timeout: float = TIMEOUT_S) -> None:

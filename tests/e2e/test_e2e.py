@@ -14,14 +14,16 @@ import aiohttp
 import pytest
 
 from extproc.app import TRANSPORTS
-from testing.clients import chat, post, slow_stream
+from testing.clients import Reply, chat, post, slow_stream
 from testing.harness import (
     backend_stats,
     gauge,
-    gauge_reaches,
+    holder_and_queue,
     outcomes,
     scrape,
     start_stack,
+    until_in_flight,
+    until_queued,
     wait_idle,
 )
 from testing.stack import Stack
@@ -57,18 +59,18 @@ def idle_after(stack: Stack) -> Iterator[None]:
     wait_idle(stack)  # every test leaves no slot held and no one queued
 
 
+async def hold_slot(
+    stack: Stack, s: aiohttp.ClientSession, hold: dict[str, str], queue: int = 0
+) -> tuple[asyncio.Future[Reply], list[asyncio.Future[Reply]]]:
+    """The interactive slot held (``hold``: for how long), then ``queue`` queued behind it."""
+    url = f"{stack.url}/v1/chat/completions"
+    return await holder_and_queue(
+        stack, s, url, bucket="interactive", hold=hold, queue=queue, headers=INTERACTIVE
+    )
+
+
 def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 60))
-
-
-async def in_flight(stack: Stack, bucket: str, n: float) -> None:
-    """Wait until ``n`` requests of ``bucket`` hold a slot (a holder is admitted)."""
-    await gauge_reaches(stack, "llm_extproc_in_flight", bucket, n)
-
-
-async def queued(stack: Stack, bucket: str, n: float) -> None:
-    """Wait until ``n`` requests of ``bucket`` are queued."""
-    await gauge_reaches(stack, "llm_extproc_queue_depth", bucket, n)
 
 
 def test_other_paths_pass_through_untouched(stack: Stack) -> None:
@@ -185,7 +187,7 @@ def test_slot_is_held_through_sse_and_freed_at_its_end(stack: Stack) -> None:
                 rest = await resp.read()
                 assert rest.endswith(b"data: [DONE]\n\n")
             # Freed once the stream ended (how soon: bench.bounds, slot_freed_after_stream).
-            await in_flight(stack, "interactive", 0)
+            await until_in_flight(stack, "interactive", 0)
 
     run(main())
 
@@ -197,10 +199,7 @@ def test_queued_longer_than_envoy_message_timeout_is_admitted(stack: Stack) -> N
     async def main() -> None:
         async with aiohttp.ClientSession() as s:
             url = f"{stack.url}/v1/chat/completions"
-            holder = asyncio.ensure_future(
-                post(s, url, chat(stream=True), {**INTERACTIVE, **slow_stream(4, 300)})
-            )
-            await in_flight(stack, "interactive", 1)
+            holder, _ = await hold_slot(stack, s, slow_stream(4, 300))
             r = await post(s, url, chat(), INTERACTIVE)
             assert r.status == 200, r.body
             queue_ms = int(r.echo["headers"]["x-llm-queue-ms"])
@@ -214,10 +213,7 @@ def test_queue_timeout_evicts_with_429_while_slot_still_busy(stack: Stack) -> No
     async def main() -> None:
         async with aiohttp.ClientSession() as s:
             url = f"{stack.url}/v1/chat/completions"
-            holder = asyncio.ensure_future(
-                post(s, url, chat(stream=True), {**INTERACTIVE, **slow_stream(6, 500)})
-            )
-            await in_flight(stack, "interactive", 1)
+            holder, _ = await hold_slot(stack, s, slow_stream(6, 500))
             r = await post(s, url, chat(), INTERACTIVE)
             # Evicted by the timer at its 1.5s deadline (not before), while the 3s holder still
             # runs (how late after the deadline: bench.bounds, queue_timeout_eviction).
@@ -238,12 +234,7 @@ def test_full_queue_rejects_at_once(stack: Stack) -> None:
     async def main() -> None:
         async with aiohttp.ClientSession() as s:
             url = f"{stack.url}/v1/chat/completions"
-            holder = asyncio.ensure_future(
-                post(s, url, chat(stream=True), {**INTERACTIVE, **slow_stream(3, 300)})
-            )
-            await in_flight(stack, "interactive", 1)
-            waiting = [asyncio.ensure_future(post(s, url, chat(), INTERACTIVE)) for _ in range(2)]
-            await queued(stack, "interactive", 2)
+            holder, waiting = await hold_slot(stack, s, slow_stream(3, 300), queue=2)
             r = await post(s, url, chat(), INTERACTIVE)
             # Refused while the queue was full: nobody ahead had been answered yet (how fast:
             # bench.bounds, queue_full_refusal).
@@ -259,19 +250,11 @@ def test_full_queue_rejects_at_once(stack: Stack) -> None:
 def test_client_leaving_the_queue_frees_its_place(stack: Stack) -> None:
     async def main() -> None:
         async with aiohttp.ClientSession() as s:
-            url = f"{stack.url}/v1/chat/completions"
-            holder = asyncio.ensure_future(
-                post(s, url, chat(stream=True), {**INTERACTIVE, **slow_stream(4, 250)})
-            )
-            await in_flight(stack, "interactive", 1)
-            leaver = asyncio.ensure_future(post(s, url, chat(), INTERACTIVE))
-            await queued(stack, "interactive", 1)
-            stayer = asyncio.ensure_future(post(s, url, chat(), INTERACTIVE))
-            await queued(stack, "interactive", 2)
+            holder, (leaver, stayer) = await hold_slot(stack, s, slow_stream(4, 250), queue=2)
             before = outcomes(stack).get(("interactive", "cancelled_while_queued"), 0)
             leaver.cancel()  # the client closes its connection
             # Dropped from the queue (how soon: bench.bounds, leaver_dropped).
-            await queued(stack, "interactive", 1)
+            await until_queued(stack, "interactive", 1)
             assert outcomes(stack)[("interactive", "cancelled_while_queued")] == before + 1
             assert (await holder).status == 200
             r = await stayer

@@ -31,6 +31,8 @@ WORST = json.dumps(
     separators=(",", ":"),
 ).encode()
 HONEST = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+# Large enough for the worker process, and within every limit.
+LARGE = json.dumps({"messages": [{"role": "user", "content": "x" * 100_000}]}).encode()
 
 
 def post(stack: Stack, body: bytes, timeout: float = 30) -> tuple[int, bytes, float]:
@@ -52,6 +54,7 @@ def test_a_burst_of_worst_shape_bodies_leaves_honest_requests_fast(tmp_path: Pat
     with running_stack(tmp_path, POLICY) as stack:
         for _ in range(20):
             post(stack, HONEST)  # warm: connections open, the interpreter warm
+        assert post(stack, LARGE)[0] == 200  # and the body worker started (a process)
         big: list[tuple[int, bytes, float]] = []
         senders = [
             threading.Thread(target=lambda: big.append(post(stack, WORST))) for _ in range(10)
@@ -91,8 +94,10 @@ buckets:
 
 
 def test_bytes_held_by_queued_requests_are_bounded(tmp_path: Path) -> None:
-    body = json.dumps({"messages": [{"role": "user", "content": "x" * 100_000}]}).encode()
+    body = LARGE
     with running_stack(tmp_path, QUEUED_BYTES_POLICY) as stack:
+        # Bodies this large are parsed in the worker process: start it before the clock runs.
+        assert post(stack, body)[0] == 200
         # One request holds the slot for 1.5 s (the test backend sleeps on x-test-delay-ms).
         req = urllib.request.Request(
             stack.url + "/v1/chat/completions",

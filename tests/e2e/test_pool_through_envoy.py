@@ -18,9 +18,17 @@ import aiohttp
 import pytest
 
 from testing.clients import Reply, chat, post, slow_stream
-from testing.harness import debug_queues, outcomes, running_stack, start_stack, wait_idle
+from testing.harness import (
+    debug_queues,
+    outcomes,
+    running_stack,
+    start_stack,
+    until_in_flight,
+    until_queued,
+    wait_idle,
+)
 from testing.stack import Stack, free_port
-from tests.e2e.test_e2e import INTERACTIVE, in_flight, queued, run
+from tests.e2e.test_e2e import INTERACTIVE, run
 
 POLICY = """
 pool: {max_concurrency: 2}
@@ -75,7 +83,7 @@ def test_idle_capacity_is_borrowed_and_the_pool_is_shown(stack: Stack) -> None:
                 asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(3, 200)))
                 for _ in range(2)
             ]
-            await in_flight(stack, "batch", 2)
+            await until_in_flight(stack, "batch", 2)
             q = await asyncio.to_thread(debug_queues, stack)
             # Both slots went to batch: nobody else wanted them.
             assert q["batch"]["in_flight"] == 2 and q["batch"]["pool"] == "pool"
@@ -92,7 +100,7 @@ async def hold_both_slots(
     are admitted)."""
     first = asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(3, 200)))
     second = asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(6, 200)))
-    await in_flight(stack, "batch", 2)
+    await until_in_flight(stack, "batch", 2)
     return first, second
 
 
@@ -102,7 +110,7 @@ def test_a_freed_slot_goes_to_the_more_urgent_bucket_first(stack: Stack) -> None
             url = f"{stack.url}/v1/chat/completions"
             first, second = await hold_both_slots(stack, s, url)
             batch = asyncio.ensure_future(post(s, url, chat()))  # waits first ...
-            await queued(stack, "batch", 1)
+            await until_queued(stack, "batch", 1)
             urgent = asyncio.ensure_future(  # ... then this one, which holds its slot ~0.6 s
                 post(s, url, chat(stream=True), {**INTERACTIVE, **slow_stream(3, 200)})
             )
@@ -126,7 +134,7 @@ def test_a_retry_waits_behind_first_attempts_in_its_own_band(stack: Stack) -> No
             first, second = await hold_both_slots(stack, s, url)
             retried = {**INTERACTIVE, "x-stainless-retry-count": "1", **slow_stream(3, 200)}
             retry = asyncio.ensure_future(post(s, url, chat(stream=True), retried))
-            await queued(stack, "interactive-retry", 1)
+            await until_queued(stack, "interactive-retry", 1)
             fresh_headers = {**INTERACTIVE, "x-stainless-retry-count": "0", **slow_stream(3, 200)}
             fresh = asyncio.ensure_future(post(s, url, chat(stream=True), fresh_headers))
             f, r = await fresh, await retry
@@ -163,7 +171,7 @@ async def deadline_429(stack: Stack, header: str, value: str) -> tuple[int, floa
             asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(5, 300)))
             for _ in range(2)
         ]
-        await in_flight(stack, "batch", 2)
+        await until_in_flight(stack, "batch", 2)
         r = await post(s, url, chat(), {header: value})
         assert [(await h).status for h in held] == [200, 200]
         message = r.json()["error"]["message"] if r.status != 200 else ""
@@ -306,9 +314,9 @@ def test_a_wait_that_cannot_fit_the_deadline_is_refused_at_once(stack: Stack) ->
                 asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(5, 300)))
                 for _ in range(2)
             ]
-            await in_flight(stack, "batch", 2)
+            await until_in_flight(stack, "batch", 2)
             waiting = [asyncio.ensure_future(post(s, url, chat())) for _ in range(8)]
-            await queued(stack, "batch", 8)
+            await until_queued(stack, "batch", 8)
             r = await post(s, url, chat(), {"x-request-deadline-ms": "1000"})
             # Refused by the prediction before anything ahead of it moved, not by its deadline
             # (how fast: bench.bounds, wait_too_long_refusal).
@@ -347,7 +355,7 @@ def test_the_route_timeout_does_not_count_the_queue_wait(module_tmp: Path) -> No
             async with aiohttp.ClientSession() as s:
                 url = f"{stack.url}/v1/chat/completions"
                 holder = asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(7, 200)))
-                await in_flight(stack, "all", 1)
+                await until_in_flight(stack, "all", 1)
                 waited = await post(s, url, chat(stream=True), slow_stream(5, 300))
                 assert (await holder).status == 200
                 assert waited.status == 200 and waited.elapsed > 2.3, waited.elapsed
