@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: test demo bench bench-overhead soak soak-ci protos envoy-rds compose-envoy image lint clean
+.PHONY: test test-fast demo bench bench-overhead soak soak-ci protos envoy-rds compose-envoy image lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,11 @@ $(STAMP): pyproject.toml
 # Lint first (seconds), then the three test tiers.
 test: lint
 	$(BIN)/python -m pytest -q
+
+# For developers: the pure and in-process tests only (no Envoy, Redis, Docker, promtool, nothing
+# marked slow; tests/conftest.py), in under a minute; `make test` runs everything.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not (envoy or redis or docker or promtool or slow)"
 
 demo: $(STAMP)
 	$(BIN)/python -m bench.demo

@@ -3,8 +3,11 @@
 ``testing.stack`` starts the real pieces on 127.0.0.1 (a backend, the sidecar, Envoy),
 ``testing.envoy`` builds (from the shipped configs and ``extproc.config.envoy_objects``)
 and checks the Envoy configs for them,
-``testing.harness`` reads the sidecar's metrics back, ``testing.backend`` is a small
-OpenAI-compatible stand-in, and ``testing.dockerfile`` reads the Dockerfile and its build
-context without a Docker engine.
+``testing.harness`` reads the sidecar's metrics back and waits on them, ``testing.wait`` is the
+bounded wait for an event that tests use instead of sleeping, ``testing.clients`` the clients
+tests and ``bench.bounds`` share, ``testing.clock`` an asyncio loop on a virtual clock,
+``testing.tools`` what a test needs beyond Python (the markers' check), ``testing.backend`` is
+a small OpenAI-compatible stand-in, and ``testing.dockerfile`` reads the Dockerfile and its
+build context without a Docker engine.
 Not shipped in the package: it lives beside ``extproc/`` in the repository.
 """

@@ -48,6 +48,7 @@ from extproc.config.envoy_objects import (
 )
 from extproc.config.envoy_objects import HTTP_OPTIONS_TYPE as HTTP_PROTOCOL_OPTIONS_TYPE
 from extproc.config.policy import Policy
+from testing.tools import note_started
 
 __all__ = ["EXT_PROC_FILTER", "REPO", "render_envoy_config", "with_upstream_tls"]
 
@@ -284,6 +285,7 @@ def envoy_binary() -> str:
     candidates = [Path(sys.executable).parent / "envoy", shutil.which("envoy")]
     for c in candidates:
         if c and Path(c).is_file() and os.access(c, os.X_OK):
+            note_started("envoy")  # tests/conftest.py: a test that starts Envoy says so
             return str(c)
     raise FileNotFoundError(
         "the envoy binary was not found next to this Python or on PATH; "

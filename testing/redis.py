@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from testing.stack import Proc, free_port, wait_tcp
+from testing.tools import note_started
 
 __all__ = ["RedisServer", "redis_binary"]
 
@@ -40,6 +41,7 @@ def redis_binary() -> str:
 
     With ``LLM_EXTPROC_REQUIRE_TOOLS=1`` (CI) and no server named, only the test extra's: CI
     proves that the project's own install step brings everything the tests need."""
+    note_started("redis")  # tests/conftest.py: a test that starts Redis says so
     named = os.environ.get("LLM_EXTPROC_REDIS_SERVER")
     if named:
         if not Path(named).is_file():

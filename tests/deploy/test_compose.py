@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -50,6 +48,8 @@ from testing.envoy import (
 )
 from testing.redis import RedisServer
 from testing.stack import REPO, Proc, free_port, render_envoy_config, wait_http, wait_tcp
+from testing.tools import optional_tool
+from testing.wait import until
 
 DEPLOY = REPO / "deploy"
 
@@ -122,6 +122,7 @@ def test_compose_envoy_yaml_differs_only_in_addresses_and_sidecar_limits() -> No
     assert ours == source
 
 
+@pytest.mark.envoy
 def test_envoy_validates_the_compose_config_without_resolving_names(tmp_path: Path) -> None:
     assert_valid(DEPLOY / "compose" / "envoy.yaml", tmp_path)
     # STRICT_DNS names are resolved at run time, not by --mode validate: a name that can
@@ -135,6 +136,7 @@ def test_envoy_validates_the_compose_config_without_resolving_names(tmp_path: Pa
     assert envoy_validate(cfg, tmp_path).returncode != 0
 
 
+@pytest.mark.envoy
 def test_compose_services_profiles_and_wiring() -> None:
     services = compose()["services"]
     assert set(services) == {"envoy", "extproc", "redis", "sim", "vllm"}
@@ -277,13 +279,13 @@ def compose_cli() -> list[str] | None:
     return [legacy] if legacy else None
 
 
+@pytest.mark.docker
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
 def test_compose_cli_accepts_the_file(profile: str) -> None:
-    cli = compose_cli()
-    if cli is None:
-        if os.environ.get("LLM_EXTPROC_REQUIRE_TOOLS"):
-            pytest.fail("LLM_EXTPROC_REQUIRE_TOOLS is set but no compose CLI is on PATH")
-        pytest.skip("neither `docker compose` nor docker-compose is installed")
+    how = "apt-get install docker-compose, or Docker's compose plugin; no daemon is needed"
+    cli = optional_tool(
+        "docker", compose_cli(), "a compose CLI (docker compose, docker-compose)", how
+    )
     out = subprocess.run(
         [*cli, "-f", "docker-compose.yml", "--profile", profile, "config", "-q"],
         capture_output=True,
@@ -319,6 +321,8 @@ def shared_view(metrics_port: int) -> dict[str, Any]:
         return json.loads(r.read())["/pool"]["shared"]  # type: ignore[no-any-return]
 
 
+@pytest.mark.envoy
+@pytest.mark.redis
 def test_compose_envoy_config_serves_through_the_sidecar(tmp_path: Path) -> None:
     """deploy/compose/envoy.yaml run for real, as compose would run it but on this machine:
     its clusters keep STRICT_DNS and resolve a name (`localhost` standing in for the compose
@@ -389,27 +393,29 @@ def test_compose_envoy_config_serves_through_the_sidecar(tmp_path: Path) -> None
             headers={"content-type": "application/json"},
             method="POST",
         )
-        # STRICT_DNS resolves asynchronously after start: allow Envoy a moment.
-        deadline = time.monotonic() + 10
-        while True:
+
+        def answer() -> dict[str, Any] | None:
+            """The backend's echo, or None while Envoy answers 503 (STRICT_DNS resolves
+            asynchronously after start)."""
             try:
                 with urllib.request.urlopen(req, timeout=10) as r:
                     assert r.status == 200
                     assert r.headers["x-llm-max-tokens"] == "1024"  # clamped by the policy
-                    echo = json.loads(r.read())["echo"]
-                break
+                    return json.loads(r.read())["echo"]  # type: ignore[no-any-return]
             except urllib.error.HTTPError as e:
-                if e.code != 503 or time.monotonic() > deadline:
+                if e.code != 503:
                     raise
-                time.sleep(0.2)
+                return None
+
+        echo = until(answer, "Envoy resolved the backend's name (no more 503)", every=0.2)
         assert json.loads(echo["body"])["max_tokens"] == 1024
         assert echo["headers"]["x-llm-bucket"] == "batch"
         # Admitted on a lease: in shared mode the local limit is the leases held, none at start.
         # The one sidecar of an adaptive pool leads it (the first renewal elects it).
-        deadline = time.monotonic() + 5
-        while not (shared := shared_view(ports["metrics"]))["is_leader"]:
-            assert time.monotonic() < deadline, shared
-            time.sleep(0.05)
+        shared = until(
+            lambda: v if (v := shared_view(ports["metrics"]))["is_leader"] else None,
+            "the sidecar leads the pool",
+        )
         assert shared["state"] == "shared" and shared["degraded_transitions"] == 0, shared
         assert shared["replicas"] == 1 and shared["last_error"] is None, shared
         client = redis.Redis.from_url(redis_server.url)

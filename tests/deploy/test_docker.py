@@ -15,6 +15,8 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from testing.dockerfile import (
     docker_context,
     dockerfile_stages,
@@ -54,6 +56,7 @@ def test_docker_context_has_what_the_dockerfile_copies_and_nothing_else() -> Non
     assert not [f for f in context if f.startswith(("tests/", "deploy/", ".venv/", ".git/"))]
 
 
+@pytest.mark.slow  # pip builds a wheel
 def test_docker_context_builds_a_wheel_with_the_package_data(tmp_path: Path) -> None:
     """What `pip install .` does in the image, from exactly the files the context holds."""
     ctx = tmp_path / "ctx"
@@ -102,6 +105,7 @@ def test_sim_image_installs_what_the_bench_extra_asks_for_the_simulator() -> Non
     assert not re.search(r"^(from|import) (bench|extproc|tests)\b", source, re.MULTILINE)
 
 
+@pytest.mark.slow  # the sidecar's CLI, started three times
 def test_image_entrypoint_command_and_healthcheck_run_the_real_sidecar(tmp_path: Path) -> None:
     """ENTRYPOINT + CMD of the sidecar stage, run with the real CLI (ports moved to free ones),
     answer the image's HEALTHCHECK command; it fails against a port with nothing behind it."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import socket
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -55,6 +54,7 @@ from testing.envoy import (
 from testing.harness import running_stack
 from testing.redis import RedisServer
 from testing.stack import REPO, Stack, free_port, running_envoy
+from testing.wait import until
 
 DEPLOY = REPO / "deploy"
 ISTIO = DEPLOY / "istio"
@@ -422,6 +422,7 @@ def test_only_the_sidecar_can_reach_redis() -> None:
     )
 
 
+@pytest.mark.envoy
 def test_istio_gateway_with_example_routes_validates_in_envoy(tmp_path: Path) -> None:
     """The gateway EnvoyFilter's filters and cluster, plus the example routes with their
     HTTP_ROUTE merge patches applied, make a config the real Envoy accepts."""
@@ -476,6 +477,8 @@ def shared_view(stack: Stack) -> dict[str, Any]:
         return json.loads(r.read())["/pool"]["shared"]  # type: ignore[no-any-return]
 
 
+@pytest.mark.envoy
+@pytest.mark.redis
 def test_istio_gateway_serves_through_the_sidecar_on_the_real_envoy(tmp_path: Path) -> None:
     """The gateway's patches and the example routes on the real Envoy, with a stand-in for
     Istio's cluster (same name, limits and HTTP/2; plain text instead of Istio's mutual TLS)
@@ -517,10 +520,10 @@ def test_istio_gateway_serves_through_the_sidecar_on_the_real_envoy(tmp_path: Pa
             assert json.loads(echo["body"])["max_tokens"] == 1024
             # Admitted on a lease (in shared mode the local limit is the leases held, none at
             # start), with Redis answering all along; the replica is registered in Redis.
-            deadline = time.monotonic() + 5
-            while (view := shared_view(stack))["replicas"] != 1:
-                assert time.monotonic() < deadline, view
-                time.sleep(0.05)
+            view = until(
+                lambda: v if (v := shared_view(stack))["replicas"] == 1 else None,
+                "the replica registered in Redis",
+            )
             assert view["state"] == "shared" and view["degraded_transitions"] == 0, view
             assert view["pool_limit"] == 64 and view["last_error"] is None, view
             client = redis.Redis.from_url(redis_server.url)
@@ -562,6 +565,7 @@ def test_istio_gateway_serves_through_the_sidecar_on_the_real_envoy(tmp_path: Pa
             )
 
 
+@pytest.mark.envoy
 def test_ext_proc_default_on_and_opt_in_modes_with_the_real_envoy(tmp_path: Path) -> None:
     """Pins what deploy/istio/README.md says about the two ways to scope ext_proc, on Envoy
     1.40, with the gateway EnvoyFilter's own filter config and the sidecar unreachable (so a
@@ -635,6 +639,7 @@ def test_ext_proc_default_on_and_opt_in_modes_with_the_real_envoy(tmp_path: Path
         assert status(opt_in_port, "/v1/models") == 200
 
 
+@pytest.mark.envoy
 def test_route_header_edits_are_invisible_to_filters_before_the_router(tmp_path: Path) -> None:
     """Why the trusted-header strip is a header_mutation *filter* and not a VirtualService
     `headers.request.remove` (an Envoy route's request_headers_to_remove/add): route header

@@ -128,8 +128,8 @@ def test_stalled_chunked_upload_blocks_nobody(stack: Stack) -> None:
             b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
             b'5\r\n{"mes\r\n'
         )
-        # While that body never finishes, others are served promptly.
-        t0 = time.monotonic()
+        # While that body never finishes, others are served (how fast: bench.bounds,
+        # stalled_upload_bystanders).
         for _ in range(5):
             case = Case(
                 name="probe",
@@ -139,7 +139,6 @@ def test_stalled_chunked_upload_blocks_nobody(stack: Stack) -> None:
             )
             status, _, _ = exchange(port, request_bytes(case, port))
             assert status == 200
-        assert time.monotonic() - t0 < 3.0
     finally:
         s.close()  # the client gives up mid-body
     wait_idle(stack)
@@ -159,7 +158,7 @@ def test_slow_but_complete_chunked_upload_is_admitted(stack: Stack) -> None:
         with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
             for p in pieces:
                 s.sendall(p)
-                time.sleep(0.02)
+                time.sleep(0.02)  # the subject: a client that uploads slowly
             s.sendall(b"0\r\n\r\n")
             data = b""
             while chunk := s.recv(65536):

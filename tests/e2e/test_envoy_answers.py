@@ -18,6 +18,7 @@ tests/e2e/test_faults.py; 413: tests/e2e/test_corpus.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -29,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from testing.envoy import cluster_named, hcm_config
-from testing.harness import gauge, running_stack
+from testing.harness import backend_stats, gauge, running_stack, wait_gauge
+from testing.stack import Stack
+from testing.wait import until
 
 BODY = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
 
@@ -64,8 +67,9 @@ def test_a_sidecar_that_stops_answering_gets_envoys_504(tmp_path: Path) -> None:
         finally:
             sidecar.kill(signal.SIGCONT)
         assert status == 504
-        # Envoy waited its message_timeout (1 s), not the client's 10 s.
-        assert 0.9 <= seconds < 5.0, seconds
+        # Envoy's own answer, after its message_timeout (1 s), not before (how soon after:
+        # bench.bounds, envoy_timers).
+        assert seconds >= 0.9, seconds
         err = json.loads(body)["error"]
         assert err["type"] == "server_error" and err["code"] == "sidecar_timeout"
         # Resumed, the sidecar answers again.
@@ -167,7 +171,7 @@ def test_envoys_own_answers_carry_stable_codes(tmp_path: Path) -> None:
             )
         )
         holder.start()
-        time.sleep(0.3)
+        until(lambda: backend_stats(stack)["running"] == 1, "the holder at the backend")
         record("sidecar_overflow", *post(f"{stack.url}/v1/chat/completions")[:2])
         holder.join(10)
         assert held[0][0] == 200
@@ -177,7 +181,7 @@ def test_envoys_own_answers_carry_stable_codes(tmp_path: Path) -> None:
             json.dumps({"prompt": "hi"}).encode(),
             {"x-test-delay-ms": "2000"},
         )
-        assert 0.4 <= seconds < 1.5, seconds
+        assert seconds >= 0.4, seconds  # not before the timeout (how soon after: envoy_timers)
         record("backend_timeout", status, body)
         # The backend's circuit breakers (1 connection, 1 request, 1 pending here) overflow:
         # four requests at once, each held 0.5 s by the backend.
@@ -207,7 +211,7 @@ def test_envoys_own_answers_carry_stable_codes(tmp_path: Path) -> None:
             t.join(10)
         for name, limit in (("request_timeout", 2.0), ("request_header_timeout", 1.0)):
             status, body, seconds = timeouts[name]
-            assert limit - 0.1 <= seconds < limit + 1.5, (name, seconds)
+            assert seconds >= limit - 0.1, (name, seconds)
             record(name, status, body)
         # Anything else: a route to a cluster that does not exist (503 cluster_not_found),
         # a request Envoy's HTTP/1 codec refuses (400).
@@ -229,23 +233,32 @@ def test_envoys_own_answers_carry_stable_codes(tmp_path: Path) -> None:
         }
         for _, err in answers.values():
             assert err["message"] and "%" not in err["message"] and err["param"] is None
-        # The access log keeps Envoy's own words for each.
-        time.sleep(0.3)  # Envoy flushes the access log every 100 ms here
-        details = {
-            json.loads(line)["details"] for line in stack.access_log_path.read_text().splitlines()
-        }
-        for detail in (
-            "ext_proc_error_gRPC_error_14{upstream_connect_error_or_disconnect/reset_before"
-            "_headers._reset_reason:_overflow{upstream_reset_before_response_started{overflow}}}",
-            "response_timeout",
-            "no_healthy_upstream",
-            "upstream_reset_before_response_started{overflow}",
-            "request_overall_timeout",
-            "request_header_timeout",
-            "cluster_not_found",
-            "http1.codec_error",
-        ):
+        # The access log keeps Envoy's own words for each (it flushes every 100 ms here).
+        with contextlib.suppress(AssertionError):  # the loop below names what is missing
+            until(lambda: set(DETAILS) <= access_log_details(stack), "every detail logged")
+        details = access_log_details(stack)
+        for detail in DETAILS:
             assert detail in details, (detail, details)
+
+
+# Envoy's response code details of those answers, as its access log writes them.
+DETAILS = (
+    "ext_proc_error_gRPC_error_14{upstream_connect_error_or_disconnect/reset_before"
+    "_headers._reset_reason:_overflow{upstream_reset_before_response_started{overflow}}}",
+    "response_timeout",
+    "no_healthy_upstream",
+    "upstream_reset_before_response_started{overflow}",
+    "request_overall_timeout",
+    "request_header_timeout",
+    "cluster_not_found",
+    "http1.codec_error",
+)
+
+
+def access_log_details(stack: Stack) -> set[str]:
+    path = stack.access_log_path
+    lines = path.read_text().splitlines() if path.exists() else []
+    return {json.loads(line)["details"] for line in lines}
 
 
 ONE_SLOT = """
@@ -272,7 +285,7 @@ def test_request_timeout_ends_when_the_client_has_sent_everything(tmp_path: Path
             target=lambda: held.append(post_to(url, BODY, {"x-test-delay-ms": "3500"}))
         )
         holder.start()
-        time.sleep(0.5)  # the holder has the one slot
+        wait_gauge(stack, "llm_extproc_in_flight", "one", 1)  # the holder has the one slot
         status, _, seconds = post(url)  # queued behind it, its body complete at once
         holder.join(10)
         assert held[0][0] == 200

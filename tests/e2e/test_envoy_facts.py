@@ -40,7 +40,7 @@ async def _run(tmp: Path) -> dict[str, Any]:
                     for k, v in msg.attributes["envoy.filters.http.ext_proc"].fields.items()
                 }
                 seen["body_at"] = time.monotonic()
-                await asyncio.sleep(HOLD_S)  # admission "deciding"
+                await asyncio.sleep(HOLD_S)  # the subject: admission "deciding" for a while
                 seen["answered_at"] = time.monotonic()
                 await call.write(pb.ProcessingResponse(request_body=pb.BodyResponse()))
             else:

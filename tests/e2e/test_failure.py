@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from testing.harness import running_stack, start_stack
+from testing.harness import running_stack, start_stack, wait_gauge
 from testing.stack import Stack
 
 BODY = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999}).encode()
@@ -107,16 +106,17 @@ def test_sigterm_drains_admitted_and_refuses_queued_with_503(tmp_path: Path) -> 
         queued: list[Answer] = []
         holder = threading.Thread(target=send, args=(url, {"x-test-delay-ms": "1500"}, held))
         holder.start()
-        time.sleep(0.3)
+        wait_gauge(stack, "llm_extproc_in_flight", "one", 1)
         waiter = threading.Thread(target=send, args=(url, {}, queued))
         waiter.start()
-        time.sleep(0.3)
+        wait_gauge(stack, "llm_extproc_queue_depth", "one", 1)
         sidecar = stack.procs["sidecar"]
-        t0 = time.monotonic()
         sidecar.popen.send_signal(signal.SIGTERM)
         waiter.join(5)
+        # Refused while the admitted request still runs (how soon after the signal:
+        # bench.bounds, sigterm_refuses_queued).
         status, headers, body = queued[0]
-        assert status == 503 and time.monotonic() - t0 < 1.0
+        assert status == 503 and holder.is_alive()
         assert json.loads(body)["error"]["code"] == "shutting_down"
         assert int({k.lower(): v for k, v in headers.items()}["retry-after"]) >= 1
         late: list[Answer] = []
@@ -125,4 +125,3 @@ def test_sigterm_drains_admitted_and_refuses_queued_with_503(tmp_path: Path) -> 
         holder.join(10)
         assert held[0][0] == 200  # the admitted request finished
         assert sidecar.popen.wait(10) == 0
-        assert time.monotonic() - t0 < 5.0

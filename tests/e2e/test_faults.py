@@ -19,8 +19,16 @@ import aiohttp
 import pytest
 
 from bench.storm import run_storm
-from testing.harness import outcomes, running_stack, start_stack, wait_idle
+from testing.harness import (
+    backend_stats,
+    gauge_reaches,
+    outcomes,
+    running_stack,
+    start_stack,
+    wait_idle,
+)
 from testing.stack import Stack
+from testing.wait import until
 
 POLICY = """
 buckets:
@@ -61,11 +69,6 @@ def post_answer(
         return e.code, e.read()
     except (OSError, urllib.error.URLError, http.client.HTTPException) as e:
         return type(e).__name__, b""
-
-
-def backend_stats(stack: Stack) -> dict[str, int]:
-    with urllib.request.urlopen(stack.backend_url + "/stats", timeout=5) as r:
-        return json.loads(r.read())  # type: ignore[no-any-return]
 
 
 def admitted(stack: Stack) -> float:
@@ -115,15 +118,12 @@ def test_disconnect_storm_leaves_nothing_behind(stack: Stack) -> None:
     # before Envoy opened its ext_proc stream never reached it, so counted <= sent.
     assert STORM_REQUESTS - result.aborted <= counted <= STORM_REQUESTS
     # And the backend is not working for anyone.
-    deadline = time.monotonic() + 5
-    while backend_stats(stack)["running"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert backend_stats(stack)["running"] == 0
+    until(lambda: backend_stats(stack)["running"] == 0, "the backend idle")
 
 
 def test_sidecar_killed_under_load_then_restarted(module_tmp: Path) -> None:
     """Fail closed while it is down (500); after a restart Envoy reconnects and admission
-    resumes within 2 s."""
+    resumes (how soon: bench.bounds, sidecar_restart_recovery)."""
     with running_stack(module_tmp / "kill", POLICY) as stack:
         statuses: list[int | str] = []
         stop = threading.Event()
@@ -136,23 +136,22 @@ def test_sidecar_killed_under_load_then_restarted(module_tmp: Path) -> None:
         threads = [threading.Thread(target=load) for _ in range(3)]
         for t in threads:
             t.start()
-        time.sleep(0.5)
+        until(lambda: statuses.count(200) >= 3, "the load served")
         stack.procs["sidecar"].kill(signal.SIGKILL)
         stack.procs["sidecar"].popen.wait(5)
-        time.sleep(0.5)
+        killed = len(statuses)
+        until(lambda: 500 in statuses[killed:], "a 500 while the sidecar is down")
         down = len(statuses)
         stack.start_sidecar_proc()
-        ready = time.monotonic()
-        recovered = None
-        while time.monotonic() - ready < 10:
-            if statuses[-1:] == [200] and len(statuses) > down:
-                recovered = time.monotonic() - ready
-                break
-            time.sleep(0.01)
-        stop.set()
-        for t in threads:
-            t.join(30)
-        assert recovered is not None and recovered < 2.0, statuses[down - 5 :]
+        try:
+            until(
+                lambda: statuses[-1:] == [200] and len(statuses) > down,
+                "admission resumed after the restart",
+            )
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
         # During the outage clients saw Envoy's 500 (fail closed), never a bypass. Pinned:
         # responses already streaming when the sidecar died are cut off (Envoy resets the
         # HTTP stream when its ext_proc stream fails with failure_mode_allow: false); a
@@ -187,9 +186,12 @@ def test_aborts_at_each_stage_free_the_slot(stack: Stack, when: str) -> None:
                 asyncio.ensure_future(s.post(url, data=body, headers=hdrs))
                 for _ in range(4 if when == "queued" else 0)
             ]
-            await asyncio.sleep(0.1)
+            await gauge_reaches(stack, "llm_extproc_in_flight", "interactive", len(holders))
             victim = asyncio.ensure_future(s.post(url, data=body, headers=hdrs))
-            await asyncio.sleep(0.2)
+            if when == "queued":  # the victim waits behind the four holders
+                await gauge_reaches(stack, "llm_extproc_queue_depth", "interactive", 1)
+            else:
+                await gauge_reaches(stack, "llm_extproc_in_flight", "interactive", 1)
             victim.cancel()
             for h in holders:
                 r = await h

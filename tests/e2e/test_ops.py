@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -14,8 +13,17 @@ from typing import Any
 
 import pytest
 
-from testing.harness import gauge, outcomes, running_stack, scrape, start_stack, wait_idle
+from testing.harness import (
+    gauge,
+    outcomes,
+    running_stack,
+    scrape,
+    start_stack,
+    wait_gauge,
+    wait_idle,
+)
 from testing.stack import Stack
+from testing.wait import until
 
 PRIORITY_KEY = "change-me-priority-key"  # the example key in envoy/envoy.yaml
 
@@ -43,17 +51,16 @@ def chat(content: str = "hi", **fields: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}], **fields}
 
 
-def access_log(stack: Stack, n: int, timeout: float = 5.0) -> list[dict[str, Any]]:
-    """The last n access-log entries (Envoy flushes its file log within about a second)."""
-    deadline = time.monotonic() + timeout
-    lines: list[str] = []
-    while time.monotonic() < deadline:
-        if stack.access_log_path.exists():
-            lines = stack.access_log_path.read_text().splitlines()
-            if len(lines) >= n:
-                return [json.loads(line) for line in lines[-n:]]
-        time.sleep(0.1)
-    raise AssertionError(f"expected {n} access-log lines, got {len(lines)}")
+def access_log(stack: Stack, n: int) -> list[dict[str, Any]]:
+    """The last n access-log entries, once there are n (Envoy flushes its file log every
+    100 ms here)."""
+
+    def lines() -> list[str]:
+        path = stack.access_log_path
+        return path.read_text().splitlines() if path.exists() else []
+
+    until(lambda: len(lines()) >= n, f"{n} access-log lines")
+    return [json.loads(line) for line in lines()[-n:]]
 
 
 # --- the shipped default policy ---------------------------------------------------------------
@@ -182,26 +189,20 @@ def replace_atomically(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def wait_for(predicate: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def test_policy_file_reload_is_atomic_and_refuses_broken_files(module_tmp: Path) -> None:
     with running_stack(module_tmp / "reload", RELOAD % 2) as stack:
         path = stack.policy_path
         assert path is not None
         assert gauge(stack, "llm_extproc_capacity", "b") == 2
         replace_atomically(path, RELOAD % 7)  # picked up by the file watcher
-        wait_for(lambda: gauge(stack, "llm_extproc_capacity", "b") == 7)
+        wait_gauge(stack, "llm_extproc_capacity", "b", 7)
         replace_atomically(path, "buckets: [{name: b, max_concurrency: many}]")
-        wait_for(
+        until(
             lambda: (
                 scrape(stack).get(("llm_extproc_policy_reloads_total", (("result", "error"),)), 0)
                 == 1
-            )
+            ),
+            "the broken policy refused",
         )
         assert gauge(stack, "llm_extproc_capacity", "b") == 7  # the old policy stays
         assert post(stack, chat())[0] == 200
@@ -209,5 +210,5 @@ def test_policy_file_reload_is_atomic_and_refuses_broken_files(module_tmp: Path)
         # SIGHUP reloads too (the file watcher would also see this change; either is fine).
         path.write_text(RELOAD % 3)
         stack.procs["sidecar"].popen.send_signal(signal.SIGHUP)
-        wait_for(lambda: gauge(stack, "llm_extproc_capacity", "b") == 3)
+        wait_gauge(stack, "llm_extproc_capacity", "b", 3)
         assert scrape(stack)[("llm_extproc_policy_reloads_total", (("result", "ok"),))] >= 2

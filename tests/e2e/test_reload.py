@@ -10,7 +10,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,9 @@ import pytest
 import yaml
 
 from testing.envoy import with_route_metadata
-from testing.harness import gauge, scrape, start_stack, wait_idle
+from testing.harness import gauge, scrape, start_stack, wait_gauge, wait_idle
 from testing.stack import Stack
+from testing.wait import until
 
 POLICY = """
 limits: {max_prompt_tokens: 1000, default_max_tokens: 20, max_output_tokens: 50}
@@ -66,14 +67,7 @@ def rds_stat(stack: Stack, name: str) -> int:
 def apply_routes(stack: Stack, routes: dict[str, Any] | str, stat: str = "update_success") -> None:
     before = rds_stat(stack, stat)
     stack.write_routes(routes)
-    wait_for(lambda: rds_stat(stack, stat) > before)
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
+    until(lambda: rds_stat(stack, stat) > before, f"Envoy's RDS {stat} counted")
 
 
 class Load:
@@ -92,6 +86,11 @@ class Load:
         self._threads = [threading.Thread(target=loop, daemon=True) for _ in range(clients)]
         for t in self._threads:
             t.start()
+
+    def served(self, n: int = 1) -> None:
+        """Wait until ``n`` more requests have been answered."""
+        before = len(self.statuses)
+        until(lambda: len(self.statuses) >= before + n, f"{n} more requests answered")
 
     def stop(self) -> list[int]:
         self._stop.set()
@@ -150,13 +149,15 @@ def test_route_metadata_sets_the_routes_share_and_request_limits(stack: Stack) -
 
     holder = threading.Thread(target=timed)
     holder.start()
-    time.sleep(0.2)
+    wait_gauge(stack, "llm_extproc_in_flight", "b", 1)  # the holder has the route's one
     t0 = time.monotonic()
     status, body = post(stack)
+    # Evicted at its deadline, not before, while the holder runs (how soon after: bench.bounds,
+    # route_share_eviction); the other route was not queued behind the holder either.
     assert status == 429 and body["error"]["code"] == "queue_timeout"
-    assert 0.3 < time.monotonic() - t0 < 1.2
-    other_status, other_s = completions(stack)
-    assert other_status == 200 and other_s < 1.0
+    assert time.monotonic() - t0 > 0.3
+    other_status, _ = completions(stack)
+    assert other_status == 200 and holder.is_alive()
     holder.join(10)
     assert results[0][0] == 200
 
@@ -174,10 +175,9 @@ def test_route_metadata_sets_the_routes_share_and_request_limits(stack: Stack) -
     )
     holder = threading.Thread(target=timed)
     holder.start()
-    time.sleep(0.2)
-    t0 = time.monotonic()
+    wait_gauge(stack, "llm_extproc_in_flight", "b", 1)
     status, body = post(stack)
-    assert status == 200 and time.monotonic() - t0 < 1.0  # a free slot: not queued
+    assert status == 200 and holder.is_alive()  # a free slot: not queued behind the holder
     assert json.loads(body["echo"]["body"])["max_tokens"] == 20  # the file's default again
     assert gauge(stack, "llm_extproc_capacity", "b") == 4
     holder.join(10)
@@ -199,7 +199,7 @@ def test_twenty_route_reloads_under_load_fail_nothing(stack: Stack) -> None:
                     },
                 ),
             )
-            time.sleep(0.1)
+            load.served()  # traffic between any two reloads
     finally:
         statuses = load.stop()
     assert len(statuses) > 40
@@ -215,7 +215,7 @@ def test_broken_route_file_is_rejected_and_traffic_continues(stack: Stack) -> No
         bad["resources"][0]["virtual_hosts"][0]["routes"][0]["route"]["timeout"] = "soon"
         apply_routes(stack, bad, stat="update_failure")
         apply_routes(stack, "resources: [", stat="update_failure")
-        time.sleep(0.5)
+        load.served(3)
         assert post(stack)[0] == 200
     finally:
         statuses = load.stop()
@@ -253,13 +253,13 @@ def test_twenty_sidecar_policy_reloads_under_load_fail_nothing(stack: Stack) -> 
             tmp.write_text(POLICY.replace("max_concurrency: 4", f"max_concurrency: {2 + i % 3}"))
             tmp.replace(path)
             stack.procs["sidecar"].popen.send_signal(signal.SIGHUP)
-            wait_for(lambda before=before: reloads("ok") > before)  # type: ignore[misc]
+            until(lambda before=before: reloads("ok") > before, "the reload applied")  # type: ignore[misc]
             assert gauge(stack, "llm_extproc_capacity", "b") == 2 + i % 3
-            time.sleep(0.1)
+            load.served()
         before = reloads("error")
         path.write_text("buckets: [{name: b, max_concurrency: -1}]")
         stack.procs["sidecar"].popen.send_signal(signal.SIGHUP)
-        wait_for(lambda: reloads("error") > before)
+        until(lambda: reloads("error") > before, "the broken policy refused")
         assert post(stack)[0] == 200
     finally:
         statuses = load.stop()

@@ -22,6 +22,7 @@ from google.protobuf import struct_pb2, text_format
 
 from extproc.app import TRANSPORTS, Sidecar
 from extproc.config.policy import policy_from_yaml
+from testing.wait import until_async
 
 POLICY = policy_from_yaml(
     """
@@ -123,8 +124,7 @@ def test_route_limits_are_the_routes_own_share_and_go_with_the_route(transport: 
         ]
         for ex in (first, second, *others):
             await ex.close()
-        await asyncio.sleep(0.05)
-        assert bucket(sidecar) == (3, 0, 0)
+        await until_async(lambda: bucket(sidecar) == (3, 0, 0), "every slot given back", limit_s=5)
         # A policy reload forgets every route: the share, holding nothing, goes at once.
         sidecar.service.apply_policy(POLICY)
         assert sidecar.service.route_shares() == {}
@@ -154,7 +154,11 @@ def test_a_share_whose_route_is_gone_drains_then_goes(transport: str) -> None:
         await holder.close()
         assert (await waiter.next()).HasField("request_body")  # the share hands over
         await waiter.close()
-        await asyncio.sleep(0.05)
-        assert sidecar.service.route_shares() == {} and bucket(sidecar) == (3, 0, 0)
+        service = sidecar.service
+        await until_async(
+            lambda: service.route_shares() == {} and bucket(sidecar) == (3, 0, 0),
+            "the share gone, every slot given back",
+            limit_s=5,
+        )
 
     run(t, transport)

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.app import TRANSPORTS, Sidecar
 from extproc.config.policy import policy_from_yaml
+from testing.wait import until_async
 
 POLICY = policy_from_yaml(
     """
@@ -317,11 +318,9 @@ def test_stream_ending_while_queued_leaves_the_queue_at_once() -> None:
                 await ex.close()
             else:
                 ex.call.cancel()
-            for _ in range(100):
-                if stats(sidecar) == (1, 0):
-                    break
-                await asyncio.sleep(0.005)
-            assert stats(sidecar) == (1, 0), end
+            await until_async(
+                lambda: stats(sidecar) == (1, 0), f"the queue empty after {end}", limit_s=5
+            )
         await holder.close()
         assert stats(sidecar) == (0, 0)
         assert finished(sidecar) == {"admitted": 1.0, "cancelled_while_queued": 2.0}
@@ -333,11 +332,7 @@ def test_cancel_while_admitted_releases_the_slot() -> None:
     async def t(sidecar: Sidecar, stub: pb_grpc.ExternalProcessorStub) -> None:
         holder = await admitted(stub)
         holder.call.cancel()
-        for _ in range(100):
-            if stats(sidecar) == (0, 0):
-                break
-            await asyncio.sleep(0.005)
-        assert stats(sidecar) == (0, 0)
+        await until_async(lambda: stats(sidecar) == (0, 0), "the slot given back", limit_s=5)
         assert finished(sidecar) == {"admitted": 1.0}
 
     with_sidecar(t)

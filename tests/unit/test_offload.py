@@ -14,6 +14,7 @@ from extproc.outcome import RequestError
 from extproc.request.classify import token_counter
 from extproc.request.offload import INLINE_BODY_BYTES, Busy, Offload, parse_and_classify
 from extproc.request.parse import Endpoint
+from testing.wait import until_async
 
 POLICY = policy_from_yaml(
     """
@@ -85,22 +86,19 @@ def test_beyond_the_bound_large_bodies_are_refused_at_once() -> None:
                 asyncio.ensure_future(offload.parse(POLICY, COUNT, {}, Endpoint.CHAT, body, None))
                 for _ in range(2)
             ]
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # one loop turn: both tasks submit, then await the worker
             assert offload.pending == 2
             with pytest.raises(Busy):
                 await offload.parse(POLICY, COUNT, {}, Endpoint.CHAT, body, None)
             await asyncio.gather(*jobs)
-            await asyncio.sleep(0.01)  # the count comes down on the loop, after the job
-            assert offload.pending == 0
+            # The count comes down on the loop, after the job.
+            await until_async(lambda: offload.pending == 0, "both counted down")
             # A cancelled waiter still counts until the worker is done with its job.
             job = asyncio.ensure_future(offload.parse(POLICY, COUNT, {}, Endpoint.CHAT, body, None))
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # one loop turn: submitted, awaiting the worker
+            assert offload.pending == 1
             job.cancel()
-            for _ in range(500):
-                if offload.pending == 0:
-                    break
-                await asyncio.sleep(0.01)
-            assert offload.pending == 0
+            await until_async(lambda: offload.pending == 0, "the cancelled job counted down")
         finally:
             offload.close()
 
@@ -117,7 +115,8 @@ def test_a_dead_worker_means_the_body_is_parsed_on_the_loop_and_a_new_one_starts
             assert offload._pool is not None
             for pid in list(offload._pool._processes):  # type: ignore[attr-defined]
                 os.kill(pid, signal.SIGKILL)
-            await asyncio.sleep(0.2)
+            pool = offload._pool
+            await until_async(lambda: pool._broken, "the executor saw its worker die")  # type: ignore[attr-defined]
             assert await offload.parse(POLICY, COUNT, {}, Endpoint.CHAT, body, None) == expected
             assert await offload.parse(POLICY, COUNT, {}, Endpoint.CHAT, body, None) == expected
             assert offload.pending == 0

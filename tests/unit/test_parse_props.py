@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -61,6 +62,7 @@ def test_any_bytes_give_a_request_or_a_4xx(raw: bytes, endpoint: Endpoint) -> No
     outcome(endpoint, raw)
 
 
+@pytest.mark.slow  # 400 examples: seconds
 @settings(max_examples=400, deadline=None)
 @given(json_values, st.sampled_from(list(Endpoint)))
 def test_any_json_gives_a_request_or_a_4xx(value: Any, endpoint: Endpoint) -> None:
@@ -83,6 +85,7 @@ extra_fields = st.dictionaries(
 max_tokens = st.none() | st.integers(1, 2**31 - 1)
 
 
+@pytest.mark.slow  # 300 examples: seconds
 @settings(max_examples=300, deadline=None)
 @given(st.lists(message, min_size=1, max_size=4), extra_fields, max_tokens, max_tokens)
 def test_rewrite_keeps_every_other_field(
