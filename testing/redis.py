@@ -41,7 +41,6 @@ def redis_binary() -> str:
 
     With ``LLM_EXTPROC_REQUIRE_TOOLS=1`` (CI) and no server named, only the test extra's: CI
     proves that the project's own install step brings everything the tests need."""
-    note_started("redis")  # tests/conftest.py: a test that starts Redis says so
     named = os.environ.get("LLM_EXTPROC_REDIS_SERVER")
     if named:
         if not Path(named).is_file():
@@ -75,6 +74,7 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         self._starts += 1
+        note_started("redis")  # tests/conftest.py: a test that starts Redis says so
         argv = [
             redis_binary(),
             "--port",
