@@ -11,10 +11,11 @@ Data plane (per request):
 
 Control plane (on the event loop, off the request path):
 
-- ``adaptive``: the adaptive limit (``AdaptiveLimit``, pure) and its ``Poller``;
-  ``overload``: staged recovery (``OverloadMonitor``, pure); ``lease_adapter``: the local pool
-  as the lease manager of a shared pool (``extproc.shared``) sees it; ``control``:
-  ``PoolControl``, which wires the three to the gate.
+- ``adaptive``: the adaptive limit (``AdaptiveLimit``, pure); ``poller``: its ``Poller``,
+  which scrapes the backend (``extproc.backend.scrape``) on an interval; ``overload``: staged
+  recovery (``OverloadMonitor``, pure); ``lease_adapter``: the local pool as the lease manager
+  of a shared pool (``extproc.shared``) sees it; ``control``: ``PoolControl``, which wires the
+  three controllers (adaptive limit, staged recovery, shared leases) to the gate.
 - ``view``: gauges and /debug/queues rendered from the controllers' ``snapshot()``.
 
 Nothing is imported here, so that each module can be imported alone.

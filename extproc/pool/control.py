@@ -162,6 +162,7 @@ class PoolControl:
             if old is not None:
                 assert self._leases is not None
                 self._leases.detach()
+                self._leases = None
                 self._spawn(old.close(), self._closing)
             if shared is None or pool is None:
                 return
