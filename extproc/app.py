@@ -24,11 +24,11 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from extproc.admission.gate import Gate
 from extproc.config.policy import Policy, load_policy, policy_from_yaml
 from extproc.contract import EXT_PROC_SERVICE, PROCESS_METHOD
-from extproc.control import PoolControl
 from extproc.ops.metrics import Metrics, serve_metrics
+from extproc.pool.control import PoolControl
+from extproc.pool.gate import Gate
 from extproc.request import respond
 from extproc.service import ExtProcService
 from extproc.transport import h2

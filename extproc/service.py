@@ -1,6 +1,6 @@
 """The servicer: Envoy's ext_proc stream in, CONTINUE or an immediate answer out.
 
-It only wires the stages of ``extproc.request`` and ``extproc.admission`` together. It needs
+It only wires the stages of ``extproc.request`` and ``extproc.pool`` together. It needs
 two things of a stream, ``await read()`` and ``await write(msg)``, so it runs on either gRPC
 transport (``extproc.transport.h2``, the default, or grpc.aio; see ``extproc.app``).
 
@@ -14,7 +14,7 @@ SEND, request body BUFFERED, nothing of the response; docs/envoy.md):
    (``extproc.request.routes``) arrives on this message.
 2. ``request_body`` (end_of_stream). Parse (``request.parse``), bound and classify
    (``request.classify``); a bad request gets its 4xx as an ImmediateResponse.
-3. Admission (``admission.gate``). Admitted at once, or queued: then first send
+3. Admission (``pool.gate``). Admitted at once, or queued: then first send
    ``override_message_timeout`` so Envoy's short message timeout does not fire while we wait,
    and keep reading the stream so that a client who leaves is dropped from the queue at once.
    Queue full or evicted at the deadline: ImmediateResponse 429 with Retry-After.
@@ -42,13 +42,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import stream
-from extproc.admission.gate import Gate, Refused, Slot, Waiter
-from extproc.admission.shares import Share, Shares
 from extproc.config.policy import Mode, Policy
 from extproc.contract import MESSAGE_TIMEOUT_MARGIN_S
 from extproc.ops.logs import log_finished
 from extproc.ops.metrics import Metrics
 from extproc.outcome import Outcome, Rejection, RequestError, queue_rejection
+from extproc.pool.gate import Gate, Refused, Slot, Waiter
+from extproc.pool.shares import Share, Shares
 from extproc.record import NO_BUCKET, RequestRecord
 from extproc.request import respond
 from extproc.request.classify import Classification, TokenCounter, token_counter

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.admission.gate import Slot, Waiter
-from extproc.admission.shares import Share
+from extproc.pool.gate import Slot, Waiter
+from extproc.pool.shares import Share
 from extproc.record import RequestRecord
 from extproc.request import respond
 

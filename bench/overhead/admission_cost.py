@@ -1,5 +1,5 @@
-"""Admission cost against queue length, in process: ``extproc.admission.gate.Gate`` (the
-asyncio shell) and ``extproc.admission.core.Admission`` (the pure core) with 10, 1,000 and
+"""Admission cost against queue length, in process: ``extproc.pool.gate.Gate`` (the
+asyncio shell) and ``extproc.pool.core.Admission`` (the pure core) with 10, 1,000 and
 10,000 waiters behind one slot. Enqueue, admit (release + hand-over), cancel and evict must
 not grow with the queue."""
 
@@ -33,8 +33,8 @@ def gate_costs(n: int, ops: int) -> dict[str, dict[str, float]]:
     ``admitted()`` returns it), cancel (a waiter in the middle leaves), evict (a waiter with a
     0 s deadline: the gate's real timer fires on the event loop and ``admitted()`` raises
     Refused; includes one turn of the loop)."""
-    from extproc.admission.gate import Gate, Refused, Waiter
     from extproc.config.policy import policy_from_yaml
+    from extproc.pool.gate import Gate, Refused, Waiter
 
     policy = policy_from_yaml(held_policy(n + 10), "<bench>")
     clock = time.perf_counter_ns
@@ -105,7 +105,8 @@ def _remove_middle(waiters: deque[Any], item: Any) -> None:
 
 def core_costs(n: int, ops: int) -> dict[str, dict[str, float]]:
     """The same four operations on the pure core, ``Admission``."""
-    from extproc.admission.core import Admission, Verdict
+    from extproc.pool.core import Admission
+    from extproc.pool.values import Verdict
 
     clock = time.perf_counter_ns
     core = Admission({"held": (1, n + 10)})

@@ -24,8 +24,13 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from extproc.admission.core import BucketStats
 from extproc.outcome import OUTCOMES
+from extproc.pool.adaptive import AdaptiveSnapshot
+from extproc.pool.lease_adapter import SharedSnapshot
+from extproc.pool.overload import OverloadSnapshot
+from extproc.pool.poller import BackendSnapshot
+from extproc.pool.values import BucketStats, PoolStats
+from extproc.pool.view import gauges_of
 from extproc.record import NO_BUCKET, RequestRecord
 
 __all__ = ["Metrics", "serve_metrics"]
@@ -75,32 +80,19 @@ class _QueueCollector(Collector):
         yield from families.values()
 
 
-# The pool's gauges: name -> help. Values come from the pool controller at scrape time
-# (``extproc.control.PoolControl.gauges``); a name it does not report is left out.
+# The pool's gauges: name -> help, from the fields of the snapshots the pool controller renders
+# at scrape time (``extproc.pool.control.PoolControl.gauges``; ``extproc.pool.view``). A name it
+# does not report is left out.
 POOL_GAUGES: dict[str, str] = {
-    "pool_limit": "The shared pool's limit: requests at the backend at once.",
-    "pool_in_flight": "Requests holding a slot of the shared pool.",
-    "pool_queued": "Requests waiting for a slot of the shared pool.",
-    "pool_tokens_limit": "The pool's bound on estimated tokens in flight (0: none).",
-    "pool_tokens_in_flight": "Estimated prompt + max_tokens of the requests in flight.",
-    "pool_release_rate": "Slots the full pool frees per second: limit / mean hold.",
-    "overload_state": "0 normal, 1 overloaded, 2 recovering.",
-    "overload_factor": "Share of its cap the least urgent band may hold (1: no cut).",
-    "overload_eviction_rate": "Eviction rate of the protected bands over the window.",
-    "overload_p95_wait_seconds": "P95 queue wait of the protected bands' recent admissions.",
-    "backend_up": "Backend metrics endpoints scraped successfully in the last round.",
-    "backend_waiting": "vllm:num_requests_waiting, summed over the backend's endpoints.",
-    "backend_running": "vllm:num_requests_running, summed over the backend's endpoints.",
-    "backend_kv_usage": "vllm:kv_cache_usage_perc, the highest over the endpoints (0-1).",
-    "backend_ttft_seconds": "Windowed quantile of vLLM's time to first token (the SLO's).",
-    "backend_itl_seconds": "Windowed quantile of vLLM's inter-token latency (the SLO's).",
-    "adaptive_state": "The adaptive limit: 0 tracking, 1 holding (stale), 2 fallback.",
-    "shared_state": "Shared pool (pool.shared): 0 shared, 1 degraded (Redis unreachable).",
-    "shared_leases_held": "Leases of the shared pool this replica holds.",
-    "shared_pool_limit": "The shared pool's limit, all replicas together (as last seen).",
-    "shared_pool_held": "Leases held by all replicas together (as last seen).",
-    "shared_replicas": "Live replicas of the shared pool (as last seen).",
-    "shared_leader": "1 when this replica computes the shared pool's adaptive limit.",
+    g.name: g.help
+    for snapshot in (
+        PoolStats,
+        OverloadSnapshot,
+        BackendSnapshot,
+        AdaptiveSnapshot,
+        SharedSnapshot,
+    )
+    for g in gauges_of(snapshot)
 }
 
 

@@ -9,7 +9,7 @@ Every request of a route carries the same string, so the result is cached by tha
 (``RouteCache``, at most 256 entries; full, it starts over). Metadata that fails validation is
 logged once, when first seen, and cached as invalid: the route then falls back to the policy
 file. A route whose override limits its bucket (``max_concurrency``/``max_queue``) gets a
-``Share`` (``extproc.admission.shares``) with a key unique to that route and policy; the cache
+``Share`` (``extproc.pool.shares``) with a key unique to that route and policy; the cache
 tells its owner when it forgets its routes (``on_clear``), so their shares can go.
 """
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from envoy.config.core.v3 import base_pb2
 from google.protobuf import json_format, struct_pb2, text_format
 
-from extproc.admission.shares import Share
 from extproc.config.policy import Policy, PolicyError, RouteOverride, route_override_from_mapping
 from extproc.contract import METADATA_NAMESPACE, ROUTE_ATTRIBUTE, ROUTE_ATTRIBUTES_KEY
+from extproc.pool.shares import Share
 
 __all__ = ["NO_ROUTE", "Route", "RouteCache"]
 

@@ -22,12 +22,12 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.admission.gate import Slot
 from extproc.app import Sidecar
-from extproc.backend.overload import OverloadMonitor, OverloadState
-from extproc.config.policy import AdaptivePolicy, policy_from_yaml
+from extproc.config.policy import AdaptivePolicy, OverloadPolicy, policy_from_yaml
 from extproc.ops.metrics import POOL_GAUGES
 from extproc.outcome import Outcome
+from extproc.pool.gate import Slot
+from extproc.pool.overload import OverloadMonitor, OverloadState
 from testing.stack import REPO
 from testing.tools import optional_tool
 
@@ -182,7 +182,7 @@ LABEL_VALUES = {
     "action": {"defaulted", "clamped"},
     "result": {"ok", "error"},
     "state": {str(s) for s in OverloadState},
-    # AdaptiveLimit.reason (extproc/backend/adaptive.py).
+    # AdaptiveLimit.reason (extproc/pool/adaptive.py).
     "reason": {
         "initial",
         "increase",
@@ -236,8 +236,11 @@ def test_rules_use_exported_metrics_and_real_label_values(exported: set[str]) ->
         alert_threshold("LLMExtprocEvictionsHigh"),
         alert_threshold("LLMExtprocEvictionsCritical"),
     ) == (0.05, 0.20)
-    # The sidecar's own needs_capacity flag (extproc/backend/overload.py) is at 20% too.
-    assert alert_threshold("LLMExtprocBackendNeedsCapacity") == OverloadMonitor().capacity_rate
+    # The sidecar's own needs_capacity flag (extproc/pool/overload.py) is at 20% too.
+    assert (
+        alert_threshold("LLMExtprocBackendNeedsCapacity")
+        == OverloadMonitor(OverloadPolicy()).capacity_rate
+    )
     # The header's list of outcomes is complete.
     header = (DEPLOY / "prometheus" / "rules.yaml").read_text().split("groups:")[0]
     assert all(str(o) in header for o in Outcome)

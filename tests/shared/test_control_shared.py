@@ -8,10 +8,10 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from extproc.admission.gate import Gate
 from extproc.config.policy import Policy, policy_from_yaml
-from extproc.control import PoolControl
 from extproc.ops.metrics import Metrics
+from extproc.pool.control import PoolControl
+from extproc.pool.gate import Gate
 from testing.redis import RedisServer
 from testing.stack import free_port
 

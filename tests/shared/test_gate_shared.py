@@ -1,6 +1,7 @@
-"""The gate in shared mode, no Redis: the local pool admits on leases only (none: nobody),
-shares are of the whole pool's limit, the lease manager hears of a release before the slot is
-handed on, and what it reads as demand leaves out waiters a lease would not let in."""
+"""The gate in shared mode through its lease adapter, no Redis: the local pool admits on leases
+only (none: nobody), shares are of the whole pool's limit, the lease manager hears of a release
+before the slot is handed on, and what it reads as demand leaves out waiters a lease would not
+let in."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from extproc.admission.gate import POOL, Gate, Slot, Waiter
 from extproc.config.policy import policy_from_yaml
+from extproc.pool.gate import POOL, Gate, Slot, Waiter
+from extproc.pool.lease_adapter import LeaseAdapter
 
 POLICY = policy_from_yaml(
     """
@@ -43,13 +45,14 @@ def run(main: Callable[[], Any]) -> None:
 def test_no_lease_admits_nobody_and_each_lease_admits_one() -> None:
     def main() -> None:
         gate, hooks = Gate(POLICY), Hooks()
-        gate.attach_leases(hooks, 10)
+        leases = LeaseAdapter(gate)
+        leases.attach(hooks, 10)
         entries = [gate.enter("batch", 5.0) for _ in range(3)]
         assert all(isinstance(e, Waiter) for e in entries) and hooks.changes >= 3
-        assert gate.shared_view() == (0, {10: 3})
-        gate.set_leases(2, 10)
+        assert leases.shared_view() == (0, {10: 3})
+        leases.set_leases(2, 10)
         assert [e.future.done() for e in entries if isinstance(e, Waiter)] == [True, True, False]
-        assert gate.shared_view() == (2, {10: 1})
+        assert leases.shared_view() == (2, {10: 1})
         assert gate.pool_statistics()[POOL].limit == 2
 
     run(main)
@@ -58,13 +61,14 @@ def test_no_lease_admits_nobody_and_each_lease_admits_one() -> None:
 def test_max_share_is_of_the_whole_pool_and_capped_waiters_are_no_demand() -> None:
     def main() -> None:
         gate, hooks = Gate(POLICY), Hooks()
-        gate.attach_leases(hooks, 10)
-        gate.set_leases(8, 10)  # 8 held: batch may still hold only 5, half of the pool's 10
+        leases = LeaseAdapter(gate)
+        leases.attach(hooks, 10)
+        leases.set_leases(8, 10)  # 8 held: batch may still hold only 5, half of the pool's 10
         for _ in range(7):
             gate.enter("batch", 5.0)
         assert gate.statistics()["batch"].in_flight == 5
-        assert gate.shared_view() == (5, {})  # two wait, but a lease would not let them in
-        gate.set_leases(8, 16)  # the pool's limit grew: batch's cap is 8 now
+        assert leases.shared_view() == (5, {})  # two wait, but a lease would not let them in
+        leases.set_leases(8, 16)  # the pool's limit grew: batch's cap is 8 now
         assert gate.statistics()["batch"].in_flight == 7
 
     run(main)
@@ -73,17 +77,18 @@ def test_max_share_is_of_the_whole_pool_and_capped_waiters_are_no_demand() -> No
 def test_the_manager_hears_of_a_release_before_the_slot_is_handed_on() -> None:
     def main() -> None:
         gate, hooks = Gate(POLICY), Hooks()
-        gate.attach_leases(hooks, 10)
-        gate.set_leases(1, 10)
+        leases = LeaseAdapter(gate)
+        leases.attach(hooks, 10)
+        leases.set_leases(1, 10)
         slot = gate.enter("batch", 5.0)
         waiter = gate.enter("batch", 5.0)
         assert isinstance(slot, Slot) and isinstance(waiter, Waiter)
         # The lease goes to another replica: the waiter here stays queued.
-        hooks.on_release_do = lambda: gate.set_leases(0, 10)
+        hooks.on_release_do = lambda: leases.set_leases(0, 10)
         slot.release()
-        assert not waiter.future.done() and gate.shared_view() == (0, {10: 1})
+        assert not waiter.future.done() and leases.shared_view() == (0, {10: 1})
         hooks.on_release_do = lambda: None
-        gate.set_leases(1, 10)
+        leases.set_leases(1, 10)
         assert waiter.future.done()
 
     run(main)
@@ -92,10 +97,11 @@ def test_the_manager_hears_of_a_release_before_the_slot_is_handed_on() -> None:
 def test_detached_the_pool_is_the_policys_again() -> None:
     def main() -> None:
         gate, hooks = Gate(POLICY), Hooks()
-        gate.attach_leases(hooks, 10)
+        leases = LeaseAdapter(gate)
+        leases.attach(hooks, 10)
         waiter = gate.enter("interactive", 5.0)
         assert isinstance(waiter, Waiter) and not waiter.future.done()
-        gate.detach_leases()
+        leases.detach()
         assert waiter.future.done() and gate.pool_statistics()[POOL].limit == 10
         assert gate.statistics()["batch"].capacity == 5
 

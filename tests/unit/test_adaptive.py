@@ -8,8 +8,10 @@ from collections.abc import Awaitable
 
 import pytest
 
-from extproc.backend.adaptive import AdaptiveLimit, LimitState, Poller
 from extproc.backend.scrape import Signals
+from extproc.config.policy import AdaptivePolicy
+from extproc.pool.adaptive import AdaptiveLimit, LimitState
+from extproc.pool.poller import Poller
 
 
 def run(coro: Awaitable[None]) -> None:
@@ -41,7 +43,8 @@ def sig(
     )
 
 
-def limiter(initial: int = 100, **kw: object) -> AdaptiveLimit:
+def limiter(initial: int = 100, fallback_limit: int | None = None, **kw: object) -> AdaptiveLimit:
+    """An adaptive limit on a policy with these settings (``window_s`` is the cooldown)."""
     settings: dict[str, object] = {
         "min_limit": 4,
         "max_limit": 400,
@@ -50,7 +53,7 @@ def limiter(initial: int = 100, **kw: object) -> AdaptiveLimit:
         "itl_slo_s": 0.05,
     }
     settings.update(kw)
-    return AdaptiveLimit(**settings)  # type: ignore[arg-type]
+    return AdaptiveLimit(AdaptivePolicy(**settings), fallback_limit=fallback_limit)  # type: ignore[arg-type]
 
 
 def test_rises_under_demand_while_every_objective_holds() -> None:
@@ -135,7 +138,7 @@ def test_objectives_are_optional() -> None:
 
 
 def test_cooldown_after_a_decrease() -> None:
-    a = limiter(initial=100, cooldown_s=10.0)
+    a = limiter(initial=100, window_s=10.0)
     assert a.update(0.0, sig(0, ttft=1.1), in_flight=100, waiting=9) == 80
     for t in (1.0, 5.0, 9.9):
         # Still breaking (the window lags): no second cut; all fine: no climb either.
@@ -148,7 +151,7 @@ def test_cooldown_after_a_decrease() -> None:
 def test_no_second_cut_until_the_first_has_landed() -> None:
     """After a cut the requests admitted under the old limit still run; while more run than
     the limit, the signals describe the old load, so a breach then does not cut again."""
-    a = limiter(initial=100, cooldown_s=10.0)
+    a = limiter(initial=100, window_s=10.0)
     assert a.update(0.0, sig(0, itl=0.1), in_flight=100, waiting=9) == 50
     for t in (10.0, 20.0, 30.0):  # cooldown over, still breaking, 51..90 still running
         assert a.update(t, sig(t, itl=0.1), in_flight=90 - int(t), waiting=9) == 50
@@ -175,7 +178,7 @@ def test_objectives_left_out_while_only_the_least_urgent_band_runs() -> None:
 def test_bounds() -> None:
     assert limiter(initial=1000).limit == 400
     assert limiter(initial=1).limit == 4
-    a = limiter(initial=5, cooldown_s=0.0)
+    a = limiter(initial=5, window_s=0.0)
     assert a.update(0.0, sig(0, kv=0.95), in_flight=5, waiting=0) == 4
     assert a.update(1.0, sig(1, kv=0.95), in_flight=5, waiting=0) == 4  # never below min
     top = limiter(initial=399)
@@ -262,7 +265,7 @@ def test_poller_rounds_survive_exceptions(caplog: pytest.LogCaptureFixture) -> N
         def demand() -> tuple[int, int]:
             return next(demands)  # StopIteration from the third round on: logged, (0, 0)
 
-        poller = Poller(scraper, limiter(initial=10), 0.01, on_update, demand)
+        poller = Poller(scraper, limiter(initial=10, interval_s=0.01), on_update, demand)
         poller.start()
         for _ in range(500):  # bounded: 5 s at most
             if len(updates) >= 6:
@@ -297,8 +300,8 @@ def test_poller_asks_whether_the_objectives_apply(caplog: pytest.LogCaptureFixtu
         def objectives() -> bool:
             return next(answers)  # StopIteration on the third round
 
-        a = limiter(initial=100)
-        poller = Poller(Slow(), a, 1.0, lambda limit, s: None, lambda: (100, 1), objectives)
+        a = limiter(initial=100, interval_s=1.0)
+        poller = Poller(Slow(), a, lambda limit, s: None, lambda: (100, 1), objectives)
         assert await poller.poll_once() == 105  # left out: climbs on queue and KV alone
         assert await poller.poll_once() == 110
         assert await poller.poll_once() == 55  # the callback broke: the objectives apply
@@ -311,7 +314,7 @@ def test_poller_asks_whether_the_objectives_apply(caplog: pytest.LogCaptureFixtu
 def test_poller_never_overlaps_scrapes() -> None:
     async def main() -> None:
         scraper = FakeScraper(delay_s=0.05)  # five intervals per scrape
-        poller = Poller(scraper, limiter(), 0.01, lambda limit, s: None, lambda: (0, 0))
+        poller = Poller(scraper, limiter(interval_s=0.01), lambda limit, s: None, lambda: (0, 0))
         poller.start()
         extra = asyncio.ensure_future(poller.poll_once())  # a round from outside waits its turn
         await asyncio.sleep(0.3)
@@ -320,6 +323,6 @@ def test_poller_never_overlaps_scrapes() -> None:
         assert scraper.max_in_flight == 1
         assert 2 <= scraper.calls <= 8
         with pytest.raises(ValueError):
-            Poller(scraper, limiter(), 0.0, lambda limit, s: None, lambda: (0, 0))
+            Poller(scraper, limiter(interval_s=0.0), lambda limit, s: None, lambda: (0, 0))
 
     run(main())

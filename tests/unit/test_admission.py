@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from extproc.admission.core import Admission, Verdict
+from extproc.pool.core import Admission
+from extproc.pool.values import Verdict
 
 
 def core(capacity: int = 1, max_queue: int = 10) -> Admission:

@@ -8,10 +8,10 @@ import logging
 
 import pytest
 
-from extproc.admission.gate import Gate, Refused, Slot, Waiter
 from extproc.config.policy import policy_from_yaml
-from extproc.control import PoolControl
 from extproc.ops.metrics import Metrics
+from extproc.pool.control import PoolControl
+from extproc.pool.gate import Gate, Refused, Slot, Waiter
 
 POLICY = policy_from_yaml(
     """

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from extproc.admission.gate import Gate, Refused, Slot, Waiter, retry_after_s
 from extproc.config.policy import policy_from_mapping
 from extproc.outcome import Outcome
+from extproc.pool.gate import Gate, Refused, Slot, Waiter, retry_after_s
 
 POLICY = policy_from_mapping(
     {

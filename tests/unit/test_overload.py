@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.backend.overload import Overload, OverloadMonitor, OverloadState
+from extproc.config.policy import OverloadPolicy
+from extproc.pool.overload import Overload, OverloadMonitor, OverloadState
 
 NORMAL, OVERLOADED, RECOVERING = (
     OverloadState.NORMAL,
@@ -17,7 +18,7 @@ class Feed:
     """Keeps the protected traffic's cumulative totals; each tick adds to them."""
 
     def __init__(self, monitor: OverloadMonitor | None = None) -> None:
-        self.monitor = monitor or OverloadMonitor()
+        self.monitor = monitor or OverloadMonitor(OverloadPolicy())
         self.admitted = self.evicted = self.refused = 0
 
     def tick(
@@ -195,12 +196,12 @@ def test_totals_that_go_down_restart_the_window() -> None:
 
 def test_settings_are_checked() -> None:
     with pytest.raises(ValueError):
-        OverloadMonitor(clear_rate=0.1, tighten_rate=0.05)
+        OverloadMonitor(OverloadPolicy(tighten_eviction_rate=0.05), clear_rate=0.1)
     with pytest.raises(ValueError):
-        OverloadMonitor(steps=(0.8, 0.5))
+        OverloadMonitor(OverloadPolicy(), steps=(0.8, 0.5))
     with pytest.raises(ValueError):
-        OverloadMonitor(min_samples=0)
-    m = OverloadMonitor(steps=(), step_hold_s=10.0)  # straight back to normal
+        OverloadMonitor(OverloadPolicy(), min_samples=0)
+    m = OverloadMonitor(OverloadPolicy(step_hold_s=10.0), steps=())  # straight back to normal
     feed = Feed(m)
     overload_at_1(feed)
     for t in range(2, 100):

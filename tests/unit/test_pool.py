@@ -7,7 +7,9 @@ import random
 
 import pytest
 
-from extproc.admission.core import Admission, Ticket, Verdict
+from extproc.config.policy import Order
+from extproc.pool.core import Admission
+from extproc.pool.values import Ticket, Verdict
 
 POOL = "p"
 
@@ -183,7 +185,7 @@ def test_a_blocked_head_that_leaves_lets_the_next_in() -> None:
 
 def test_cost_order_serves_cheap_first_with_bounded_delay() -> None:
     a = pool(1)
-    bucket(a, "b", cost_order=True)
+    bucket(a, "b", order=Order.COST)
     t = admit(a, "b", cost=100)
     big = queue(a, "b", now=0.0, cost=10_000, timeout=10.0)  # delay <= 5 s
     cheap = queue(a, "b", now=1.0, cost=10, timeout=10.0)
@@ -272,7 +274,7 @@ def test_random_operations_keep_the_invariants() -> None:
             priority=(0, 5, 5)[i],
             min_share=(0.0, 0.3, 0.0)[i],
             max_share=(1.0, 1.0, 0.5)[i],
-            cost_order=i == 2,
+            order=Order.COST if i == 2 else Order.FIFO,
         )
     running: set[int] = set()
     waiting: set[int] = set()

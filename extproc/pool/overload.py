@@ -12,6 +12,9 @@ States and factor (the share of their borrowed capacity the lower bands may use)
     recovering (0.5) --clear for step_hold_s--> recovering (0.8) --clear ...--> normal (1.0)
     recovering (any) --breach--> overloaded (0.0)
 
+The settings (``window``, ``tighten_eviction_rate``, ``step_hold``) come from the policy's
+``OverloadPolicy``; the law's other constants are named below (``CLEAR_RATE``, ...).
+
 Each tick the caller passes cumulative totals of the protected traffic (admitted, evicted at
 their deadline, refused at once) and the monitor takes their deltas over a sliding window
 (``window_s``, 30 s): ``eviction_rate = evicted / (admitted + evicted)``, ``refusal_rate =
@@ -39,17 +42,39 @@ overloaded, so recovery proceeds without protected traffic, while a queue that l
 before anyone was evicted); anything else restarts the clear time.
 
 Totals that go down (the counters were reset) restart the window from the new totals. Pure:
-``update`` takes ``now`` from the caller; no clock, no I/O.
+``update`` takes ``now`` from the caller; no clock, no I/O. ``snapshot()`` is what the gauges
+and /debug/queues show (``extproc.pool.view``).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Final
 
-__all__ = ["Overload", "OverloadMonitor", "OverloadState"]
+from extproc.config.policy import OverloadPolicy
+from extproc.pool.view import gauge
+
+__all__ = [
+    "CAPACITY_RATE",
+    "CLEAR_RATE",
+    "MIN_SAMPLES",
+    "STEPS",
+    "WAIT_FRACTION",
+    "Overload",
+    "OverloadMonitor",
+    "OverloadSnapshot",
+    "OverloadState",
+]
+
+# The law's constants (the settings are the policy's).
+CLEAR_RATE: Final = 0.01  # at most: never above the policy's tighten_eviction_rate
+WAIT_FRACTION: Final = 0.8  # p95 wait / deadline that is a breach
+STEPS: Final = (0.5, 0.8)  # the recovering factors, in order; after the last, normal
+CAPACITY_RATE: Final = 0.20  # the eviction rate that says the backend needs capacity
+MIN_SAMPLES: Final = 20  # decisions in the window before a rate counts
 
 
 class OverloadState(StrEnum):
@@ -73,6 +98,53 @@ class Overload:
     samples: int  # admitted + evicted in the window
 
 
+_STATE_CODES: dict[str, int] = {
+    OverloadState.NORMAL: 0,
+    OverloadState.OVERLOADED: 1,
+    OverloadState.RECOVERING: 2,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OverloadSnapshot:
+    """The monitor as the gauges and /debug/queues' ``overload`` show it."""
+
+    state: OverloadState = field(
+        metadata=gauge(
+            "overload_state", "0 normal, 1 overloaded, 2 recovering.", codes=_STATE_CODES
+        )
+    )
+    factor: float = field(
+        metadata=gauge(
+            "overload_factor", "Share of its cap the least urgent band may hold (1: no cut)."
+        )
+    )
+    reason: str | None  # None before the first tick
+    eviction_rate: float | None = field(
+        metadata=gauge(
+            "overload_eviction_rate", "Eviction rate of the protected bands over the window."
+        )
+    )
+    p95_wait_s: float | None = field(
+        metadata=gauge(
+            "overload_p95_wait_seconds", "P95 queue wait of the protected bands' recent admissions."
+        )
+    )
+    needs_capacity: bool
+
+    @classmethod
+    def idle(cls, factor: float) -> OverloadSnapshot:
+        """No tick yet (or no monitor): normal, at the pool's ``factor``."""
+        return cls(
+            state=OverloadState.NORMAL,
+            factor=factor,
+            reason=None,
+            eviction_rate=None,
+            p95_wait_s=None,
+            needs_capacity=False,
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class _Totals:
     at: float
@@ -84,17 +156,21 @@ class _Totals:
 class OverloadMonitor:
     def __init__(
         self,
+        policy: OverloadPolicy,
         *,
-        window_s: float = 30.0,
-        tighten_rate: float = 0.05,
-        clear_rate: float = 0.01,
-        wait_fraction: float = 0.8,
-        step_hold_s: float = 120.0,
-        steps: Sequence[float] = (0.5, 0.8),
-        capacity_rate: float = 0.20,
-        min_samples: int = 20,
+        clear_rate: float | None = None,
+        wait_fraction: float = WAIT_FRACTION,
+        steps: Sequence[float] = STEPS,
+        capacity_rate: float = CAPACITY_RATE,
+        min_samples: int = MIN_SAMPLES,
     ) -> None:
-        """``steps``: the factors of the recovering state, in order; after the last, normal."""
+        """The policy's settings; the keywords replace the law's constants (tests).
+        ``clear_rate`` None: ``CLEAR_RATE``, or the tighten rate when that is lower.
+        ``steps``: the factors of the recovering state, in order; after the last, normal."""
+        window_s, tighten_rate = policy.window_s, policy.tighten_eviction_rate
+        step_hold_s = policy.step_hold_s
+        if clear_rate is None:
+            clear_rate = min(CLEAR_RATE, tighten_rate)
         if not 0.0 <= clear_rate <= tighten_rate <= capacity_rate <= 1.0:
             raise ValueError("need 0 <= clear_rate <= tighten_rate <= capacity_rate <= 1")
         if list(steps) != sorted(steps) or any(not 0.0 < f < 1.0 for f in steps):
@@ -114,6 +190,7 @@ class OverloadMonitor:
         self._step = -1  # index into steps while recovering
         self._reason = "initial"
         self._clear_since: float | None = None
+        self._last: Overload | None = None
 
     @property
     def state(self) -> OverloadState:
@@ -177,7 +254,7 @@ class OverloadMonitor:
             elif now - self._clear_since >= self.step_hold_s:
                 self._advance()
                 self._clear_since = now
-        return Overload(
+        self._last = Overload(
             state=self._state,
             factor=self.factor,
             eviction_rate=eviction_rate,
@@ -187,6 +264,21 @@ class OverloadMonitor:
             changed=(self._state, self.factor) != before,
             reason=self._reason,
             samples=samples,
+        )
+        return self._last
+
+    def snapshot(self) -> OverloadSnapshot:
+        """The state and factor now, and the rates of the last tick."""
+        o = self._last
+        if o is None:
+            return OverloadSnapshot.idle(self.factor)
+        return OverloadSnapshot(
+            state=self._state,
+            factor=self.factor,
+            reason=o.reason,
+            eviction_rate=o.eviction_rate,
+            p95_wait_s=o.p95_wait_s,
+            needs_capacity=o.needs_capacity,
         )
 
     def __repr__(self) -> str:

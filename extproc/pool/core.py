@@ -1,5 +1,9 @@
 """Stage 3, the pure core: buckets drawing slots from pools, with deadlines.
 
+The value types are in ``extproc.pool.values``, the mutable state in ``extproc.pool.state``,
+the named decisions (the order within a bucket, the choice across buckets) in
+``extproc.pool.order``, and the band the overload cut applies to in ``extproc.pool.demand``.
+
 Theory of operation
 -------------------
 Every bucket draws its slots from one *pool*, which has a ``limit`` (requests at the backend
@@ -7,8 +11,8 @@ at once) and, optionally, ``max_tokens`` (the estimated cost, prompt + max_token
 requests in flight). Two ways to build them:
 
 - ``set_limits(bucket, capacity, max_queue)`` gives the bucket a pool of its own with
-  ``capacity`` slots: the first design, where buckets never lend each other a slot. A policy
-  without ``pool`` is built this way, and so are the route shares.
+  ``capacity`` slots: buckets never lend each other a slot. A policy without ``pool`` is built
+  this way, and so are the route shares.
 - ``set_pool(name, limit, ...)`` and ``set_bucket(name, pool=name, ...)`` put several buckets
   in one pool, each with a ``priority`` (lower = more urgent), a guaranteed ``min_share`` and a
   largest ``max_share`` of the pool's limit, an optional absolute ``cap``, and a queue
@@ -28,29 +32,18 @@ Who gets a freed slot (``_fill``, run after every change)
 While the pool has a free slot, the candidates are the buckets with waiters that are below
 their cap (``min(max_share x limit, cap)``, lowered for the least urgent band by ``set_cut``
 during overload, never below its guaranteed share, and only while a more urgent band has
-requests running or waiting). The winner is, in this order:
-
-1. a bucket below its guaranteed share (``floor(min_share x limit)``): nothing starves;
-2. the most urgent band (lowest ``priority``);
-3. the earliest head of queue: FIFO within a band, across its buckets.
-
+requests running or waiting: ``demand.cut_band``). The pool's ``BucketChoice`` picks one
+(``order.GuaranteeBandHead``: below its guaranteed share first, then the most urgent band,
+then the earliest head); each bucket's ``QueueOrder`` keys its heap (``fifo``, ``cost``).
 The winner's head is admitted if its cost fits the token bound (a request is always admitted
 into an empty pool, so one larger than the bound still runs alone); if it does not fit, filling
 stops: nobody passes it, so it cannot starve behind smaller ones. Idle capacity goes to whoever
 waits (work-conserving): a band with no waiters takes nothing away from the others.
 
-Queue order within a bucket: ``fifo`` (enqueue time), or ``cost``: the key is the enqueue time
-plus ``(timeout / 2) x c / (c + c0)``, where ``c`` is the request's cost and ``c0`` the
-bucket's running mean cost. A cheap request goes ahead of an expensive one that came a little
-earlier (shortest-job-first lowers the mean wait), but a large request is never put back by more
-than half its queue timeout: anything that arrived more than that after it goes behind it. One
-heap per bucket, so admission stays O(log n).
-
 Predicted wait (``fail_fast``): the requests ahead of this one in its band and above, plus
 itself, over the rate at which the full pool frees slots, ``limit / mean hold`` (Little's law,
-with the running mean of hold times over releases, so it does not drift down while the pool
-sits idle, as a rate of recent releases would). Beyond the deadline, the request is refused at
-once instead of after waiting the whole deadline.
+over releases: it does not drift down while the pool sits idle, as a rate of recent releases
+would). Beyond the deadline, the request is refused at once instead of after waiting it out.
 
 Rules (the invariants tests check):
 1. A slot is taken only by ``enqueue`` or by a hand-over from ``_fill``; it is given back only
@@ -63,12 +56,12 @@ Rules (the invariants tests check):
 4. ``running <= limit`` for every pool, except after the limit is lowered, when running
    requests finish and no one new is admitted until ``running`` drops below it. A pool's limit
    may be 0 (``set_pool_limit``: a replica of a shared pool that holds no lease,
-   ``extproc.shared``): then it admits nobody.
+   ``extproc.pool.lease_adapter``): then it admits nobody.
 5. ``queued_bytes`` is the sum of ``held_bytes`` over waiting tickets, never more than
    ``max_queued_bytes``.
 
 Every call takes ``now`` from the caller and returns what changed; nothing here sleeps, reads a
-clock or knows about asyncio (the asyncio shell is ``extproc.admission.gate``). Tests drive it
+clock or knows about asyncio (the asyncio shell is ``extproc.pool.gate``). Tests drive it
 with plain numbers. Costs: enqueue, hand-over and cancel are O(log n + buckets in the pool);
 eviction is O(log n) through one heap of deadlines across buckets, with lazy deletion and
 compaction.
@@ -78,193 +71,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
-from collections import deque
-from dataclasses import dataclass
-from enum import StrEnum
 
-__all__ = ["Admission", "BucketStats", "Decision", "PoolStats", "Ticket", "Verdict"]
+from extproc.config.policy import Order
+from extproc.pool.demand import cut_band
+from extproc.pool.order import QUEUE_ORDERS, BucketChoice
+from extproc.pool.state import BucketState, PoolState, ewma
+from extproc.pool.values import BucketStats, Decision, PoolStats, Ticket, Verdict
 
-# Weight of the newest hold time in the running mean used for Retry-After.
-_HOLD_EWMA_ALPHA = 0.2
-# Weight of the newest cost in a bucket's running mean cost (the ``cost`` order's c0).
-_COST_EWMA_ALPHA = 0.05
-# Predicted waits use the pool's running mean hold time (same weight as above), trusted once it
-# has seen this many releases (fewer: no prediction, nobody is refused for it).
-_RATE_MIN_RELEASES = 8
-# Recent admissions' waits kept per bucket, for the p95 the overload monitor reads.
-_WAIT_SAMPLES = 512
-
-
-def _ewma(mean: float | None, value: float) -> float:
-    return value if mean is None else (1 - _HOLD_EWMA_ALPHA) * mean + _HOLD_EWMA_ALPHA * value
-
-
-class Verdict(StrEnum):
-    ADMITTED = "admitted"
-    QUEUED = "queued"
-    QUEUE_FULL = "queue_full"
-    WAIT_TOO_LONG = "wait_too_long"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Ticket:
-    id: int
-    bucket: str
-    enqueued_at: float
-    deadline: float
-    # Bytes the request holds while it waits (its body, to be forwarded once admitted).
-    held_bytes: int = 0
-    # Estimated prompt tokens + effective max_tokens: what it costs the backend.
-    cost: int = 0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Decision:
-    verdict: Verdict
-    ticket: Ticket
-    # WAIT_TOO_LONG: the predicted wait, seconds.
-    predicted_wait_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BucketStats:
-    name: str
-    # The most slots the bucket may hold now (its own capacity, or its cap in its pool).
-    capacity: int
-    in_flight: int
-    queued: int
-    max_queue: int
-    # Running mean of how long a slot is held, seconds; None until a slot was released.
-    mean_hold_s: float | None
-    # Bytes of request bodies held by the bucket's waiting tickets.
-    queued_bytes: int = 0
-    pool: str | None = None  # None: the bucket's own slots
-    priority: int = 0
-    tokens_in_flight: int = 0
-    # Cumulative counts: admitted, evicted at the deadline, refused at once (full, too long).
-    admitted_total: int = 0
-    evicted_total: int = 0
-    refused_total: int = 0
-
-    def __repr__(self) -> str:
-        return f"{self.name} {self.in_flight}/{self.capacity} +{self.queued} queued"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PoolStats:
-    name: str
-    limit: int
-    in_flight: int
-    max_tokens: int | None
-    tokens_in_flight: int
-    queued: int
-    cut: float
-    release_rate: float | None  # slots freed per second, recently; None until measured
-
-
-class _Pool:
-    __slots__ = (
-        "buckets",
-        "cut",
-        "fail_fast",
-        "limit",
-        "max_tokens",
-        "mean_hold_s",
-        "name",
-        "releases",
-        "running",
-        "tokens",
-    )
-
-    def __init__(self, name: str, limit: int) -> None:
-        self.name = name
-        self.limit = limit
-        self.max_tokens: int | None = None
-        self.fail_fast = False
-        self.cut = 1.0  # the overload factor for every band but the most urgent
-        self.running = 0
-        self.tokens = 0
-        self.buckets: list[_Bucket] = []
-        self.mean_hold_s: float | None = None
-        self.releases = 0
-
-    def release_rate(self) -> float | None:
-        """Slots freed per second while the pool is full: limit / mean hold (Little's law;
-        the mean is over releases, so short requests weigh as often as they free a slot)."""
-        if self.releases < _RATE_MIN_RELEASES or not self.mean_hold_s or self.limit < 1:
-            return None
-        return self.limit / self.mean_hold_s
-
-
-class _Bucket:
-    __slots__ = (
-        "admitted_total",
-        "cap",
-        "cost_order",
-        "evicted_total",
-        "heap",
-        "max_queue",
-        "max_share",
-        "mean_cost",
-        "mean_hold_s",
-        "min_share",
-        "name",
-        "pool",
-        "priority",
-        "queued_bytes",
-        "refused_total",
-        "running",
-        "shared",
-        "tokens",
-        "waiting",
-        "waits",
-    )
-
-    def __init__(self, name: str, pool: _Pool, max_queue: int) -> None:
-        self.name = name
-        self.pool = pool
-        self.shared = False  # in a named pool (else the pool is the bucket's own)
-        self.max_queue = max_queue
-        self.priority = 0
-        self.min_share = 0.0
-        self.max_share = 1.0
-        self.cap: int | None = None
-        self.cost_order = False
-        self.mean_cost: float | None = None
-        self.waiting: dict[int, Ticket] = {}
-        self.heap: list[tuple[float, int]] = []  # (order key, ticket id), lazy deletion
-        # ticket id -> (ticket, admitted_at)
-        self.running: dict[int, tuple[Ticket, float]] = {}
-        self.tokens = 0
-        self.mean_hold_s: float | None = None
-        self.queued_bytes = 0
-        self.admitted_total = 0
-        self.evicted_total = 0
-        self.refused_total = 0
-        self.waits: deque[float] = deque(maxlen=_WAIT_SAMPLES)
-
-    def head(self) -> tuple[float, Ticket] | None:
-        heap = self.heap
-        while heap:
-            key, tid = heap[0]
-            ticket = self.waiting.get(tid)
-            if ticket is not None:
-                return key, ticket
-            heapq.heappop(heap)
-        return None
-
-    def min_slots(self, limit: int) -> int:
-        return math.floor(self.min_share * limit + 1e-9)
-
-    def max_slots(self, limit: int, cut_band: int | None) -> int:
-        top = max(1, math.floor(self.max_share * limit + 1e-9))
-        if self.cap is not None:
-            top = min(top, self.cap)
-        cut = self.pool.cut
-        if cut < 1.0 and self.priority == cut_band:
-            top = min(top, max(self.min_slots(limit), math.floor(cut * top)))
-        return top
+__all__ = ["Admission"]
 
 
 class Admission:
@@ -274,11 +88,11 @@ class Admission:
         """``limits``: bucket name -> (capacity, max_queue), each bucket its own slots;
         ``max_queued_bytes``: the bound on the bytes held by queued tickets across buckets
         (None: unbounded). Pools are added with ``set_pool`` and ``set_bucket``."""
-        self._buckets: dict[str, _Bucket] = {}
-        self._pools: dict[str, _Pool] = {}
+        self._buckets: dict[str, BucketState] = {}
+        self._pools: dict[str, PoolState] = {}
         self.max_queued_bytes = max_queued_bytes
         self.queued_bytes = 0
-        self._where: dict[int, _Bucket] = {}  # every live ticket (waiting or running)
+        self._where: dict[int, BucketState] = {}  # every live ticket (waiting or running)
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, ticket id)
         self._ids = itertools.count(1)
         self._admitted_by_expiry: list[Ticket] = []
@@ -303,7 +117,7 @@ class Admission:
         # Join the queue, then let the rules decide: admitted at once when they pick it now.
         self._where[ticket.id] = b
         b.waiting[ticket.id] = ticket
-        heapq.heappush(b.heap, (self._order_key(b, ticket, timeout_s), ticket.id))
+        heapq.heappush(b.heap, (b.order.key(ticket, timeout_s), ticket.id))
         self.queued_bytes += held_bytes
         b.queued_bytes += held_bytes
         if pool.running < pool.limit:
@@ -317,7 +131,7 @@ class Admission:
             b.refused_total += 1
             return Decision(verdict=Verdict.QUEUE_FULL, ticket=ticket)
         if pool.fail_fast:
-            wait = self._predicted_wait_s(b, now, exclude=ticket.id)
+            wait = b.predicted_wait_s(exclude=ticket.id)
             if wait is not None and wait > timeout_s:
                 self._drop(b, ticket)
                 b.refused_total += 1
@@ -327,9 +141,7 @@ class Admission:
 
     def release(self, ticket_id: int, now: float) -> list[Ticket]:
         """Give back the slot of a running ticket; returns the tickets admitted in its place.
-
-        A ticket that holds no slot (never admitted, already released) is ignored.
-        """
+        A ticket that holds no slot (never admitted, already released) is ignored."""
         b = self._where.get(ticket_id)
         if b is None or ticket_id not in b.running:
             return []
@@ -339,9 +151,11 @@ class Admission:
         pool.running -= 1
         pool.tokens -= ticket.cost
         b.tokens -= ticket.cost
+        if b.observer is not None:
+            b.observer.released(ticket, now)
         hold = max(0.0, now - admitted_at)
-        b.mean_hold_s = _ewma(b.mean_hold_s, hold)
-        pool.mean_hold_s = _ewma(pool.mean_hold_s, hold)
+        b.mean_hold_s = ewma(b.mean_hold_s, hold)
+        pool.mean_hold_s = ewma(pool.mean_hold_s, hold)
         pool.releases += 1
         return self._fill(pool, now)
 
@@ -361,7 +175,7 @@ class Admission:
         """Evict every waiter whose deadline is at or before ``now``, earliest first."""
         evicted: list[Ticket] = []
         heap = self._deadlines
-        pools: set[_Pool] = set()
+        pools: set[PoolState] = set()
         while heap and heap[0][0] <= now:
             _, tid = heapq.heappop(heap)
             b = self._where.get(tid)
@@ -405,12 +219,12 @@ class Admission:
             raise ValueError(f"bucket {bucket!r}: capacity must be >= 1 and max_queue >= 0")
         b = self._buckets.get(bucket)
         if b is None:
-            b = self._buckets[bucket] = _Bucket(bucket, _Pool(bucket, capacity), max_queue)
+            b = self._buckets[bucket] = BucketState(bucket, PoolState(bucket, capacity), max_queue)
             b.pool.buckets.append(b)
             return []
         admitted = self._move(b, None, now) if b.shared else []
-        b.pool.limit, b.max_queue = capacity, max_queue
-        b.priority, b.min_share, b.max_share, b.cap, b.cost_order = 0, 0.0, 1.0, None, False
+        b.pool.limit = capacity
+        b.configure(max_queue=max_queue)
         return admitted + self._fill(b.pool, now)
 
     def set_pool(
@@ -421,15 +235,18 @@ class Admission:
         *,
         max_tokens: int | None = None,
         fail_fast: bool = True,
+        choice: BucketChoice | None = None,
     ) -> list[Ticket]:
         """Create a shared pool or change it; returns waiters admitted by a raised limit
-        (``limit`` 0: nobody is admitted, see ``set_pool_limit``)."""
+        (``limit`` 0: nobody is admitted, see ``set_pool_limit``). ``choice``: the rule
+        across its buckets (``extproc.pool.order``; None: as it is, at first the default)."""
         if limit < 0 or (max_tokens is not None and max_tokens < 1):
             raise ValueError(f"pool {name!r}: limit must be >= 0 and max_tokens >= 1")
         pool = self._pools.get(name)
         if pool is None:
-            pool = self._pools[name] = _Pool(name, limit)
+            pool = self._pools[name] = PoolState(name, limit)
         pool.limit, pool.max_tokens, pool.fail_fast = limit, max_tokens, fail_fast
+        pool.choice = choice or pool.choice
         return self._fill(pool, now)
 
     def set_pool_limit(self, name: str, limit: int, now: float) -> list[Ticket]:
@@ -457,7 +274,7 @@ class Admission:
         min_share: float = 0.0,
         max_share: float = 1.0,
         cap: int | None = None,
-        cost_order: bool = False,
+        order: Order = Order.FIFO,
     ) -> list[Ticket]:
         """Create a bucket in a shared pool (``set_pool`` first), or change it; a bucket that
         had slots of its own, or another pool, moves with its running and waiting requests."""
@@ -467,19 +284,19 @@ class Admission:
         b = self._buckets.get(bucket)
         admitted: list[Ticket] = []
         if b is None:
-            b = self._buckets[bucket] = _Bucket(bucket, target, max_queue)
+            b = self._buckets[bucket] = BucketState(bucket, target, max_queue)
             b.shared = True
             target.buckets.append(b)
         elif b.pool is not target:
             admitted = self._move(b, target, now)
-        b.max_queue, b.priority, b.min_share, b.max_share = (
-            max_queue,
-            priority,
-            min_share,
-            max_share,
+        b.configure(
+            max_queue=max_queue,
+            priority=priority,
+            min_share=min_share,
+            max_share=max_share,
+            cap=cap or None,
+            order=QUEUE_ORDERS[order],
         )
-        b.cap = cap if cap else None
-        b.cost_order = cost_order
         target.buckets.sort(key=lambda x: x.priority)
         return admitted + self._fill(target, now)
 
@@ -504,40 +321,14 @@ class Admission:
     # --- views -------------------------------------------------------------------------------
 
     def statistics(self) -> dict[str, BucketStats]:
-        out: dict[str, BucketStats] = {}
-        for name, b in self._buckets.items():
-            pool = b.pool
-            out[name] = BucketStats(
-                name=name,
-                capacity=b.max_slots(pool.limit, self._cut_band(pool)) if b.shared else pool.limit,
-                in_flight=len(b.running),
-                queued=len(b.waiting),
-                max_queue=b.max_queue,
-                mean_hold_s=b.mean_hold_s,
-                queued_bytes=b.queued_bytes,
-                pool=pool.name if b.shared else None,
-                priority=b.priority,
-                tokens_in_flight=b.tokens,
-                admitted_total=b.admitted_total,
-                evicted_total=b.evicted_total,
-                refused_total=b.refused_total,
-            )
-        return out
+        bands = {p.name: cut_band(p.buckets) for p in self._pools.values() if p.cut < 1.0}
+        return {
+            name: b.stats(bands.get(b.pool.name) if b.shared else None)
+            for name, b in self._buckets.items()
+        }
 
     def pool_statistics(self, now: float) -> dict[str, PoolStats]:
-        return {
-            name: PoolStats(
-                name=name,
-                limit=p.limit,
-                in_flight=p.running,
-                max_tokens=p.max_tokens,
-                tokens_in_flight=p.tokens,
-                queued=sum(len(b.waiting) for b in p.buckets),
-                cut=p.cut,
-                release_rate=p.release_rate(),
-            )
-            for name, p in self._pools.items()
-        }
+        return {name: p.stats() for name, p in self._pools.items()}
 
     def recent_waits(self, bucket: str) -> list[float]:
         """Queue waits of the bucket's latest admissions (0 for the fast path), oldest first."""
@@ -548,9 +339,7 @@ class Admission:
         b = self._where.get(ticket_id)
         if b is None:
             return None
-        if ticket_id in b.waiting:
-            return b.waiting[ticket_id]
-        return b.running[ticket_id][0]
+        return b.waiting.get(ticket_id) or b.running[ticket_id][0]
 
     def queued(self, bucket: str) -> int:
         return len(self._buckets[bucket].waiting)
@@ -564,10 +353,10 @@ class Admission:
         before that rate is known, with the pool's limit as the slots)."""
         b = self._buckets[bucket]
         if b.shared:
-            wait = self._predicted_wait_s(b, now)
+            wait = b.predicted_wait_s()
             if wait is not None:
                 return wait
-            ahead = sum(len(x.waiting) for x in b.pool.buckets if x.priority <= b.priority)
+            ahead = b.ahead()
         else:
             ahead = len(b.waiting)
         hold = b.mean_hold_s if b.mean_hold_s is not None else default_hold_s
@@ -578,71 +367,47 @@ class Admission:
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _order_key(self, b: _Bucket, ticket: Ticket, timeout_s: float) -> float:
-        if not b.cost_order:
-            return ticket.enqueued_at
-        c = float(max(0, ticket.cost))
-        c0 = b.mean_cost if b.mean_cost is not None else c
-        b.mean_cost = c0 + _COST_EWMA_ALPHA * (c - c0)
-        delay = 0.5 * timeout_s * (c / (c + c0) if c + c0 > 0 else 0.0)
-        return ticket.enqueued_at + delay
-
-    def _predicted_wait_s(self, b: _Bucket, now: float, exclude: int = 0) -> float | None:
-        rate = b.pool.release_rate()
-        if rate is None:
-            return None
-        if len(b.running) < b.min_slots(b.pool.limit):
-            ahead = len(b.waiting)  # below its guaranteed share: served before other bands
-        else:
-            ahead = sum(len(x.waiting) for x in b.pool.buckets if x.priority <= b.priority)
-        if exclude in b.waiting:
-            ahead -= 1
-        return (ahead + 1) / rate
-
-    @staticmethod
-    def _cut_band(pool: _Pool) -> int | None:
-        """The band ``set_cut`` applies to now: the least urgent, when there are several and
-        a more urgent one has requests running or waiting. Without them the cut would only
-        leave the pool idle, so the least urgent band may use it all (work-conserving)."""
-        priorities = {b.priority for b in pool.buckets}
-        if len(priorities) < 2:
-            return None
-        least = max(priorities)
-        busy = any(b.running or b.waiting for b in pool.buckets if b.priority < least)
-        return least if busy else None
-
-    def _fill(self, pool: _Pool, now: float) -> list[Ticket]:
+    def _fill(self, pool: PoolState, now: float) -> list[Ticket]:
+        """Hand free slots to the waiters the rules pick, while there is room (rule 2)."""
         admitted: list[Ticket] = []
-        cut_band = self._cut_band(pool) if pool.cut < 1.0 else None
-        while pool.running < pool.limit:
-            best: _Bucket | None = None
-            best_key: tuple[int, int, float] | None = None
-            best_ticket: Ticket | None = None
+        band = cut_band(pool.buckets) if pool.cut < 1.0 else None
+        rank = pool.choice.rank
+        limit = pool.limit
+        while pool.running < limit:
+            best: BucketState | None = None
+            best_key = 0.0
+            ticket: Ticket | None = None
+            best_rank: tuple[float, ...] | None = None
             for b in pool.buckets:
                 head = b.head()
                 if head is None:
                     continue
-                if b.shared and len(b.running) >= b.max_slots(pool.limit, cut_band):
+                if b.shared and len(b.running) >= b.max_slots(limit, band):
                     continue
-                below_min = 0 if len(b.running) < b.min_slots(pool.limit) else 1
-                key = (below_min, b.priority, head[0])
-                if best_key is None or key < best_key:
-                    best, best_key, best_ticket = b, key, head[1]
-            if best is None or best_ticket is None:
+                if best is None:
+                    best, (best_key, ticket) = b, head  # alone so far: no rank needed
+                    continue
+                if best_rank is None:
+                    best_rank = rank(best, best_key, limit)
+                r = rank(b, head[0], limit)
+                if r < best_rank:
+                    best, best_rank = b, r
+                    best_key, ticket = head
+            if best is None or ticket is None:
                 break
             if (
                 pool.max_tokens is not None
                 and pool.running > 0
-                and pool.tokens + best_ticket.cost > pool.max_tokens
+                and pool.tokens + ticket.cost > pool.max_tokens
             ):
                 break  # the token bound holds it; nobody passes it
-            self._admit(best, best_ticket, now)
-            admitted.append(best_ticket)
+            self._admit(best, ticket, now)
+            admitted.append(ticket)
         if admitted:
             self._maybe_compact()
         return admitted
 
-    def _admit(self, b: _Bucket, ticket: Ticket, now: float) -> None:
+    def _admit(self, b: BucketState, ticket: Ticket, now: float) -> None:
         del b.waiting[ticket.id]
         self._unqueue(b, ticket)  # its body goes upstream with the admission
         b.running[ticket.id] = (ticket, now)
@@ -651,33 +416,22 @@ class Admission:
         b.tokens += ticket.cost
         b.admitted_total += 1
         b.waits.append(now - ticket.enqueued_at)
+        if b.observer is not None:
+            b.observer.admitted(ticket, now)
 
-    def _drop(self, b: _Bucket, ticket: Ticket) -> None:
+    def _drop(self, b: BucketState, ticket: Ticket) -> None:
         """A waiter leaves the queue without a slot."""
         del b.waiting[ticket.id]
         self._unqueue(b, ticket)
         del self._where[ticket.id]
 
-    def _unqueue(self, b: _Bucket, ticket: Ticket) -> None:
+    def _unqueue(self, b: BucketState, ticket: Ticket) -> None:
         self.queued_bytes -= ticket.held_bytes
         b.queued_bytes -= ticket.held_bytes
 
-    def _move(self, b: _Bucket, target: _Pool | None, now: float) -> list[Ticket]:
-        """Move a bucket, with its running requests' slots and tokens, to another pool (None:
-        a pool of its own, sized by the caller)."""
-        old = b.pool
-        old.buckets.remove(b)
-        old.running -= len(b.running)
-        old.tokens -= b.tokens
-        if target is None:
-            target = _Pool(b.name, max(1, old.limit))
-            b.shared = False
-        else:
-            b.shared = True
-        target.buckets.append(b)
-        target.running += len(b.running)
-        target.tokens += b.tokens
-        b.pool = target
+    def _move(self, b: BucketState, target: PoolState | None, now: float) -> list[Ticket]:
+        """Move a bucket to another pool (None: one of its own); fill the pool it left."""
+        old = b.move(target)
         return self._fill(old, now) if old.buckets else []
 
     def _maybe_compact(self) -> None:
@@ -692,6 +446,4 @@ class Admission:
             ]
             heapq.heapify(self._deadlines)
         for b in self._buckets.values():
-            if len(b.heap) > 64 and len(b.heap) > 2 * len(b.waiting):
-                b.heap = [(k, tid) for k, tid in b.heap if tid in b.waiting]
-                heapq.heapify(b.heap)
+            b.compact()

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from extproc.admission.gate import Gate, Slot, Waiter
 from extproc.config.policy import Policy
+from extproc.pool.gate import Gate, Slot, Waiter
 
 __all__ = ["Share", "Shares"]
 

@@ -19,34 +19,38 @@ Eviction is active: one ``loop.call_at`` timer is armed for the earliest deadlin
 buckets; when it fires, every waiter whose deadline has passed gets ``Refused`` at once, not
 when it would have reached the head of its queue.
 
-A pool shared by several replicas (``pool.shared``, ``extproc.shared``): ``attach_leases``
-hands the pool to a lease manager, which sets its limit to the leases this replica holds
-(``set_leases``, possibly 0). The gate then tells it when a slot is about to be freed
-(``on_release``, before the slot is handed on, so that it may lower the limit and give the lease
-to a more urgent replica instead) and when waiters or slots changed (``on_change``); it reads
-``shared_view``. Shares stay local, with ``max_share`` (and ``max_concurrency``) taken of the
-whole pool's limit: the core gets them as absolute caps, since its own limit is only the leases
-held; ``min_share`` is of the leases held. ``fail_fast`` is off: a local release rate says
-nothing about the pool's.
+The pool's limit: the policy's (``max_concurrency``, or where the adaptive limit starts and what
+it found since: ``set_pool_limit``), unless a ``LimitOwner`` holds it (``own_limit``: the
+leases of a pool shared by several replicas, ``extproc.pool.lease_adapter``). An owner sets the
+limit itself (``set_pool_limit``), gives each bucket's ``max_share`` and cap (``refresh_caps``
+when they change), hears of every release before the slot is handed on (``before_release``: it
+may lower the limit first, so the slot is not reused here) and of every change of waiters or
+slots (``changed``). With an owner, predicted waits are off (``fail_fast``): the local release
+rate is of a limit the gate does not set.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from extproc.admission.core import Admission, BucketStats, PoolStats, Ticket, Verdict
-from extproc.config.policy import BucketPolicy, Order, Policy
+from extproc.config.policy import BucketPolicy, Policy
 from extproc.outcome import OUTCOMES, Outcome
+from extproc.pool.core import Admission
+from extproc.pool.values import BucketStats, PoolStats, Ticket, Verdict
 
-__all__ = ["POOL", "Gate", "PoolLeases", "Refused", "Slot", "Waiter", "retry_after_s"]
+__all__ = ["POOL", "Gate", "LimitOwner", "Refused", "Slot", "Waiter", "retry_after_s"]
 
 # The name of the policy's shared pool (one per sidecar: the backend behind it).
 POOL = "pool"
+
+_REFUSED = {
+    Verdict.QUEUE_FULL: Outcome.REJECTED_QUEUE_FULL,
+    Verdict.WAIT_TOO_LONG: Outcome.REJECTED_WAIT_TOO_LONG,
+}
 
 
 def retry_after_s(estimate_s: float, min_s: float, max_s: float, jitter: float, u: float) -> float:
@@ -55,15 +59,23 @@ def retry_after_s(estimate_s: float, min_s: float, max_s: float, jitter: float, 
     return min(max_s, max(min_s, estimate_s * (1.0 + jitter * u)))
 
 
-class PoolLeases(Protocol):
-    """What a shared pool's lease manager hears from the gate (``extproc.shared``). Both are
-    called synchronously and must not block."""
+class LimitOwner(Protocol):
+    """Who holds the pool's limit instead of the policy (``Gate.own_limit``). Called
+    synchronously; must not block."""
 
-    def on_release(self) -> None:
-        """A slot of the pool is about to be freed (it may call ``set_leases`` first)."""
+    def pool_limit(self) -> int:
+        """The limit to configure the pool with (a reload, or when it takes the limit)."""
         ...
 
-    def on_change(self) -> None:
+    def bucket_share(self, bucket: BucketPolicy) -> tuple[float, int | None]:
+        """The bucket's (``max_share``, absolute cap or None) for the core."""
+        ...
+
+    def before_release(self) -> None:
+        """A slot of the pool is about to be freed (it may ``set_pool_limit`` first)."""
+        ...
+
+    def changed(self) -> None:
         """Waiters or slots of the pool changed."""
         ...
 
@@ -174,10 +186,7 @@ class Gate:
         self._closed = False
         self._drained: asyncio.Event | None = None  # set up by drained(), while shutting down
         self._policy_buckets = buckets
-        self._leases: PoolLeases | None = None
-        self._held = 0  # shared: leases held, the local pool's limit
-        self._share_limit = 0  # shared: the whole pool's limit, what max_share is of
-        self._caps: dict[str, int] = {}  # shared: each bucket's cap from the pool's limit
+        self._owner: LimitOwner | None = None
         self._policy = policy
         self.reconfigure(policy)
 
@@ -193,12 +202,12 @@ class Gate:
             return
         now = self._loop.time()
         pool = policy.pool
-        shared = self._leases is not None and pool is not None
+        owner = self._owner
         if pool is not None:
             limit = pool.max_concurrency
             current = self._core.pool_statistics(now).get(POOL)
-            if shared:
-                limit = self._held
+            if owner is not None:
+                limit = owner.pool_limit()
             elif pool.adaptive is not None:
                 # Start at the initial limit (max_concurrency is the stale-metrics fallback);
                 # a reload keeps what the controller found, within the new bounds.
@@ -210,7 +219,7 @@ class Gate:
                     limit,
                     now,
                     max_tokens=pool.max_tokens_in_flight,
-                    fail_fast=pool.fail_fast and not shared,
+                    fail_fast=pool.fail_fast and owner is None,
                 )
             )
         for b in policy.buckets:
@@ -218,20 +227,16 @@ class Gate:
             if pool is None:
                 self.set_limits(b.name, b.max_concurrency, b.max_queue)
                 continue
-            self._set_bucket(b, now, shared)
+            self._set_bucket(b, now)
         if pool is None:
             self._core.remove_pool(POOL)
         self._changed()
 
-    def _set_bucket(self, b: BucketPolicy, now: float, shared: bool) -> None:
-        max_share, cap = b.max_share, b.max_concurrency or None
-        if shared:
-            # The core's limit is the leases held: give it the share of the whole pool as an
-            # absolute cap instead.
-            top = max(1, math.floor(b.max_share * self._share_limit + 1e-9))
-            cap = min(top, cap) if cap else top
-            max_share = 1.0
-            self._caps[b.name] = cap
+    def _set_bucket(self, b: BucketPolicy, now: float) -> None:
+        if self._owner is not None:
+            max_share, cap = self._owner.bucket_share(b)
+        else:
+            max_share, cap = b.max_share, b.max_concurrency or None
         self._hand_over(
             self._core.set_bucket(
                 b.name,
@@ -242,68 +247,41 @@ class Gate:
                 min_share=b.min_share,
                 max_share=max_share,
                 cap=cap,
-                cost_order=b.order is Order.COST,
+                order=b.order,
             )
         )
 
-    # --- a pool shared by several replicas (extproc.shared) ----------------------------------
+    # --- who holds the pool's limit -----------------------------------------------------------
 
-    def attach_leases(self, leases: PoolLeases, pool_limit: int) -> None:
-        """Shared mode: the pool admits only on leases, none held yet (running requests carry
-        on; the manager claims leases for them)."""
-        self._leases = leases
-        self._held = 0
-        self._share_limit = pool_limit
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    def own_limit(self, owner: LimitOwner) -> None:
+        """Hand the pool's limit and caps to ``owner`` (running requests carry on)."""
+        self._owner = owner
         self.reconfigure(self._policy)
 
-    def detach_leases(self) -> None:
-        """Back to a pool of this replica alone, at the policy's limit."""
-        if self._leases is None:
+    def disown_limit(self, limit: int) -> None:
+        """Back to the policy's limit, starting from ``limit``."""
+        if self._owner is None:
             return
-        self._leases = None
-        self._caps.clear()
-        pool = self._policy.pool
-        if pool is not None:
-            limit = pool.adaptive.initial if pool.adaptive is not None else pool.max_concurrency
-            self._hand_over(self._core.set_pool_limit(POOL, limit, self._loop.time()))
+        self._owner = None
+        if self._policy.pool is not None:
+            self.set_pool_limit(limit)
         self.reconfigure(self._policy)
 
-    def set_leases(self, held: int, pool_limit: int) -> None:
-        """The lease manager's knob: admit at most ``held`` at once (a raised one admits at
-        once); caps are of ``pool_limit``."""
-        if self._leases is None or self._policy.pool is None:
+    def refresh_caps(self) -> None:
+        """Ask the owner for every bucket's share and cap again (a limit they are of moved)."""
+        if self._policy.pool is None:
             return
         now = self._loop.time()
-        if pool_limit != self._share_limit:
-            self._share_limit = pool_limit
-            for b in self._policy.buckets:
-                self._set_bucket(b, now, True)
-        self._held = held
-        self._hand_over(self._core.set_pool_limit(POOL, held, now))
-
-    def shared_view(self) -> tuple[int, dict[int, int]]:
-        """(requests holding a slot of the pool, {band: waiters that one more lease each
-        would let in}): a waiter held back by its bucket's cap or the overload cut is no
-        demand for a lease."""
-        pool = self._core.pool_statistics(self._loop.time()).get(POOL)
-        if pool is None:
-            return 0, {}
-        demand: dict[int, int] = {}
-        if pool.queued:
-            for s in self._core.statistics().values():
-                if s.pool != POOL or not s.queued:
-                    continue
-                top = self._caps.get(s.name, s.capacity)
-                if s.capacity < min(top, max(1, pool.limit)):
-                    top = s.capacity  # the overload cut holds it lower
-                room = min(s.queued, max(0, top - s.in_flight))
-                if room:
-                    demand[s.priority] = demand.get(s.priority, 0) + room
-        return pool.in_flight, demand
+        for b in self._policy.buckets:
+            self._set_bucket(b, now)
 
     def _changed(self) -> None:
-        if self._leases is not None:
-            self._leases.on_change()
+        if self._owner is not None:
+            self._owner.changed()
 
     def set_pool_limit(self, limit: int) -> None:
         """The shared pool's limit (the adaptive controller); a raised one admits at once."""
@@ -363,21 +341,13 @@ class Gate:
         if decision.verdict is Verdict.ADMITTED:
             self._changed()
             return Slot(self, decision.ticket)
-        if decision.verdict is Verdict.WAIT_TOO_LONG:
+        if decision.verdict is not Verdict.QUEUED:  # full, or the predicted wait too long
             raise Refused(
-                Outcome.REJECTED_WAIT_TOO_LONG,
+                _REFUSED[decision.verdict],
                 bucket,
                 self._retry_after(bucket),
                 self._core.queued(bucket),
                 decision.predicted_wait_s,
-            )
-        if decision.verdict is Verdict.QUEUE_FULL:
-            raise Refused(
-                Outcome.REJECTED_QUEUE_FULL,
-                bucket,
-                self._retry_after(bucket),
-                self._core.queued(bucket),
-                0.0,
             )
         fut: asyncio.Future[Slot] = self._loop.create_future()
         self._waiters[decision.ticket.id] = fut
@@ -430,8 +400,8 @@ class Gate:
                 fut.set_result(Slot(self, ticket))
 
     def _release(self, ticket: Ticket) -> None:
-        if self._leases is not None:
-            self._leases.on_release()
+        if self._owner is not None:
+            self._owner.before_release()
         self._hand_over(self._core.release(ticket.id, self._loop.time()))
         if self._drained is not None:
             self._drained.set()  # drained() checks again

@@ -1,26 +1,34 @@
-"""The shared pool's two controllers, on the sidecar's event loop.
+"""The shared pool's three controllers, wired to the gate on the sidecar's event loop.
 
-- The adaptive limit (``pool.adaptive``): ``extproc.backend.adaptive.Poller`` scrapes the
-  backend's metrics (``backend.metrics``) every ``interval`` and gives the limit it finds to
-  ``Gate.set_pool_limit``.
-- Staged recovery (``pool.overload``): once a second, ``extproc.backend.overload.OverloadMonitor``
-  reads the counts of the protected traffic, every band but the least urgent, from the gate
-  (admitted, evicted, refused, the p95 of recent waits, the queue) and, when its state or factor
-  changes, gives the factor to ``Gate.set_cut``: while overloaded, the least urgent band holds
-  no more than its guaranteed share; when it clears, its cap comes back 50% -> 80% -> 100%,
-  each step held ``step_hold``. A policy whose buckets share one priority has nothing to
-  protect and no cut.
+- The adaptive limit (``pool.adaptive``): ``extproc.pool.poller.Poller`` scrapes the
+  backend's metrics (``backend.metrics``) every ``interval``, runs
+  ``extproc.pool.adaptive.AdaptiveLimit`` on them and gives the limit it finds to
+  ``Gate.set_pool_limit``, on the demand ``extproc.pool.demand.limit_demand`` counts and with
+  the latency objectives while ``objectives_apply``.
+- Staged recovery (``pool.overload``): once a second, ``extproc.pool.overload.OverloadMonitor``
+  reads the counts of the protected traffic (``demand.protected``: every band but the least
+  urgent) from the gate (admitted, evicted, refused, the p95 of recent waits, the queue) and,
+  when its state or factor changes, gives the factor to ``Gate.set_cut``: while overloaded, the
+  least urgent band holds no more than its guaranteed share; when it clears, its cap comes back
+  50% -> 80% -> 100%, each step held ``step_hold``. A policy whose buckets share one priority
+  has nothing to protect and no cut.
+- Shared leases (``pool.shared``): ``extproc.shared.LeaseManager``, through
+  ``extproc.pool.lease_adapter.LeaseAdapter``, sets the gate's limit to the leases this replica
+  holds. With an adaptive pool, only the replica that holds the leadership (elected in Redis)
+  runs the poller, on the whole pool's demand (``demand.shared_limit_demand``), and publishes
+  the limit through the manager; the others read it from Redis. A replica that gains the
+  leadership starts its poller from the limit in force; one that loses it stops its own.
 
-- A pool shared by several replicas (``pool.shared``): ``extproc.shared.LeaseManager`` sets the
-  gate's limit to the leases this replica holds. With an adaptive pool, only the replica that
-  holds the leadership (elected in Redis) runs the poller, on the whole pool's demand, and
-  publishes the limit through the manager; the others read it from Redis. A replica that gains
-  the leadership starts its poller from the limit in force; one that loses it stops its own.
+Each transition is one log line (``extproc.control``). The gauges (``gauges``, read by the
+metrics collector at scrape time) and the pool's entry of /debug/queues (``debug``) render the
+controllers' snapshots (``extproc.pool.view``): the pool's ``PoolStats``, the monitor's, the
+adaptive limit's and the signals of its last round, the lease manager's. A policy reload
+rebuilds a controller only when its own settings changed, and the adaptive limit carries on
+from the limit in force.
 
-Each transition is one log line (``extproc.control``); the state, the limit and the signals are
-gauges (``gauges``, read by the metrics collector at scrape time) and part of /debug/queues.
-A policy reload rebuilds a controller only when its own settings changed, and the adaptive
-limit carries on from the limit in force.
+Every task started here has an owner: the overload tick and the poller's own task are awaited
+by ``stop``, a poller stopped on a reload or a change of leader is awaited there too, and a
+lease manager left behind by a reload is closed before ``close`` returns.
 """
 
 from __future__ import annotations
@@ -28,38 +36,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Coroutine
 from typing import Any
 
-from extproc.admission.gate import POOL, Gate
-from extproc.backend.adaptive import AdaptiveLimit, LimitState, Poller
-from extproc.backend.overload import Overload, OverloadMonitor, OverloadState
 from extproc.backend.scrape import Scraper, Signals
 from extproc.config.policy import (
     AdaptivePolicy,
     BackendPolicy,
-    BucketPolicy,
     OverloadPolicy,
     Policy,
     PoolPolicy,
     SharedPolicy,
 )
 from extproc.ops.metrics import Metrics
-from extproc.shared import LeaseManager, Mode
+from extproc.pool import demand
+from extproc.pool.adaptive import AdaptiveLimit
+from extproc.pool.gate import POOL, Gate
+from extproc.pool.lease_adapter import LeaseAdapter, SharedSnapshot, starting_limit
+from extproc.pool.overload import Overload, OverloadMonitor, OverloadSnapshot
+from extproc.pool.poller import BackendSnapshot, Poller
+from extproc.pool.values import PoolStats
+from extproc.pool.view import render_debug, render_gauges
+from extproc.shared import LeaseManager
 
 __all__ = ["OVERLOAD_TICK_S", "PoolControl"]
 
 log = logging.getLogger("extproc.control")
 
 OVERLOAD_TICK_S = 1.0
-_STATE_CODE = {OverloadState.NORMAL: 0, OverloadState.OVERLOADED: 1, OverloadState.RECOVERING: 2}
-_LIMIT_CODE = {LimitState.TRACKING: 0, LimitState.HOLDING: 1, LimitState.FALLBACK: 2}
-
-
-def _protected(policy: Policy) -> tuple[int, list[BucketPolicy]]:
-    """(the least urgent band, the buckets of every band more urgent than it): what the
-    overload cut and the latency objectives protect. One band: nothing is protected."""
-    least = max(b.priority for b in policy.buckets)
-    return least, [b for b in policy.buckets if b.priority < least]
 
 
 def _p95(values: list[float]) -> float | None:
@@ -78,13 +82,14 @@ class PoolControl:
         self._poller_key: tuple[AdaptivePolicy, BackendPolicy, int] | None = None
         self._monitor: OverloadMonitor | None = None
         self._monitor_key: OverloadPolicy | None = None
-        self._overload: Overload | None = None
         self._signals: Signals | None = None
         self._task: asyncio.Task[None] | None = None
         self._started = False
         self._shared: LeaseManager | None = None
         self._shared_key: SharedPolicy | None = None
-        self._closing: set[asyncio.Task[None]] = set()
+        self._leases: LeaseAdapter | None = None
+        self._stopping: set[asyncio.Task[None]] = set()  # pollers being stopped
+        self._closing: set[asyncio.Task[None]] = set()  # lease managers a reload left
 
     # --- life --------------------------------------------------------------------------------
 
@@ -106,19 +111,9 @@ class PoolControl:
         overload = pool.overload if pool is not None and pool.overload.enabled else None
         if overload != self._monitor_key:
             self._monitor_key = overload
-            self._overload = None
             if pool is not None:
                 self._gate.set_cut(1.0)
-            self._monitor = (
-                OverloadMonitor(
-                    window_s=overload.window_s,
-                    tighten_rate=overload.tighten_eviction_rate,
-                    clear_rate=min(0.01, overload.tighten_eviction_rate),
-                    step_hold_s=overload.step_hold_s,
-                )
-                if overload is not None
-                else None
-            )
+            self._monitor = OverloadMonitor(overload) if overload is not None else None
 
     def start(self) -> None:
         self._started = True
@@ -138,6 +133,8 @@ class PoolControl:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._stopping:
+            await asyncio.wait(self._stopping)
 
     async def close(self) -> None:
         """After the last request: give a shared pool's leases back and leave it."""
@@ -146,6 +143,12 @@ class PoolControl:
             await manager.close()
         if self._closing:
             await asyncio.wait(self._closing)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], owner: set[asyncio.Task[None]]) -> None:
+        """Run ``coro`` as a task kept in ``owner`` until it ends (awaited by stop or close)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        owner.add(task)
+        task.add_done_callback(owner.discard)
 
     # --- the shared pool ---------------------------------------------------------------------
 
@@ -157,37 +160,32 @@ class PoolControl:
             self._shared_key = shared
             old, self._shared = self._shared, None
             if old is not None:
-                self._gate.detach_leases()
-                task = asyncio.get_running_loop().create_task(old.close())
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
+                assert self._leases is not None
+                self._leases.detach()
+                self._leases = None
+                self._spawn(old.close(), self._closing)
             if shared is None or pool is None:
                 return
             metrics = self._metrics
             for call in ("acquire", "return", "renew"):
                 metrics.shared_redis_errors.labels(call)
+            self._leases = LeaseAdapter(self._gate)
             self._shared = LeaseManager(
-                self._gate,
+                self._leases,
                 shared,
-                limit=self._shared_limit(pool),
+                limit=starting_limit(pool),
                 adaptive=pool.adaptive is not None,
                 on_degraded=metrics.shared_degraded.inc,
                 on_error=lambda call: metrics.shared_redis_errors.labels(call).inc(),
                 on_leader=self._on_leader,
             )
-            self._gate.attach_leases(self._shared, self._shared.limit)
+            self._leases.attach(self._shared, self._shared.limit)
             if self._started:
                 self._shared.start()
             return
         assert self._shared is not None and pool is not None
         self._shared.adaptive = pool.adaptive is not None
-        self._shared.set_static_limit(self._shared_limit(pool))
-
-    @staticmethod
-    def _shared_limit(pool: PoolPolicy) -> int:
-        """Each replica's own limit for the pool: the static one, or where an adaptive pool
-        starts until a leader publishes one."""
-        return pool.adaptive.initial if pool.adaptive is not None else pool.max_concurrency
+        self._shared.set_static_limit(starting_limit(pool))
 
     def _leads(self) -> bool:
         """Whether this replica runs the adaptive poller: always, unless the pool is shared
@@ -212,7 +210,7 @@ class PoolControl:
     def _stop_poller(self) -> None:
         poller, self._poller = self._poller, None
         if poller is not None:
-            asyncio.get_running_loop().create_task(poller.stop())
+            self._spawn(poller.stop(), self._stopping)
 
     # --- the adaptive limit ------------------------------------------------------------------
 
@@ -221,18 +219,7 @@ class PoolControl:
         initial = a.initial if current is None else current.limit
         if self._shared is not None:
             initial = self._shared.limit
-        limit = AdaptiveLimit(
-            min_limit=a.min_limit,
-            max_limit=a.max_limit,
-            initial=min(a.max_limit, max(a.min_limit, initial)),
-            ttft_slo_s=a.ttft_slo_s,
-            itl_slo_s=a.itl_slo_s,
-            max_kv_usage=a.max_kv_usage,
-            stale_after_s=a.stale_after_s,
-            fallback_after_s=a.fallback_after_s,
-            fallback_limit=min(a.max_limit, max(a.min_limit, fallback)),
-            cooldown_s=a.window_s,
-        )
+        limit = AdaptiveLimit(a, initial=initial, fallback_limit=fallback)
         scraper = Scraper(
             backend.metrics,
             timeout_s=backend.scrape_timeout_s,
@@ -244,64 +231,29 @@ class PoolControl:
             self._shared.publish_limit(limit.limit)
         else:
             self._gate.set_pool_limit(limit.limit)
-        return Poller(
-            scraper, limit, a.interval_s, self._on_limit, self._demand, self._objectives_apply
-        )
+        return Poller(scraper, limit, self._on_limit, self._demand, self._objectives_apply)
 
     def _demand(self) -> tuple[int, int]:
-        """(in flight, waiting) for the adaptive limit. Waiters count as demand while the pool
-        is full, or while their bucket is held at its share of the limit (``max_share``),
-        which grows with the limit. Waiters held back by a bucket's absolute cap
-        (``max_concurrency``), by the overload cut (down to a guaranteed share that may be 0;
-        the staged recovery, not the limit, lets them in) or by the token bound would not use
-        a higher limit, so they must not raise it. (The first version counted waiters only
-        while the pool was full: a batch flood alone, held at ``max_share: 0.9`` of the limit,
-        never filled the pool, and the limit stayed where it started. The second counted the
-        cut's waiters too: at half load, with batch held back by an early overload, the limit
-        climbed to its maximum with 25 requests running, and the next burst went to vLLM
-        unchecked; bench.compare 0.5x.) A shared pool: every replica's waiters, counted while
-        the whole pool is full."""
+        """(in flight, waiting) for the adaptive limit: ``demand.limit_demand`` for a pool of
+        this replica alone, ``demand.shared_limit_demand`` for a shared one."""
         if self._shared is not None:
             held, waiting = self._shared.pool_demand()
-            return (held, waiting if held >= self._shared.limit else 0)
+            return demand.shared_limit_demand(held, waiting, self._shared.limit)
         s = self._gate.pool_statistics().get(POOL)
         if s is None:
             return (0, 0)
-        if s.in_flight >= s.limit:
-            return (s.in_flight, s.queued)
-        policy = self._policy
-        if policy is None:
-            return (s.in_flight, 0)
-        stats = self._gate.statistics()
-        least, _ = _protected(policy)
-        held_by_share = 0
-        for b in policy.buckets:
-            st = stats.get(b.name)
-            if st is None or st.queued == 0 or st.in_flight < st.capacity:
-                continue
-            if b.max_concurrency and st.capacity >= b.max_concurrency:
-                continue  # its absolute cap binds: a higher limit changes nothing
-            if s.cut < 1.0 and b.priority == least:
-                continue  # held by the overload cut: the staged recovery lets them in
-            held_by_share += st.queued
-        return (s.in_flight, held_by_share)
+        buckets = self._policy.buckets if self._policy is not None else ()
+        return demand.limit_demand(s, self._gate.statistics(), buckets)
 
     def _objectives_apply(self) -> bool:
-        """Whether the latency objectives bound the limit now: while a band more urgent than
-        the least urgent has requests running or waiting here, or when all buckets share one
-        band. A shared pool's leader reads its own replica's bands (with requests spread over
-        the replicas, the same answer)."""
-        policy = self._policy
-        if policy is None:
-            return True
-        _, urgent = _protected(policy)
-        if not urgent:
+        """``demand.objectives_apply`` over the policy's buckets here. A shared pool's leader
+        reads its own replica's bands (with requests spread over the replicas, the same
+        answer)."""
+        if self._policy is None:
             return True
         stats = self._gate.statistics()
-        return any(
-            stats[b.name].in_flight > 0 or stats[b.name].queued > 0
-            for b in urgent
-            if b.name in stats
+        return demand.objectives_apply(
+            [stats[b.name] for b in self._policy.buckets if b.name in stats]
         )
 
     def _on_limit(self, limit: int, signals: Signals | None) -> None:
@@ -337,12 +289,13 @@ class PoolControl:
         if policy is None or policy.pool is None or monitor is None:
             return None
         stats = self._gate.statistics()
-        protected = [b for b in _protected(policy)[1] if b.name in stats]
+        protected = [b for b in demand.protected(policy.buckets) if b.name in stats]
         if not protected:
             return None  # one band: nothing to protect it from
         waits: list[float] = []
         for b in protected:
             waits.extend(self._gate.recent_waits(b.name))
+        before = monitor.state
         verdict = monitor.update(
             now,
             admitted=sum(stats[b.name].admitted_total for b in protected),
@@ -352,10 +305,9 @@ class PoolControl:
             queued=sum(stats[b.name].queued for b in protected),
             deadline_s=max((b.queue_timeout_s for b in protected), default=0.0),
         )
-        previous, self._overload = self._overload, verdict
         if verdict.changed:
             self._gate.set_cut(verdict.factor)
-            if previous is None or previous.state is not verdict.state:
+            if verdict.state is not before:
                 self._metrics.overload_transitions.labels(str(verdict.state)).inc()
             rate = "-" if verdict.eviction_rate is None else f"{verdict.eviction_rate:.1%}"
             log.warning(
@@ -372,48 +324,25 @@ class PoolControl:
 
     # --- views -------------------------------------------------------------------------------
 
+    def _overload_view(self, pool: PoolStats) -> OverloadSnapshot:
+        if self._monitor is None:
+            return OverloadSnapshot.idle(pool.cut)
+        return self._monitor.snapshot()
+
     def gauges(self) -> dict[str, float]:
         """The pool's gauges (``extproc.ops.metrics.POOL_GAUGES``); empty without a pool."""
         s = self._gate.pool_statistics().get(POOL)
         if s is None:
             return {}
-        out: dict[str, float] = {
-            "pool_limit": s.limit,
-            "pool_in_flight": s.in_flight,
-            "pool_queued": s.queued,
-            "pool_tokens_limit": s.max_tokens or 0,
-            "pool_tokens_in_flight": s.tokens_in_flight,
-        }
-        if s.release_rate is not None:
-            out["pool_release_rate"] = s.release_rate
-        o = self._overload
-        out["overload_state"] = _STATE_CODE[o.state] if o is not None else 0
-        out["overload_factor"] = o.factor if o is not None else s.cut
-        if o is not None and o.eviction_rate is not None:
-            out["overload_eviction_rate"] = o.eviction_rate
-        if o is not None and o.p95_wait_s is not None:
-            out["overload_p95_wait_seconds"] = o.p95_wait_s
+        out: dict[str, float] = {}
+        render_gauges(s, out)
+        render_gauges(self._overload_view(s), out)
         if self._poller is not None:
-            out["adaptive_state"] = _LIMIT_CODE[self._poller.adaptive.state]
-        m = self._shared
-        if m is not None:
-            out["shared_state"] = 0 if m.mode is Mode.SHARED else 1
-            out["shared_leases_held"] = m.held
-            out["shared_pool_limit"] = m.limit
-            out["shared_pool_held"] = m.count
-            out["shared_replicas"] = len(m.replicas)
-            out["shared_leader"] = 1 if m.is_leader else 0
-        sig = self._signals
-        if sig is not None:
-            out["backend_up"] = sig.endpoints_ok
-            if sig.endpoints_ok:
-                out["backend_waiting"] = sig.waiting
-                out["backend_running"] = sig.running
-                out["backend_kv_usage"] = sig.kv_usage
-            if sig.ttft_s is not None:
-                out["backend_ttft_seconds"] = sig.ttft_s
-            if sig.itl_s is not None:
-                out["backend_itl_seconds"] = sig.itl_s
+            render_gauges(self._poller.adaptive.snapshot(), out)
+        if self._shared is not None:
+            render_gauges(SharedSnapshot.of(self._shared), out)
+        if self._signals is not None:
+            render_gauges(BackendSnapshot.of(self._signals), out)
         return out
 
     def debug(self) -> dict[str, Any] | None:
@@ -421,42 +350,14 @@ class PoolControl:
         s = self._gate.pool_statistics().get(POOL)
         if s is None:
             return None
-        o = self._overload
-        out: dict[str, Any] = {
-            "limit": s.limit,
-            "in_flight": s.in_flight,
-            "queued": s.queued,
-            "max_tokens_in_flight": s.max_tokens,
-            "tokens_in_flight": s.tokens_in_flight,
-            "release_rate": s.release_rate,
-            "overload": {
-                "state": str(o.state) if o is not None else "normal",
-                "factor": o.factor if o is not None else s.cut,
-                "reason": o.reason if o is not None else None,
-                "eviction_rate": o.eviction_rate if o is not None else None,
-                "p95_wait_s": o.p95_wait_s if o is not None else None,
-                "needs_capacity": o.needs_capacity if o is not None else False,
-            },
-        }
+        out = render_debug(s)
+        out["overload"] = render_debug(self._overload_view(s))
         if self._shared is not None:
             out["shared"] = self._shared.debug()
         if self._poller is not None:
-            a = self._poller.adaptive
             sig = self._signals
             out["adaptive"] = {
-                "state": str(a.state),
-                "reason": a.reason,
-                "signals": None
-                if sig is None
-                else {
-                    "endpoints_ok": sig.endpoints_ok,
-                    "endpoints_failed": sig.endpoints_failed,
-                    "waiting": sig.waiting,
-                    "running": sig.running,
-                    "kv_usage": sig.kv_usage,
-                    "ttft_s": sig.ttft_s,
-                    "itl_s": sig.itl_s,
-                    "errors": list(sig.errors),
-                },
+                **render_debug(self._poller.adaptive.snapshot()),
+                "signals": None if sig is None else render_debug(BackendSnapshot.of(sig)),
             }
         return out

@@ -1,0 +1,289 @@
+"""The pool's concurrency limit, found from vLLM's signals and the user's latency objectives.
+
+A static concurrency limit is either too low (GPUs idle while clients get 429s) or too high
+(vLLM queues internally, where our deadlines and priorities no longer apply, and TTFT grows for
+everyone). ``AdaptiveLimit`` searches for the highest limit at which vLLM still runs everything
+it is given within the objectives, and keeps the queue on our side of the wire.
+
+Control law (one ``update`` per scrape; ``L`` is the limit)
+-----------------------------------------------------------
+Decrease, ``L := floor(L * f)``, when any of these holds, the first one named in ``reason``:
+
+- ``ttft`` / ``itl``: the windowed quantile ``q`` is above its objective ``o``, over at least
+  ``MIN_OBSERVATIONS`` (10) observations: fewer, and a p90 is the latency of one request.
+  ``f = min(0.8, max(0.5, o / q))``: a small breach takes 20 %, a quantile twice its objective
+  halves the limit at once, so a backend that lost half its speed is followed in one cut, not
+  one cut per cooldown while the queue deadlines expire;
+- ``vllm_queue`` (``f = 0.8``): vLLM's own waiting queue (summed over endpoints) is longer than
+  the allowance ``max(8, floor(0.1 * L))`` in three rounds in a row: vLLM could not take in
+  everything we admitted. A request joins vLLM's waiting queue on arrival and leaves it at a
+  scheduler step with room in its prefill budget (``max_num_batched_tokens``, 8192 tokens by
+  default: four 2k-token prompts), so with the limit refilled at every release a few requests
+  are always waiting their prefill turn on a backend that keeps up. Whether that wait matters
+  is what the TTFT objective (which includes it) says; this rule only catches a queue that
+  stays long;
+- ``kv`` (``f = 0.8``): the fullest endpoint's KV cache is at or above ``max_kv_usage`` (0.9):
+  past it vLLM preempts running requests and recomputes them, which costs more than it serves.
+
+A breach does not cut again until the last cut has landed:
+
+- for ``cooldown_s`` (the policy's ``window``, the scraper's) after a decrease the limit holds,
+  up or down: the windowed quantiles still hold observations from the old limit;
+- while more requests run than the limit (``in_flight > L``), there is no further cut: lowering
+  the limit stops no running request, the requests admitted under the old limit finish only over
+  their own duration, and until they have the signals describe the old load, not the new
+  limit (a breach as long as the longest requests would otherwise cut once per cooldown all
+  along, and overshoot far below the level that meets the objective).
+
+One breach therefore costs at most one cut per cooldown, never a collapse to ``min_limit``.
+
+Objectives protect the urgent bands. ``update(..., objectives=False)``, which the pool's
+controller passes while no band but the least urgent has requests running or waiting, leaves
+the latency objectives out of both the decrease and the increase: only vLLM's queue and KV
+bound the limit. The least urgent band (batch, typically long prompts) would otherwise break
+an interactive TTFT objective with its own TTFTs and hold the limit far below what the backend
+can run while it is alone. vLLM's histograms have no class label, so the objectives cannot be
+read per band (``extproc.pool.demand.objectives_apply``).
+
+Increase, ``L := L + max(1, floor(0.05 * L))``, when all of these hold:
+
+- every objective holds with headroom: the quantile is below ``0.9 *`` its objective, or there
+  is no observation in the window (nothing is slow). Between 0.9x and 1x the limit holds: the
+  quantiles lag by up to the window, so climbing until the objective breaks overshoots;
+- vLLM's waiting queue is within the allowance and KV usage is below ``max_kv_usage``;
+- there is demand: requests wait in our queue, or ``in_flight >= L - max(1, floor(0.1 * L))``.
+  Without demand nothing tests the higher limit, and a limit nobody uses would climb forever
+  on good signals that say nothing about it.
+
+The step is 5% of the limit (at least 1), so the climb takes the same number of rounds at any
+scale (about 14 rounds to double); a cut takes back four steps or more at once, the usual
+asymmetry of AIMD that keeps a shared backend stable. Otherwise the limit holds. It is always
+clamped to ``[min_limit, max_limit]``.
+
+Stale data
+----------
+``signals`` None, no endpoint answering, or signals older than ``stale_after_s`` are no data.
+For ``stale_after_s`` after the last good scrape the limit simply holds (a missed scrape is
+normal), then the state is ``holding``; after ``fallback_after_s`` the limit moves to
+``fallback_limit`` (by default ``initial``; the pool's controller passes the operator's static
+limit): the sidecar neither freezes on a limit found under conditions long gone nor fails
+closed. Never 0. When data returns, tracking resumes at once from the limit in force.
+
+The settings are the policy's ``AdaptivePolicy``; the law's constants are named below.
+
+Pure: ``update`` takes ``now`` from the caller; no clock, no I/O. ``snapshot()`` is what the
+gauges and /debug/queues show. ``extproc.pool.poller.Poller`` is the asyncio shell that scrapes
+every ``interval`` and feeds ``update``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Final
+
+from extproc.backend.scrape import Signals
+from extproc.config.policy import AdaptivePolicy
+from extproc.pool.view import HIDDEN, gauge
+
+__all__ = ["AdaptiveLimit", "AdaptiveSnapshot", "LimitState"]
+
+# The law's constants (the settings are the policy's).
+INCREASE_FRACTION: Final = 0.05  # the step up, of the limit (at least 1)
+DECREASE_FACTOR: Final = 0.8  # the cut for vLLM's queue and KV, and the mildest latency cut
+DEEPEST_CUT: Final = 0.5  # the deepest latency cut in one step
+HEADROOM: Final = 0.9  # a quantile below this share of its objective lets the limit grow
+MIN_OBSERVATIONS: Final = 10  # observations in the window before a quantile can breach
+QUEUE_TOLERANCE: Final = 0.1  # vLLM's queue allowance, of the limit ...
+QUEUE_MIN: Final = 8  # ... and at least this many
+QUEUE_ROUNDS: Final = 3  # rounds in a row above the allowance that are a breach
+DEMAND_MARGIN: Final = 0.1  # in flight within this share of the limit is demand
+
+
+class LimitState(StrEnum):
+    TRACKING = "tracking"  # fresh data: the control law runs
+    HOLDING = "holding"  # data stale for stale_after_s: the last limit holds
+    FALLBACK = "fallback"  # data stale for fallback_after_s: the fallback limit
+
+
+_LIMIT_CODES: dict[str, int] = {
+    LimitState.TRACKING: 0,
+    LimitState.HOLDING: 1,
+    LimitState.FALLBACK: 2,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdaptiveSnapshot:
+    """The adaptive limit as the gauges and /debug/queues' ``adaptive`` show it."""
+
+    limit: int = field(metadata=HIDDEN)  # shown as the pool's own limit (``pool_limit``)
+    state: LimitState = field(
+        metadata=gauge(
+            "adaptive_state",
+            "The adaptive limit: 0 tracking, 1 holding (stale), 2 fallback.",
+            codes=_LIMIT_CODES,
+        )
+    )
+    reason: str
+
+
+class AdaptiveLimit:
+    def __init__(
+        self,
+        policy: AdaptivePolicy,
+        *,
+        initial: int | None = None,
+        fallback_limit: int | None = None,
+    ) -> None:
+        """The policy's settings; ``initial`` (default the policy's) is where the limit starts
+        (the pool's controller passes the limit in force), ``fallback_limit`` (default
+        ``initial``) where it goes once the data has been stale for ``fallback_after_s``.
+        ``None`` for an objective: no objective on that latency."""
+        if policy.min_limit < 1 or policy.max_limit < policy.min_limit:
+            raise ValueError("need 1 <= min_limit <= max_limit")
+        if policy.fallback_after_s < policy.stale_after_s:
+            raise ValueError("fallback_after_s must not be shorter than stale_after_s")
+        self.policy = policy
+        # The quantiles are over the scraper's window: a cut has landed in them after one.
+        self.cooldown_s = policy.window_s
+        start = policy.initial if initial is None else initial
+        self.fallback_limit = self._clamp(start if fallback_limit is None else fallback_limit)
+        self._queued_rounds = 0  # consecutive rounds with vLLM's queue above the allowance
+        self._limit = self._clamp(start)
+        self._state = LimitState.TRACKING
+        self._reason = "initial"
+        self._last_good: float | None = None  # time of the last good scrape
+        self._decreased_at: float | None = None
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @property
+    def state(self) -> LimitState:
+        return self._state
+
+    @property
+    def reason(self) -> str:
+        """Why the limit or the state last changed: 'initial', 'increase', 'ttft', 'itl',
+        'vllm_queue', 'kv', 'stale', 'fallback' or 'resumed'."""
+        return self._reason
+
+    def update(
+        self,
+        now: float,
+        signals: Signals | None,
+        *,
+        in_flight: int,
+        waiting: int,
+        objectives: bool = True,
+    ) -> int:
+        """One control step; returns the limit. ``in_flight`` and ``waiting`` are our own
+        requests to the pool (holding a slot, queued for one); ``objectives`` False leaves the
+        latency objectives out of this step (only the least urgent band has requests)."""
+        if (
+            signals is None
+            or signals.endpoints_ok == 0
+            or now - signals.at >= self.policy.stale_after_s
+        ):
+            return self._no_data(now)
+        self._last_good = (
+            signals.at if self._last_good is None else max(self._last_good, signals.at)
+        )
+        if self._state is not LimitState.TRACKING:
+            self._state = LimitState.TRACKING
+            self._reason = "resumed"
+        cooling = self._decreased_at is not None and now - self._decreased_at < self.cooldown_s
+        breach = self._breach(signals, objectives)
+        if breach is not None:
+            reason, factor = breach
+            landing = self._decreased_at is not None and in_flight > self._limit
+            if not cooling and not landing:
+                cut = self._clamp(math.floor(self._limit * factor))
+                if cut < self._limit:
+                    self._limit = cut
+                    self._reason = reason
+                    self._decreased_at = now
+            return self._limit
+        if not cooling and self._may_grow(signals, in_flight, waiting, objectives):
+            step = max(1, math.floor(self._limit * INCREASE_FRACTION))
+            grown = self._clamp(self._limit + step)
+            if grown > self._limit:
+                self._limit = grown
+                self._reason = "increase"
+        return self._limit
+
+    def snapshot(self) -> AdaptiveSnapshot:
+        return AdaptiveSnapshot(limit=self._limit, state=self._state, reason=self._reason)
+
+    def __repr__(self) -> str:
+        return f"<AdaptiveLimit {self._limit} {self._state} ({self._reason})>"
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _queue_allowance(self) -> int:
+        return max(QUEUE_MIN, math.floor(QUEUE_TOLERANCE * self._limit))
+
+    def _clamp(self, limit: int) -> int:
+        return min(self.policy.max_limit, max(self.policy.min_limit, limit))
+
+    def _no_data(self, now: float) -> int:
+        if self._last_good is None:
+            self._last_good = now  # no scrape ever succeeded: count from the first update
+        age = now - self._last_good
+        if age >= self.policy.fallback_after_s:
+            if self._state is not LimitState.FALLBACK:
+                self._state = LimitState.FALLBACK
+                self._limit = self.fallback_limit
+                self._reason = "fallback"
+        elif age >= self.policy.stale_after_s and self._state is LimitState.TRACKING:
+            self._state = LimitState.HOLDING
+            self._reason = "stale"
+        return self._limit
+
+    def _slo_breached(self, q: float | None, count: int, slo: float | None) -> bool:
+        return slo is not None and q is not None and count >= MIN_OBSERVATIONS and q > slo
+
+    def _slo_has_headroom(self, q: float | None, slo: float | None) -> bool:
+        return slo is None or q is None or q < HEADROOM * slo
+
+    def _latency_cut(self, q: float, slo: float) -> float:
+        """The factor for a latency breach: the objective over the quantile, within
+        [DEEPEST_CUT, DECREASE_FACTOR]."""
+        return min(DECREASE_FACTOR, max(DEEPEST_CUT, slo / q))
+
+    def _breach(self, s: Signals, objectives: bool) -> tuple[str, float] | None:
+        """(reason, factor) of the first rule broken, or None."""
+        if objectives:
+            if self._slo_breached(s.ttft_s, s.ttft_count, self.policy.ttft_slo_s):
+                assert s.ttft_s is not None and self.policy.ttft_slo_s is not None
+                return "ttft", self._latency_cut(s.ttft_s, self.policy.ttft_slo_s)
+            if self._slo_breached(s.itl_s, s.itl_count, self.policy.itl_slo_s):
+                assert s.itl_s is not None and self.policy.itl_slo_s is not None
+                return "itl", self._latency_cut(s.itl_s, self.policy.itl_slo_s)
+        if s.waiting > self._queue_allowance():
+            self._queued_rounds += 1
+            if self._queued_rounds >= QUEUE_ROUNDS:
+                return "vllm_queue", DECREASE_FACTOR
+        else:
+            self._queued_rounds = 0
+        if s.kv_usage >= self.policy.max_kv_usage:
+            return "kv", DECREASE_FACTOR
+        return None
+
+    def _may_grow(self, s: Signals, in_flight: int, waiting: int, objectives: bool) -> bool:
+        margin = max(1, math.floor(DEMAND_MARGIN * self._limit))
+        return (
+            (
+                not objectives
+                or (
+                    self._slo_has_headroom(s.ttft_s, self.policy.ttft_slo_s)
+                    and self._slo_has_headroom(s.itl_s, self.policy.itl_slo_s)
+                )
+            )
+            and s.waiting <= self._queue_allowance()
+            and s.kv_usage < self.policy.max_kv_usage
+            and (waiting > 0 or in_flight >= self._limit - margin)
+        )

@@ -1,0 +1,169 @@
+"""The local pool as the lease manager of a shared pool sees it.
+
+With ``pool.shared``, several replicas draw the pool's slots from Redis as leases
+(``extproc.shared.LeaseManager``). The manager talks to the local pool through this adapter,
+which implements its ``LocalPool`` protocol over the gate; the gate knows only that a
+``LimitOwner`` holds its limit (``Gate.own_limit``), not that leases or Redis exist.
+
+- ``attach(manager, pool_limit)``: the local pool admits only on leases, none held yet
+  (running requests carry on; the manager claims leases for them). ``detach()``: back to the
+  policy's limit, from where it starts.
+- ``set_leases(held, pool_limit)``: admit at most ``held`` at once (possibly 0; a raised one
+  admits at once), with ``max_share`` and caps of ``pool_limit``, the whole pool's.
+- ``shared_view()``: (requests holding a slot, {band: waiters one more lease each would let
+  in}), the manager's demand (``extproc.pool.demand.lease_demand``).
+- The gate's hooks go to the manager: ``before_release`` -> ``on_release`` (a slot is about
+  to be freed: the manager may lower the limit first and give the lease to a more urgent
+  replica instead of reusing it here), ``changed`` -> ``on_change``.
+
+Shares stay local: ``max_share`` (and ``max_concurrency``) are of the whole pool's limit, so
+the core gets them as absolute caps, its own limit being only the leases held; ``min_share`` is
+of the leases held. ``fail_fast`` is off (the gate turns it off under an owner).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from extproc.config.policy import BucketPolicy, PoolPolicy
+from extproc.pool.demand import lease_demand
+from extproc.pool.gate import POOL, Gate
+from extproc.pool.view import gauge
+from extproc.shared import LeaseManager, Mode
+
+__all__ = ["LeaseAdapter", "LeaseHooks", "SharedSnapshot", "starting_limit"]
+
+
+def starting_limit(pool: PoolPolicy) -> int:
+    """Where the pool's limit starts on this replica: the adaptive limit's ``initial`` (until a
+    leader publishes one), or the static limit."""
+    return pool.adaptive.initial if pool.adaptive is not None else pool.max_concurrency
+
+
+class LeaseHooks(Protocol):
+    """What the lease manager hears from the local pool. Called synchronously; must not
+    block."""
+
+    def on_release(self) -> None:
+        """A slot of the pool is about to be freed (it may call ``set_leases`` first)."""
+        ...
+
+    def on_change(self) -> None:
+        """Waiters or slots of the pool changed."""
+        ...
+
+
+class LeaseAdapter:
+    """The ``LocalPool`` of ``extproc.shared.LeaseManager``, and the gate's ``LimitOwner``."""
+
+    def __init__(self, gate: Gate) -> None:
+        self._gate = gate
+        self._hooks: LeaseHooks | None = None
+        self._held = 0  # leases held: the local pool's limit
+        self._share_limit = 0  # the whole pool's limit, what max_share is of
+        self._caps: dict[str, int] = {}  # each bucket's cap from the pool's limit
+
+    def attach(self, hooks: LeaseHooks, pool_limit: int) -> None:
+        """The pool admits only on leases, none held yet; caps are of ``pool_limit``."""
+        self._hooks = hooks
+        self._held = 0
+        self._share_limit = pool_limit
+        self._gate.own_limit(self)
+
+    def detach(self) -> None:
+        """Back to a pool of this replica alone, at the policy's limit."""
+        if self._hooks is None:
+            return
+        self._hooks = None
+        self._caps.clear()
+        pool = self._gate.policy.pool
+        self._gate.disown_limit(starting_limit(pool) if pool is not None else 0)
+
+    # --- LocalPool: what the lease manager calls ------------------------------------------
+
+    def set_leases(self, held: int, pool_limit: int) -> None:
+        """Admit at most ``held`` at once (a raised one admits at once); caps are of
+        ``pool_limit``."""
+        if self._hooks is None or self._gate.policy.pool is None:
+            return
+        if pool_limit != self._share_limit:
+            self._share_limit = pool_limit
+            self._gate.refresh_caps()
+        self._held = held
+        self._gate.set_pool_limit(held)
+
+    def shared_view(self) -> tuple[int, dict[int, int]]:
+        """(requests holding a slot of the pool, {band: waiters that one more lease each
+        would let in}): a waiter held back by its bucket's cap or the overload cut is no
+        demand for a lease."""
+        pool = self._gate.pool_statistics().get(POOL)
+        return lease_demand(pool, self._gate.statistics(), self._caps)
+
+    # --- LimitOwner: what the gate calls ------------------------------------------------------
+
+    def pool_limit(self) -> int:
+        return self._held
+
+    def bucket_share(self, bucket: BucketPolicy) -> tuple[float, int | None]:
+        """``max_share`` of the whole pool's limit, as an absolute cap (with the bucket's own
+        ``max_concurrency``, when it has one)."""
+        top = max(1, math.floor(bucket.max_share * self._share_limit + 1e-9))
+        cap = min(top, bucket.max_concurrency) if bucket.max_concurrency else top
+        self._caps[bucket.name] = cap
+        return 1.0, cap
+
+    def before_release(self) -> None:
+        if self._hooks is not None:
+            self._hooks.on_release()
+
+    def changed(self) -> None:
+        if self._hooks is not None:
+            self._hooks.on_change()
+
+
+_MODE_CODES: dict[str, int] = {Mode.SHARED: 0, Mode.DEGRADED: 1}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SharedSnapshot:
+    """The lease manager's gauges (its /debug/queues entry is ``LeaseManager.debug``)."""
+
+    state: Mode = field(
+        metadata=gauge(
+            "shared_state",
+            "Shared pool (pool.shared): 0 shared, 1 degraded (Redis unreachable).",
+            codes=_MODE_CODES,
+        )
+    )
+    leases_held: int = field(
+        metadata=gauge("shared_leases_held", "Leases of the shared pool this replica holds.")
+    )
+    pool_limit: int = field(
+        metadata=gauge(
+            "shared_pool_limit", "The shared pool's limit, all replicas together (as last seen)."
+        )
+    )
+    pool_held: int = field(
+        metadata=gauge("shared_pool_held", "Leases held by all replicas together (as last seen).")
+    )
+    replicas: int = field(
+        metadata=gauge("shared_replicas", "Live replicas of the shared pool (as last seen).")
+    )
+    leader: bool = field(
+        metadata=gauge(
+            "shared_leader", "1 when this replica computes the shared pool's adaptive limit."
+        )
+    )
+
+    @classmethod
+    def of(cls, m: LeaseManager) -> SharedSnapshot:
+        return cls(
+            state=m.mode,
+            leases_held=m.held,
+            pool_limit=m.limit,
+            pool_held=m.count,
+            replicas=len(m.replicas),
+            leader=m.is_leader,
+        )

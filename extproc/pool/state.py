@@ -1,0 +1,244 @@
+"""The admission core's mutable state: one ``PoolState`` per pool, one ``BucketState`` per bucket.
+
+Only ``extproc.pool.core.Admission`` changes them; the named decisions (``extproc.pool.order``)
+and the band questions (``extproc.pool.demand``) read them. Counts are kept, not recomputed:
+``PoolState.running`` and ``tokens`` are the sums over its buckets' running tickets.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from typing import Final
+
+from extproc.pool.order import BucketChoice, FifoOrder, GuaranteeBandHead, QueueOrder
+from extproc.pool.values import BucketStats, PoolStats, Ticket
+
+__all__ = [
+    "HOLD_EWMA_ALPHA",
+    "RATE_MIN_RELEASES",
+    "WAIT_SAMPLES",
+    "BucketState",
+    "PoolState",
+    "ewma",
+]
+
+# Weight of the newest hold time in the running means of hold times (Retry-After, predicted
+# waits).
+HOLD_EWMA_ALPHA: Final = 0.2
+# Predicted waits use the pool's running mean hold time, trusted once it has seen this many
+# releases (fewer: no prediction, nobody is refused for it).
+RATE_MIN_RELEASES: Final = 8
+# Recent admissions' waits kept per bucket, for the p95 the overload monitor reads.
+WAIT_SAMPLES: Final = 512
+
+_CHOICE: Final = GuaranteeBandHead()
+
+
+def ewma(mean: float | None, value: float) -> float:
+    return value if mean is None else (1 - HOLD_EWMA_ALPHA) * mean + HOLD_EWMA_ALPHA * value
+
+
+class PoolState:
+    __slots__ = (
+        "buckets",
+        "choice",
+        "cut",
+        "fail_fast",
+        "limit",
+        "max_tokens",
+        "mean_hold_s",
+        "name",
+        "releases",
+        "running",
+        "tokens",
+    )
+
+    def __init__(self, name: str, limit: int) -> None:
+        self.name = name
+        self.limit = limit
+        self.max_tokens: int | None = None
+        self.fail_fast = False
+        self.cut = 1.0  # the overload factor for the least urgent band
+        self.running = 0
+        self.tokens = 0
+        self.buckets: list[BucketState] = []  # sorted by priority
+        self.choice: BucketChoice = _CHOICE
+        self.mean_hold_s: float | None = None
+        self.releases = 0
+
+    def release_rate(self) -> float | None:
+        """Slots freed per second while the pool is full: limit / mean hold (Little's law;
+        the mean is over releases, so short requests weigh as often as they free a slot)."""
+        if self.releases < RATE_MIN_RELEASES or not self.mean_hold_s or self.limit < 1:
+            return None
+        return self.limit / self.mean_hold_s
+
+    def stats(self) -> PoolStats:
+        return PoolStats(
+            name=self.name,
+            limit=self.limit,
+            in_flight=self.running,
+            queued=sum(len(b.waiting) for b in self.buckets),
+            max_tokens=self.max_tokens,
+            tokens_in_flight=self.tokens,
+            release_rate=self.release_rate(),
+            cut=self.cut,
+        )
+
+
+class BucketState:
+    __slots__ = (
+        "admitted_total",
+        "cap",
+        "evicted_total",
+        "heap",
+        "max_queue",
+        "max_share",
+        "mean_hold_s",
+        "min_share",
+        "name",
+        "observer",
+        "order",
+        "pool",
+        "priority",
+        "queued_bytes",
+        "refused_total",
+        "running",
+        "shared",
+        "tokens",
+        "waiting",
+        "waits",
+    )
+
+    def __init__(self, name: str, pool: PoolState, max_queue: int) -> None:
+        self.name = name
+        self.pool = pool
+        self.shared = False  # in a named pool (else the pool is the bucket's own)
+        self.max_queue = max_queue
+        self.priority = 0
+        self.min_share = 0.0
+        self.max_share = 1.0
+        self.cap: int | None = None
+        self.order: QueueOrder = FifoOrder()
+        self.observer: QueueOrder | None = None  # the order, when it observes
+        self.waiting: dict[int, Ticket] = {}
+        self.heap: list[tuple[float, int]] = []  # (order key, ticket id), lazy deletion
+        # ticket id -> (ticket, admitted_at)
+        self.running: dict[int, tuple[Ticket, float]] = {}
+        self.tokens = 0
+        self.mean_hold_s: float | None = None
+        self.queued_bytes = 0
+        self.admitted_total = 0
+        self.evicted_total = 0
+        self.refused_total = 0
+        self.waits: deque[float] = deque(maxlen=WAIT_SAMPLES)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.running)
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    def configure(
+        self,
+        *,
+        max_queue: int,
+        priority: int = 0,
+        min_share: float = 0.0,
+        max_share: float = 1.0,
+        cap: int | None = None,
+        order: type[QueueOrder] = FifoOrder,
+    ) -> None:
+        """Its settings (the defaults: a bucket with slots of its own). An order of the same
+        class keeps its state (the cost order's running mean)."""
+        self.max_queue, self.priority, self.cap = max_queue, priority, cap
+        self.min_share, self.max_share = min_share, max_share
+        if type(self.order) is not order:
+            self.order = order()
+        self.observer = self.order if order.observes else None
+
+    def move(self, target: PoolState | None) -> PoolState:
+        """Move to another pool with its running requests' slots and tokens (None: a pool of
+        its own, at the old pool's limit); returns the pool it left."""
+        old = self.pool
+        old.buckets.remove(self)
+        old.running -= len(self.running)
+        old.tokens -= self.tokens
+        self.shared = target is not None
+        if target is None:
+            target = PoolState(self.name, max(1, old.limit))
+        target.buckets.append(self)
+        target.running += len(self.running)
+        target.tokens += self.tokens
+        self.pool = target
+        return old
+
+    def head(self) -> tuple[float, Ticket] | None:
+        heap = self.heap
+        while heap:
+            key, tid = heap[0]
+            ticket = self.waiting.get(tid)
+            if ticket is not None:
+                return key, ticket
+            heapq.heappop(heap)
+        return None
+
+    def ahead(self) -> int:
+        """Waiters of its band and of the more urgent ones (all served before a newcomer)."""
+        return sum(len(x.waiting) for x in self.pool.buckets if x.priority <= self.priority)
+
+    def predicted_wait_s(self, exclude: int = 0) -> float | None:
+        """The wait of a newcomer (``exclude``: the ticket that is that newcomer, already in
+        the queue): the requests ahead of it plus itself over the pool's release rate; None
+        until the rate is known."""
+        rate = self.pool.release_rate()
+        if rate is None:
+            return None
+        if len(self.running) < self.min_slots(self.pool.limit):
+            ahead = len(self.waiting)  # below its guaranteed share: served before other bands
+        else:
+            ahead = self.ahead()
+        if exclude in self.waiting:
+            ahead -= 1
+        return (ahead + 1) / rate
+
+    def stats(self, cut_band: int | None) -> BucketStats:
+        """``cut_band``: the band the pool's cut applies to now (``demand.cut_band``)."""
+        pool = self.pool
+        return BucketStats(
+            name=self.name,
+            capacity=self.max_slots(pool.limit, cut_band) if self.shared else pool.limit,
+            in_flight=len(self.running),
+            queued=len(self.waiting),
+            max_queue=self.max_queue,
+            mean_hold_s=self.mean_hold_s,
+            queued_bytes=self.queued_bytes,
+            pool=pool.name if self.shared else None,
+            priority=self.priority,
+            tokens_in_flight=self.tokens,
+            admitted_total=self.admitted_total,
+            evicted_total=self.evicted_total,
+            refused_total=self.refused_total,
+        )
+
+    def compact(self) -> None:
+        """Rebuild the queue's heap once stale entries (tickets gone) outnumber the live ones."""
+        if len(self.heap) > 64 and len(self.heap) > 2 * len(self.waiting):
+            self.heap = [(k, tid) for k, tid in self.heap if tid in self.waiting]
+            heapq.heapify(self.heap)
+
+    def min_slots(self, limit: int) -> int:
+        return math.floor(self.min_share * limit + 1e-9)
+
+    def max_slots(self, limit: int, cut_band: int | None) -> int:
+        top = max(1, math.floor(self.max_share * limit + 1e-9))
+        if self.cap is not None:
+            top = min(top, self.cap)
+        cut = self.pool.cut
+        if cut < 1.0 and self.priority == cut_band:
+            top = min(top, max(self.min_slots(limit), math.floor(cut * top)))
+        return top

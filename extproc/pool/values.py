@@ -1,0 +1,99 @@
+"""The admission core's value types: what goes in and what comes out (``extproc.pool.core``).
+
+All frozen, slotted and keyword-only, so tests compare whole objects. ``PoolStats`` is also the
+pool's snapshot for the gauges and /debug/queues (``extproc.pool.view``): its fields name them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from extproc.pool.view import HIDDEN, gauge
+
+__all__ = ["BucketStats", "Decision", "PoolStats", "Ticket", "Verdict"]
+
+
+class Verdict(StrEnum):
+    ADMITTED = "admitted"
+    QUEUED = "queued"
+    QUEUE_FULL = "queue_full"
+    WAIT_TOO_LONG = "wait_too_long"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ticket:
+    id: int
+    bucket: str
+    enqueued_at: float
+    deadline: float
+    # Bytes the request holds while it waits (its body, to be forwarded once admitted).
+    held_bytes: int = 0
+    # Estimated prompt tokens + effective max_tokens: what it costs the backend.
+    cost: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Decision:
+    verdict: Verdict
+    ticket: Ticket
+    # WAIT_TOO_LONG: the predicted wait, seconds.
+    predicted_wait_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BucketStats:
+    name: str
+    # The most slots the bucket may hold now (its own capacity, or its cap in its pool).
+    capacity: int
+    in_flight: int
+    queued: int
+    max_queue: int
+    # Running mean of how long a slot is held, seconds; None until a slot was released.
+    mean_hold_s: float | None
+    # Bytes of request bodies held by the bucket's waiting tickets.
+    queued_bytes: int = 0
+    pool: str | None = None  # None: the bucket's own slots
+    priority: int = 0
+    tokens_in_flight: int = 0
+    # Cumulative counts: admitted, evicted at the deadline, refused at once (full, too long).
+    admitted_total: int = 0
+    evicted_total: int = 0
+    refused_total: int = 0
+
+    def __repr__(self) -> str:
+        return f"{self.name} {self.in_flight}/{self.capacity} +{self.queued} queued"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolStats:
+    name: str = field(metadata=HIDDEN)
+    limit: int = field(
+        metadata=gauge("pool_limit", "The shared pool's limit: requests at the backend at once.")
+    )
+    in_flight: int = field(
+        metadata=gauge("pool_in_flight", "Requests holding a slot of the shared pool.")
+    )
+    queued: int = field(
+        metadata=gauge("pool_queued", "Requests waiting for a slot of the shared pool.")
+    )
+    max_tokens: int | None = field(
+        metadata=gauge(
+            "pool_tokens_limit",
+            "The pool's bound on estimated tokens in flight (0: none).",
+            if_none=0,
+            key="max_tokens_in_flight",
+        )
+    )
+    tokens_in_flight: int = field(
+        metadata=gauge(
+            "pool_tokens_in_flight", "Estimated prompt + max_tokens of the requests in flight."
+        )
+    )
+    # Slots freed per second, recently; None until measured.
+    release_rate: float | None = field(
+        metadata=gauge(
+            "pool_release_rate", "Slots the full pool frees per second: limit / mean hold."
+        )
+    )
+    cut: float = field(metadata=HIDDEN)  # the overload factor (the monitor's snapshot shows it)

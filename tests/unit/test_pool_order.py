@@ -1,0 +1,150 @@
+"""The pool's named decisions, table-driven: the order within a bucket and the choice across
+buckets, each class alone, then plugged into the core. Pure: no event loop."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.config.policy import Order
+from extproc.pool.core import Admission
+from extproc.pool.order import (
+    COST_EWMA_ALPHA,
+    QUEUE_ORDERS,
+    BucketChoice,
+    CostOrder,
+    FifoOrder,
+    GuaranteeBandHead,
+    QueueOrder,
+)
+from extproc.pool.state import BucketState, PoolState
+from extproc.pool.values import Ticket, Verdict
+
+
+def ticket(at: float = 0.0, cost: int = 0, tid: int = 1) -> Ticket:
+    return Ticket(id=tid, bucket="b", enqueued_at=at, deadline=at + 10.0, cost=cost)
+
+
+def test_the_policy_order_maps_to_one_class_each() -> None:
+    assert QUEUE_ORDERS == {Order.FIFO: FifoOrder, Order.COST: CostOrder}
+    assert set(QUEUE_ORDERS) == set(Order)
+
+
+@pytest.mark.parametrize(
+    ("at", "cost", "timeout", "key"),
+    [(0.0, 0, 10.0, 0.0), (3.5, 10_000, 10.0, 3.5), (7.0, 1, 0.0, 7.0)],
+)
+def test_fifo_keys_by_arrival_alone(at: float, cost: int, timeout: float, key: float) -> None:
+    assert FifoOrder().key(ticket(at, cost), timeout) == key
+
+
+@pytest.mark.parametrize(
+    ("costs", "keys"),
+    [
+        # The first request is its own mean: keyed a quarter of its timeout after arrival.
+        ([100], [2.5]),
+        # Free requests are never delayed.
+        ([0, 0], [0.0, 0.0]),
+        # Then the running mean moves 5 % towards each new cost: c0 = 100 -> 100 + 0.05 x 9900.
+        ([100, 10_000], [2.5, 5 * 10_000 / (10_000 + 100)]),
+        # A cheap one after an expensive one: keyed far earlier.
+        ([10_000, 10], [2.5, 5 * 10 / (10 + 10_000)]),
+    ],
+)
+def test_cost_keys_delay_by_relative_cost(costs: list[int], keys: list[float]) -> None:
+    order = CostOrder()
+    got = [order.key(ticket(0.0, c), 10.0) for c in costs]
+    assert got == pytest.approx(keys)
+    mean = float(costs[0])
+    for c in costs[1:]:
+        mean += COST_EWMA_ALPHA * (c - mean)
+    assert order.mean_cost == pytest.approx(mean)
+
+
+def test_cost_delay_is_at_most_half_the_timeout() -> None:
+    order = CostOrder()
+    order.key(ticket(0.0, 1), 10.0)
+    assert order.key(ticket(0.0, 10**9), 10.0) == pytest.approx(5.0, abs=1e-6)
+
+
+def bucket(priority: int, running: int, min_share: float) -> BucketState:
+    b = BucketState("b", PoolState("p", 10), 10)
+    b.configure(max_queue=10, priority=priority, min_share=min_share)
+    for i in range(running):
+        b.running[i] = (ticket(tid=i), 0.0)
+    return b
+
+
+@pytest.mark.parametrize(
+    ("priority", "running", "min_share", "head", "rank"),
+    [
+        (5, 0, 0.2, 3.0, (0, 5, 3.0)),  # below its guarantee of 2: first
+        (5, 2, 0.2, 3.0, (1, 5, 3.0)),  # at its guarantee: by band
+        (0, 9, 0.0, 1.0, (1, 0, 1.0)),  # no guarantee: by band, then head
+    ],
+)
+def test_guarantee_band_head_ranks(
+    priority: int, running: int, min_share: float, head: float, rank: tuple[float, ...]
+) -> None:
+    assert GuaranteeBandHead().rank(bucket(priority, running, min_share), head, 10) == rank
+
+
+def test_a_new_choice_is_a_class_the_core_takes() -> None:
+    """Earliest head first, whatever the band: the core's fill loop is unchanged."""
+
+    class EarliestHead(BucketChoice):
+        def rank(self, bucket: BucketState, head_key: float, limit: int) -> tuple[float, ...]:
+            return (head_key,)
+
+    for choice, first in ((None, "hi"), (EarliestHead(), "lo")):
+        a = Admission({})
+        a.set_pool("p", 1, 0.0, choice=choice)
+        a.set_bucket("hi", 0.0, pool="p", max_queue=5, priority=0)
+        a.set_bucket("lo", 0.0, pool="p", max_queue=5, priority=10)
+        holder = a.enqueue("hi", 0.0, 10.0).ticket
+        lo = a.enqueue("lo", 1.0, 10.0).ticket
+        hi = a.enqueue("hi", 2.0, 10.0).ticket
+        assert a.release(holder.id, 3.0) == [hi if first == "hi" else lo]
+
+
+def test_an_observing_order_hears_its_admissions_and_releases() -> None:
+    heard: list[tuple[str, int, float]] = []
+
+    class Observed(FifoOrder):
+        observes = True
+
+        def admitted(self, ticket: Ticket, now: float) -> None:
+            heard.append(("admitted", ticket.id, now))
+
+        def released(self, ticket: Ticket, now: float) -> None:
+            heard.append(("released", ticket.id, now))
+
+    a = Admission({"b": (1, 5)})
+    a._buckets["b"].configure(max_queue=5, order=Observed)
+    first = a.enqueue("b", 0.0, 10.0)
+    second = a.enqueue("b", 1.0, 10.0)
+    assert (first.verdict, second.verdict) == (Verdict.ADMITTED, Verdict.QUEUED)
+    a.release(first.ticket.id, 2.0)
+    assert heard == [
+        ("admitted", first.ticket.id, 0.0),
+        ("released", first.ticket.id, 2.0),
+        ("admitted", second.ticket.id, 2.0),
+    ]
+
+
+def test_the_same_order_class_keeps_its_state_across_a_reconfiguration() -> None:
+    b = bucket(0, 0, 0.0)
+    b.configure(max_queue=10, order=CostOrder)
+    order = b.order
+    assert isinstance(order, CostOrder)
+    order.key(ticket(0.0, 500), 1.0)
+    b.configure(max_queue=20, order=CostOrder)
+    assert b.order is order and order.mean_cost == 500.0
+    b.configure(max_queue=20)
+    assert isinstance(b.order, FifoOrder) and b.observer is None
+
+
+def test_the_base_classes_name_the_one_method_to_write() -> None:
+    with pytest.raises(NotImplementedError):
+        QueueOrder().key(ticket(), 1.0)
+    with pytest.raises(NotImplementedError):
+        BucketChoice().rank(bucket(0, 0, 0.0), 0.0, 1)
