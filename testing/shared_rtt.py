@@ -19,8 +19,8 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from extproc.config.policy import SharedPolicy
-from extproc.shared import LeaseManager
-from extproc.shared.scripts import ACQUIRE, RENEW, RETURN, Keys
+from extproc.pool.shared import LeaseManager
+from extproc.pool.shared.scripts import ACQUIRE, RENEW, RETURN, Keys
 from testing.redis import RedisServer
 
 

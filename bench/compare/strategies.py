@@ -220,7 +220,7 @@ def replica_limits(strategy: Strategy, cap: Capacity, opts: Options) -> list[int
     all replicas together) and ``replicas-full`` (each replica the whole pool: what replicas
     configured from one backend's capacity admit today, ``replicas`` x C in all); for
     ``replicas-split`` C / ``replicas``, the remainder to the first replicas, so the limits add
-    up to C (as the shared pool's local shares do, ``extproc.shared.leases``)."""
+    up to C (as the shared pool's local shares do, ``extproc.pool.shared.leases``)."""
     n, c = opts.replicas, cap.concurrency
     if strategy == "replicas-split":
         return [max(1, c // n + (1 if i < c % n else 0)) for i in range(n)]

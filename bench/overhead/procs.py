@@ -40,7 +40,7 @@ _SIDECARS = (SIDECAR_GRPC, SIDECAR, SIDECAR_SHARED, HELD)
 def script_calls(commandstats: Mapping[str, Any]) -> int:
     """Lua script calls (EVAL, EVALSHA and their read-only forms) in Redis's ``INFO
     commandstats``, as redis-py parses it (``{"cmdstat_evalsha": {"calls": 12, ...}}``): one
-    per round trip of the lease manager (``extproc.shared.scripts``)."""
+    per round trip of the lease manager (``extproc.pool.shared.scripts``)."""
     total = 0
     for name, stats in commandstats.items():
         command = name.removeprefix("cmdstat_")

@@ -14,7 +14,7 @@ Control plane (on the event loop, off the request path):
 - ``adaptive``: the adaptive limit (``AdaptiveLimit``, pure); ``poller``: its ``Poller``,
   which scrapes the backend (``extproc.backend.scrape``) on an interval; ``overload``: staged
   recovery (``OverloadMonitor``, pure); ``lease_adapter``: the local pool as the lease manager
-  of a shared pool (``extproc.shared``) sees it; ``control``: ``PoolControl``, which wires the
+  of a shared pool (``extproc.pool.shared``) sees it; ``control``: ``PoolControl``, which wires the
   three controllers (adaptive limit, staged recovery, shared leases) to the gate.
 - ``view``: gauges and /debug/queues rendered from the controllers' ``snapshot()``.
 

@@ -12,7 +12,7 @@
   least urgent band holds no more than its guaranteed share; when it clears, its cap comes back
   50% -> 80% -> 100%, each step held ``step_hold``. A policy whose buckets share one priority
   has nothing to protect and no cut.
-- Shared leases (``pool.shared``): ``extproc.shared.LeaseManager``, through
+- Shared leases (``pool.shared``): ``extproc.pool.shared.LeaseManager``, through
   ``extproc.pool.lease_adapter.LeaseAdapter``, sets the gate's limit to the leases this replica
   holds. With an adaptive pool, only the replica that holds the leadership (elected in Redis)
   runs the poller, on the whole pool's demand (``demand.shared_limit_demand``), and publishes
@@ -55,9 +55,9 @@ from extproc.pool.gate import POOL, Gate
 from extproc.pool.lease_adapter import LeaseAdapter, SharedSnapshot, starting_limit
 from extproc.pool.overload import Overload, OverloadMonitor, OverloadSnapshot
 from extproc.pool.poller import BackendSnapshot, Poller
+from extproc.pool.shared import LeaseManager
 from extproc.pool.values import PoolStats
 from extproc.pool.view import render_debug, render_gauges
-from extproc.shared import LeaseManager
 
 __all__ = ["OVERLOAD_TICK_S", "PoolControl"]
 
@@ -220,13 +220,7 @@ class PoolControl:
         if self._shared is not None:
             initial = self._shared.limit
         limit = AdaptiveLimit(a, initial=initial, fallback_limit=fallback)
-        scraper = Scraper(
-            backend.metrics,
-            timeout_s=backend.scrape_timeout_s,
-            window_s=a.window_s,
-            ttft_quantile=a.ttft_quantile,
-            itl_quantile=a.itl_quantile,
-        )
+        scraper = Scraper.from_policy(backend, a)
         if self._shared is not None:
             self._shared.publish_limit(limit.limit)
         else:

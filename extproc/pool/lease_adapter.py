@@ -1,7 +1,7 @@
 """The local pool as the lease manager of a shared pool sees it.
 
 With ``pool.shared``, several replicas draw the pool's slots from Redis as leases
-(``extproc.shared.LeaseManager``). The manager talks to the local pool through this adapter,
+(``extproc.pool.shared.LeaseManager``). The manager talks to the local pool through this adapter,
 which implements its ``LocalPool`` protocol over the gate; the gate knows only that a
 ``LimitOwner`` holds its limit (``Gate.own_limit``), not that leases or Redis exist.
 
@@ -30,8 +30,8 @@ from typing import Protocol
 from extproc.config.policy import BucketPolicy, PoolPolicy
 from extproc.pool.demand import lease_demand
 from extproc.pool.gate import POOL, Gate
+from extproc.pool.shared import LeaseManager, Mode
 from extproc.pool.view import gauge
-from extproc.shared import LeaseManager, Mode
 
 __all__ = ["LeaseAdapter", "LeaseHooks", "SharedSnapshot", "starting_limit"]
 
@@ -56,7 +56,7 @@ class LeaseHooks(Protocol):
 
 
 class LeaseAdapter:
-    """The ``LocalPool`` of ``extproc.shared.LeaseManager``, and the gate's ``LimitOwner``."""
+    """The ``LocalPool`` of ``extproc.pool.shared.LeaseManager``, and the gate's ``LimitOwner``."""
 
     def __init__(self, gate: Gate) -> None:
         self._gate = gate

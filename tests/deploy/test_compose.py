@@ -29,7 +29,7 @@ import yaml
 
 from extproc.config.envoy import render
 from extproc.config.policy import load_policy
-from extproc.shared.scripts import Keys
+from extproc.pool.shared.scripts import Keys
 from testing.dockerfile import dockerfile_stages, flag
 from testing.envoy import (
     EXT_PROC_FILTER,

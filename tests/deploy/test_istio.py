@@ -27,7 +27,7 @@ import redis
 
 from extproc.config.envoy import render
 from extproc.config.policy import Policy, policy_from_yaml
-from extproc.shared.scripts import Keys
+from extproc.pool.shared.scripts import Keys
 from testing.dockerfile import flag
 from testing.envoy import (
     EXT_PROC_FILTER,

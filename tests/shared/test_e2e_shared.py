@@ -2,7 +2,7 @@
 simulator, sharing one real redis-server. The simulator's own count of requests (running +
 waiting, polled every 10 ms) is what says whether the pool's limit held.
 
-Documented slack (``extproc.shared.leases``): none in shared mode. A client abort frees the
+Documented slack (``extproc.pool.shared.leases``): none in shared mode. A client abort frees the
 slot when Envoy resets the stream, and the simulator drops the request only when it sees the
 disconnect a moment later: up to ``ABORT_SLACK`` more while clients abort. A Redis outage adds
 each replica's running requests above its local share when its leases expire, measured just
@@ -29,7 +29,7 @@ import aiohttp
 import pytest
 import redis
 
-from extproc.shared.scripts import Keys
+from extproc.pool.shared.scripts import Keys
 from testing.gateways import Gateways, Sampler
 from testing.harness import outcomes, scrape, wait_idle
 from testing.stack import Stack

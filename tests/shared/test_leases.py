@@ -15,9 +15,9 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from extproc.config.policy import SharedPolicy
-from extproc.shared import LeaseManager, Mode
-from extproc.shared.decide import local_share
-from extproc.shared.scripts import ACQUIRE, RENEW, RETURN, Keys, decode_demand, encode_demand
+from extproc.pool.shared import LeaseManager, Mode
+from extproc.pool.shared.decide import local_share
+from extproc.pool.shared.scripts import ACQUIRE, RENEW, RETURN, Keys, decode_demand, encode_demand
 from testing.redis import RedisServer
 
 LEASE_S = 1.0

@@ -1,4 +1,4 @@
-"""Tier 1: the shared pool's lease decisions (``extproc.shared.decide``), from plain snapshots.
+"""Tier 1: the shared pool's lease decisions (``extproc.pool.shared.decide``), from plain snapshots.
 No Redis, no event loop, no sleeps: each table row is one replica at one moment and what it
 does next."""
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from extproc.shared import decide
-from extproc.shared.decide import (
+from extproc.pool.shared import decide
+from extproc.pool.shared.decide import (
     POLL_S,
     Acquire,
     GiveBack,

@@ -1,5 +1,5 @@
-"""Tier 1: the scripts' replies decoded (``extproc.shared.replies``) and applied to what one
-replica knows (``extproc.shared.ledger``). No Redis, no event loop."""
+"""Tier 1: the scripts' replies decoded (``extproc.pool.shared.replies``) and applied to what one
+replica knows (``extproc.pool.shared.ledger``). No Redis, no event loop."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from collections.abc import Callable
 import pytest
 
 from extproc.config.policy import SharedPolicy
-from extproc.shared import replies
-from extproc.shared.decide import Grace, Mode, View
-from extproc.shared.ledger import Ledger, Renewed
-from extproc.shared.replies import DemandChanged, Freed, ReplyError
+from extproc.pool.shared import replies
+from extproc.pool.shared.decide import Grace, Mode, View
+from extproc.pool.shared.ledger import Ledger, Renewed
+from extproc.pool.shared.replies import DemandChanged, Freed, ReplyError
 
 
 def test_replies_decode_as_redis_py_reads_them() -> None:

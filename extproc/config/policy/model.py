@@ -128,7 +128,7 @@ class BucketPolicy:
     queue_timeout_s: float
     max_queue: int
     trusted: bool = False
-    # With a pool (extproc.admission.core): band, guaranteed and largest share, queue order.
+    # With a pool (extproc.pool.core): band, guaranteed and largest share, queue order.
     priority: int = 0
     min_share: float = 0.0
     max_share: float = 1.0
@@ -139,7 +139,7 @@ class BucketPolicy:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdaptivePolicy:
-    """The pool's limit from the backend's metrics (extproc.backend.adaptive)."""
+    """The pool's limit from the backend's metrics (extproc.pool.adaptive)."""
 
     min_limit: int = 4
     max_limit: int = 512
@@ -157,7 +157,7 @@ class AdaptivePolicy:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OverloadPolicy:
-    """Staged recovery after overload (extproc.backend.overload)."""
+    """Staged recovery after overload (extproc.pool.overload)."""
 
     enabled: bool = True
     tighten_eviction_rate: float = 0.05
@@ -167,7 +167,7 @@ class OverloadPolicy:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SharedPolicy:
-    """One pool for several replicas, its slots leased from Redis (extproc.shared)."""
+    """One pool for several replicas, its slots leased from Redis (extproc.pool.shared)."""
 
     redis: str
     key_prefix: str = "llm-extproc:pool"

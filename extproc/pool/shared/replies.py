@@ -2,7 +2,7 @@
 
 A script's reply comes as redis-py reads it from a client without ``decode_responses``: Lua
 numbers as ``int``, strings as ``bytes``, tables as lists (the shapes are documented beside
-each script in ``extproc.shared.scripts``). A reply of another shape raises ``ReplyError``,
+each script in ``extproc.pool.shared.scripts``). A reply of another shape raises ``ReplyError``,
 which names the script, the item and what was found. The demand tables inside are read as
 leniently as ``decode_demand`` reads them (items that do not parse count for nothing): other
 replicas wrote them.
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from extproc.shared.scripts import decode_demand
+from extproc.pool.shared.scripts import decode_demand
 
 __all__ = [
     "Acquired",

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 Several gateway replicas draw one pool's slots from Redis as *leases* (the keys and the Lua
-scripts: ``extproc.shared.scripts``). Each replica's local admission core stays the authority
+scripts: ``extproc.pool.shared.scripts``). Each replica's local admission core stays the authority
 on local order (bands, shares, cost order, deadlines, eviction, disconnects); its local pool's
 limit is the number of leases the replica holds (``LocalPool.set_leases``), so ``running <=
 held`` on every replica and ``sum(held) <= limit`` in Redis: the pool is exact across replicas.
@@ -70,7 +70,7 @@ the unreachable replicas' shares), (3) when the live count a degraded replica la
 too low.
 
 Nothing here reads a clock, draws a random number or does I/O: ``now`` and the uniforms ``u``
-in [0, 1) come from the caller, the asyncio shell ``extproc.shared.leases``, which does what
+in [0, 1) come from the caller, the asyncio shell ``extproc.pool.shared.leases``, which does what
 the actions say (the calls, their deadlines, pub/sub, the mode changes).
 """
 

@@ -32,7 +32,7 @@ reserves what it waits for; the caller's own band takes what is free, split with
 waiters of the same band in proportion to the waiters (rounded up for the caller, so a single
 free slot is never left to nobody). So the more urgent band on replica A beats a less urgent
 band on replica B even though B asked first. Who a given-back slot is for is the giver's choice
-(``extproc.shared.leases``): a replica of the most urgent band waiting, drawn in proportion to
+(``extproc.pool.shared.leases``): a replica of the most urgent band waiting, drawn in proportion to
 its waiters, so within one band the pool's slots go to replicas as their waiters are.
 """
 

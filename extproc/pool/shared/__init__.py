@@ -8,6 +8,6 @@ events decoded. ``client``: the Redis connections and the calls under their dead
 mode, rejoin).
 """
 
-from extproc.shared.leases import LeaseManager, LocalPool, Mode
+from extproc.pool.shared.leases import LeaseManager, LocalPool, Mode
 
 __all__ = ["LeaseManager", "LocalPool", "Mode"]

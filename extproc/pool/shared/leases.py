@@ -1,10 +1,10 @@
 """The lease manager: the asyncio shell that does what one replica's lease decisions say.
 
-The theory of operation and the decisions are in ``extproc.shared.decide``; what the replica
-knows (its ids, the pool as last heard, its mode) in ``extproc.shared.ledger``, which
-``LeaseManager`` extends; the calls in ``extproc.shared.client`` (replies decoded by
-``extproc.shared.replies``; keys and scripts in ``extproc.shared.scripts``). This module owns
-what waits: the clock, the calls in flight, pub/sub, the changes of mode, the tasks.
+The theory of operation and the decisions are in ``decide`` (``extproc.pool.shared.decide``);
+what the replica knows (its ids, the pool as last heard, its mode) in ``ledger``, which
+``LeaseManager`` extends; the calls in ``client`` (replies decoded by ``replies``; keys and
+scripts in ``scripts``). This module owns what waits: the clock, the calls in flight, pub/sub,
+the changes of mode, the tasks.
 
 When it decides
 ---------------
@@ -52,14 +52,14 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, Protocol, TypeVar
 
 from extproc.config.policy import SharedPolicy
-from extproc.shared import decide, replies
-from extproc.shared.client import CallFailed, PoolClient
-from extproc.shared.decide import POLL_S, Acquire, GiveBack, Mode, PublishDemand
-from extproc.shared.ledger import Ledger
+from extproc.pool.shared import decide, replies
+from extproc.pool.shared.client import CallFailed, PoolClient
+from extproc.pool.shared.decide import POLL_S, Acquire, GiveBack, Mode, PublishDemand
+from extproc.pool.shared.ledger import Ledger
 
 __all__ = ["HANDOFF_S", "POLL_S", "TICK_S", "LeaseManager", "LocalPool", "Mode"]
 
-log = logging.getLogger("extproc.shared")
+log = logging.getLogger("extproc.shared")  # the logger name operators filter on
 
 _T = TypeVar("_T")
 
@@ -70,7 +70,7 @@ HANDOFF_S = 3 * POLL_S
 
 
 class LocalPool(Protocol):
-    """The local side (``extproc.admission.gate.Gate``)."""
+    """The local side (``extproc.pool.lease_adapter.LeaseAdapter``)."""
 
     def shared_view(self) -> tuple[int, dict[int, int]]:
         """(requests holding a slot, {band: waiters that one more lease each would let in})."""

@@ -2,8 +2,8 @@
 deadline, the events channel.
 
 Every call passes the ARGV each script starts with (the replica's id, the lease in ms, the
-replica's own limit, the events channel: ``extproc.shared.scripts``), runs under
-``pool.shared.timeout`` and returns the reply decoded (``extproc.shared.replies``). A call
+replica's own limit, the events channel: ``extproc.pool.shared.scripts``), runs under
+``pool.shared.timeout`` and returns the reply decoded (``extproc.pool.shared.replies``). A call
 that fails (a Redis error, a socket error, the deadline) raises ``CallFailed``, which names
 the script; a reply of another shape raises ``ReplyError``. The first call of a script after
 Redis started also loads it (NOSCRIPT, two more round trips, once). A pooled connection
@@ -28,8 +28,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from extproc.config.policy import SharedPolicy
-from extproc.shared import replies
-from extproc.shared.scripts import ACQUIRE, RENEW, RETURN, Keys, encode_demand
+from extproc.pool.shared import replies
+from extproc.pool.shared.scripts import ACQUIRE, RENEW, RETURN, Keys, encode_demand
 
 __all__ = ["CallFailed", "PoolClient"]
 

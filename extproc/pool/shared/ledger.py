@@ -13,12 +13,12 @@ A ``Ledger`` holds
 - its mode and clocks: degraded since when, until when Redis counts our leases, the grace
   after a rejoin.
 
-Its methods apply one decoded reply (``extproc.shared.replies``) or one change of mode, with
+Its methods apply one decoded reply (``extproc.pool.shared.replies``) or one change of mode, with
 the time passed in, and say what the caller must act on. ``known`` is what the decisions
-read (``extproc.shared.decide.View``): made again after each change (every method that
+read (``extproc.pool.shared.decide.View``): made again after each change (every method that
 changes a field of it, and the shell after it changes its calls in flight, call
 ``changed``), and the same object until then. The asyncio shell,
-``extproc.shared.leases.LeaseManager``, is a ``Ledger`` that also does the calls, so the
+``extproc.pool.shared.leases.LeaseManager``, is a ``Ledger`` that also does the calls, so the
 state a gauge or a test reads (``limit``, ``held``, ``mode``...) is the ledger's.
 """
 
@@ -30,8 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from extproc.config.policy import SharedPolicy
-from extproc.shared import decide, replies
-from extproc.shared.decide import NO_GRACE, Mode, View
+from extproc.pool.shared import decide, replies
+from extproc.pool.shared.decide import NO_GRACE, Mode, View
 
 __all__ = ["Ledger", "Renewed"]
 
