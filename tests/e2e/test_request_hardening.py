@@ -4,6 +4,9 @@
   reaches vLLM: a bucket with ``vllm_priority`` writes its own, a bucket without one removes it.
 - A number beyond the double range (``1e400``) is refused with 400 ``invalid_json``, so a
   rewritten body can never carry ``Infinity``.
+- The prompt estimate without a tokenizer charges a character by its UTF-8 length: 6,000 emoji
+  are 24,000 tokens (real tokenizers: 6,000-24,000), not 1,500, so they cannot pass a
+  ``max_prompt_tokens`` of 4,096.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from testing.stack import Stack
 # The README's "what the default leaves off" buckets: retries behind first attempts, with no
 # vllm_priority of their own, and a catch-all that sets one.
 POLICY = """
+limits: {max_prompt_tokens: 4096}
 pool: {max_concurrency: 8}
 buckets:
   - {name: retries, match: {retried: true}, priority: 1, queue_timeout: 30s, max_queue: 100}
@@ -92,3 +96,14 @@ def test_a_number_beyond_the_double_range_is_refused(stack: Stack, number: bytes
     assert status == 400
     assert answer["error"]["code"] == "invalid_json"
     assert "out of range" in answer["error"]["message"]
+
+
+def test_emoji_cannot_pass_the_prompt_limit_as_a_quarter_token_each(stack: Stack) -> None:
+    status, answer = post(
+        stack, chat(max_tokens=10).replace(b'"hi"', b'"' + "😀".encode() * 6000 + b'"')
+    )
+    assert status == 413, answer
+    assert answer["error"]["code"] == "prompt_too_long"
+    assert "about 24003 tokens" in answer["error"]["message"]  # 6,000 x 4 + 1 message x 3
+    status, answer = post(stack, chat(max_tokens=10).replace(b'"hi"', b'"' + b"abcd" * 1000 + b'"'))
+    assert status == 200, answer  # 4,000 ASCII characters: 1,000 tokens

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -235,8 +236,11 @@ def test_prompt_estimate_counts_text_parts_tools_and_fixed_costs() -> None:
         "buckets: [{name: a, max_concurrency: 1, queue_timeout: 1s}]"
     )
     cls = classify(policy, token_counter(policy.tokens), {}, parsed)
-    # ceil(chars / 4) + 2 non-text parts * 512 + 3 messages * 3
-    assert cls.prompt_tokens == -(-text_chars // 4) + 2 * 512 + 3 * 3
+    # ceil((chars - digits) / 4 + digits) + 2 non-text parts * 512 + 3 messages * 3; the only
+    # digit is the tool call's id "1"
+    digits = sum(ch.isdigit() for t in parsed.texts for ch in t)
+    assert digits == 1
+    assert cls.prompt_tokens == math.ceil((text_chars - 1) / 4 + 1) + 2 * 512 + 3 * 3
 
 
 def test_completions_prompts() -> None:
@@ -440,3 +444,20 @@ def test_a_bucket_without_vllm_priority_removes_the_clients(body: bytes) -> None
 
 def test_a_body_without_priority_is_left_alone_by_a_bucket_without_vllm_priority() -> None:
     assert run(CHAT, chat(max_tokens=10)).new_body is None
+
+
+@pytest.mark.parametrize(
+    "text,tokens",
+    [
+        ("abcd" * 10, 10),  # ASCII prose: chars_per_token
+        ("2024-12-01", 9),  # digits a token each: 8 + 2 / 4
+        ("é" * 8, 8),  # 2-byte characters: 1 each
+        ("准入控制", 8),  # 3-byte: 2 each
+        ("∑∫√", 6),
+        ("😀" * 6000, 24000),  # 4-byte: 4 each (issue 22: was 1,500)
+        ("a\ud800", 3),  # a lone surrogate, as a JSON escape allows: 3 bytes, 2 tokens + 1/4
+        ("hi 😀 Привет 你好 42", 18),  # mixed: 6 ASCII / 4 + emoji 4 + 6 + 2 x 2 + digits 2
+    ],
+)
+def test_the_fallback_estimate_charges_characters_by_what_they_are(text: str, tokens: int) -> None:
+    assert token_counter(POLICY.tokens)((text,)) == tokens
