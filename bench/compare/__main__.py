@@ -13,8 +13,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from bench.load.presets import MIXES
 from bench.load.summary import LoadResult, RequestRecord
-from bench.load.workload import MIXES
 from bench.sim.profiles import PROFILES
 
 from .capacity import Capacity, determine_capacity, live_capacity

@@ -16,6 +16,7 @@ import aiohttp
 
 from bench.common.stats import percentile
 from bench.common.table import fmt
+from bench.load.client import Call, attempt, session
 from bench.load.runner import request_payload
 from bench.load.workload import PlannedRequest, build_schedule
 from bench.sim.profiles import EngineConfig
@@ -240,18 +241,15 @@ async def _live_saturation(url: str, mix: Sequence[PlannedRequest], opts: Option
     done: list[float] = []
     queue: Iterator[PlannedRequest] = itertools.cycle(mix)
 
-    async def worker(session: aiohttp.ClientSession) -> None:
+    async def worker(http: aiohttp.ClientSession) -> None:
         while loop.time() - t0 < horizon:
             pr = next(queue)
-            body = request_payload(specs[pr.cls], pr, "sim")
-            async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
-                await resp.read()
-                if resp.status == 200:
-                    done.append(loop.time() - t0)
+            body = json.dumps(request_payload(specs[pr.cls], pr, "sim")).encode()
+            if (await attempt(http, url, Call(body=body))).status == 200:
+                done.append(loop.time() - t0)
 
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        workers = [asyncio.create_task(worker(session)) for _ in range(opts.engine.max_num_seqs)]
+    async with session() as http:
+        workers = [asyncio.create_task(worker(http)) for _ in range(opts.engine.max_num_seqs)]
         await asyncio.sleep(horizon)
         for w in workers:
             w.cancel()

@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final, Literal
 
-from bench.load.workload import ClassSpec, Mix, default_classes
+from bench.load.presets import Mix, default_classes
+from bench.load.workload import ClassSpec
 from bench.sim.profiles import PROFILES, EngineConfig
 from testing.stack import REPO
 
