@@ -31,27 +31,28 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.common.policy import policy_yaml
 from bench.common.stats import percentile
 from bench.load.client import Call, attempt, send_all, session
 from bench.load.presets import soak_arrivals
 from testing.stack import REPO, Stack
 
+SLOTS = 12
 # One shared pool of 12 with two bands, a token bound that binds now and then (requests cost
 # up to ~500 tokens), cost order and predicted-wait refusals: every path that takes or gives
 # back a slot runs.
-SOAK_POLICY = """
-pool: {max_concurrency: 12, max_tokens_in_flight: 4000}
-buckets:
-  - name: interactive
-    match: {headers: {x-llm-class: interactive}}
-    priority: 0
-    min_share: 0.5
-    queue_timeout: 1s
-    max_queue: 100
-  - {name: batch, priority: 10, min_share: 0.25, max_share: 0.75, order: cost,
-     queue_timeout: 5s, max_queue: 200}
-"""
-SLOTS = 12
+SOAK_POLICY = policy_yaml(
+    {
+        "pool": {"max_concurrency": SLOTS, "max_tokens_in_flight": 4000},
+        "buckets": [
+            {"name": "interactive", "match": {"headers": {"x-llm-class": "interactive"}},
+             "priority": 0, "min_share": 0.5, "queue_timeout": "1s", "max_queue": 100},
+            {"name": "batch", "priority": 10, "min_share": 0.25, "max_share": 0.75,
+             "order": "cost", "queue_timeout": "5s", "max_queue": 200},
+        ],
+    },
+    source="bench.soak",
+)  # fmt: skip
 
 
 @dataclass(slots=True)
