@@ -21,12 +21,20 @@ import yaml
 
 from extproc.config.policy import Policy, policy_from_mapping
 
-__all__ = ["REDIS_PLACEHOLDER", "REDIS_STAND_IN", "policy_yaml", "validated", "wall_ms"]
+__all__ = [
+    "REDIS_PLACEHOLDER",
+    "REDIS_STAND_IN",
+    "STAND_INS",
+    "policy_yaml",
+    "validated",
+    "wall_ms",
+]
 
 # Where a policy names the Redis that testing.gateways.Gateways (or the overhead bench) starts.
 REDIS_PLACEHOLDER: Final = "{redis}"
 # A well-formed URL in its place, for validation (nothing connects to it).
 REDIS_STAND_IN: Final = "redis://127.0.0.1:6379/0"
+STAND_INS: Final = {REDIS_PLACEHOLDER: REDIS_STAND_IN}
 
 
 def wall_ms(sim_s: float, speedup: float = 1.0) -> str:
@@ -50,9 +58,7 @@ def validated(
 ) -> Policy:
     """The resolved policy of ``data`` (placeholders replaced by their ``stand_ins``); raises
     ``PolicyError`` naming ``source`` and the field."""
-    if stand_ins is None:
-        stand_ins = {REDIS_PLACEHOLDER: REDIS_STAND_IN}
-    return policy_from_mapping(_filled(data, stand_ins), source)
+    return policy_from_mapping(_filled(data, STAND_INS if stand_ins is None else stand_ins), source)
 
 
 class _Dumper(yaml.SafeDumper):

@@ -170,6 +170,21 @@ async def attempt(session: aiohttp.ClientSession, base_url: str, call: Call) -> 
     return reply
 
 
+async def _acquire(
+    places: asyncio.Semaphore, stop: float | None, loop: asyncio.AbstractEventLoop
+) -> bool:
+    """A free place, waiting no later than ``stop`` (loop time); False when none came."""
+    if stop is None:
+        await places.acquire()
+        return True
+    try:
+        async with asyncio.timeout_at(stop):
+            await places.acquire()
+    except TimeoutError:
+        return False
+    return True
+
+
 @dataclass(slots=True, kw_only=True)
 class Sent(Generic[T, R]):
     """What :func:`send_all` did."""
@@ -194,8 +209,9 @@ async def send_all(
     """``send(item, at)`` for each ``(t, item)`` at ``t / speedup`` wall seconds from now
     (``at``: that instant on the loop's clock), each in a task of its own; then wait for them
     all. ``concurrency``: at most that many sends at once, an arrival waits for a free place;
-    ``stop_after_s``: arrivals whose place comes later are not sent; ``hard_cap_s``: sends
-    still open then are cancelled (both in the arrivals' time units). ``keep=False`` keeps no
+    ``stop_after_s``: arrivals whose time or place comes later are not sent (an endless
+    iterable of arrivals then ends); ``hard_cap_s``: sends still open then are cancelled (both
+    in the arrivals' time units). ``keep=False`` keeps no
     results (a long soak), only the count."""
     loop = asyncio.get_running_loop()
     out: Sent[T, R] = Sent()
@@ -220,8 +236,8 @@ async def send_all(
             at = t0 + t_s / speedup
             if (delay := at - loop.time()) > 0:
                 await asyncio.sleep(delay)
-            if places is not None:
-                await places.acquire()
+            if places is not None and not await _acquire(places, stop, loop):
+                break  # no place before the stop
             now = loop.time()
             if stop is not None and now > stop:
                 if places is not None:
