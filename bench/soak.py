@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "sent": sent,
         "ok": sum(w.ok for w in windows),
         "refused_429": sum(w.refused for w in windows),
-        "aborted": sum(w.aborted for w in windows),
+        "aborted": (aborted := sum(w.aborted for w in windows)),
         "counted_by_sidecar": g["finished"],
         "in_flight_after": g["in_flight"],
         "queued_after": g["queued"],
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     problems = []
     if g["in_flight"] or g["queued"] or g.get("pool_in_flight") or g.get("pool_tokens_in_flight"):
         problems.append("slots, tokens or queue entries left behind")
-    if not sent - report["aborted"] <= g["finished"] <= sent:
+    if not sent - aborted <= g["finished"] <= sent:
         problems.append("outcome counters do not add up")
     if growth > args.max_rss_growth_mb:
         problems.append(f"RSS grew by {growth:.1f} MB")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Generic, Literal, TypeVar
 
@@ -198,7 +198,7 @@ class Sent(Generic[T, R]):
 
 async def send_all(
     arrivals: Iterable[tuple[float, T]],
-    send: Callable[[T, float], Awaitable[R]],
+    send: Callable[[T, float], Coroutine[Any, Any, R]],
     *,
     speedup: float = 1.0,
     concurrency: int | None = None,

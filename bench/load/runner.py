@@ -9,7 +9,7 @@ import itertools
 import json
 import random
 import sys
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -165,8 +165,8 @@ async def run_load(cfg: LoadConfig, schedule: Sequence[PlannedRequest] | None = 
         before = await _get_stats(http, cfg.stats_url) if cfg.stats_url else None
         t0 = loop.time()
 
-        def send(pr: PlannedRequest, at: float) -> Awaitable[RequestRecord]:
-            return _run_request(http, cfg, specs[pr.cls], pr, at)
+        async def send(pr: PlannedRequest, at: float) -> RequestRecord:
+            return await _run_request(http, cfg, specs[pr.cls], pr, at)
 
         sent = await send_all(due, send, speedup=cfg.speedup, hard_cap_s=cfg.hard_cap_s())
         records = [record for _, record in sent.done]

@@ -62,7 +62,7 @@ async def _scripts(url: str, n: int) -> None:
     r = aioredis.Redis.from_url(url)
     keys = Keys.for_prefix("rtt")
     acquire, give, renew = (r.register_script(s) for s in (ACQUIRE, RETURN, RENEW))
-    head = ["me", 10000, 1000, keys.channel]
+    head: list[str | int] = ["me", 10000, 1000, keys.channel]
     await acquire(keys=keys.all, args=[*head, "0:1", "me:w"])  # load the scripts
     await give(keys=keys.all, args=[*head, "-", "", 0, "me:w"])
     await renew(keys=keys.all, args=[*head, "", "0", "", 0, 0, 0])
