@@ -1,6 +1,7 @@
 """The peers the sidecar is measured against, each defined here once: what it is, what it runs
-with, and how ``compare.json`` shows its configuration. (The sidecar's own strategies are in
-:mod:`.strategies`; :mod:`.deploy` starts either.)
+with, and how ``compare.json`` shows its configuration (their names, in report order:
+``options.BASELINES``). The sidecar's own strategies are in :mod:`.strategies`; :mod:`.deploy`
+starts either.
 
 ``direct``
     The clients talk to the simulator. Its own FCFS waiting queue is the only admission
@@ -41,7 +42,6 @@ from .options import Options
 
 __all__ = [
     "ADAPTIVE_CONCURRENCY_FILTER",
-    "BASELINES",
     "adaptive_concurrency",
     "baseline_configs",
     "envoy_breakers",
@@ -50,7 +50,6 @@ __all__ = [
     "gateway_thresholds",
 ]
 
-BASELINES: Final = ("direct", "envoy-cb-default", "envoy-cb", "envoy-adaptive", "priority-gateway")
 ADAPTIVE_CONCURRENCY_FILTER: Final = "envoy.filters.http.adaptive_concurrency"
 ADAPTIVE_CONCURRENCY_TYPE: Final = (
     "type.googleapis.com/envoy.extensions.filters.http.adaptive_concurrency.v3.AdaptiveConcurrency"

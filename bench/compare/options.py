@@ -24,16 +24,16 @@ Strategy = Literal[
     "replicas-full",
     "replicas-split",
 ]
-# The default comparison: one gateway (or none) in front of the simulator.
-STRATEGIES: Final[tuple[Strategy, ...]] = (
+# The peers the sidecar is measured against (bench.compare.baselines), in report order.
+BASELINES: Final[tuple[Strategy, ...]] = (
     "direct",
     "envoy-cb-default",
     "envoy-cb",
     "envoy-adaptive",
     "priority-gateway",
-    "sidecar-static",
-    "sidecar",
 )
+# The default comparison: one gateway (or none) in front of the simulator.
+STRATEGIES: Final[tuple[Strategy, ...]] = (*BASELINES, "sidecar-static", "sidecar")
 # Several gateways (Envoy + sidecar each, ``Options.replicas``) in front of ONE simulator: run
 # only when asked for (``--strategies replicas-shared,replicas-full,replicas-split``).
 REPLICA_STRATEGIES: Final[tuple[Strategy, ...]] = (
