@@ -25,16 +25,14 @@ import asyncio
 import json
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common.policy import policy_yaml
 from bench.common.stats import percentile
 from bench.load.client import Call, attempt, send_all, session
 from bench.load.presets import soak_arrivals
+from testing.harness import scrape
 from testing.stack import REPO, Stack
 
 SLOTS = 12
@@ -80,19 +78,19 @@ def rss_mb(pid: int) -> float:
 
 
 def gauges(stack: Stack) -> dict[str, float]:
-    with urllib.request.urlopen(stack.metrics_url, timeout=5) as r:
-        text = r.read().decode()
+    """In flight and queued (all buckets), finished (all outcomes), and the pool's slots and
+    tokens in flight, from the sidecar's metrics."""
     out: dict[str, float] = {"in_flight": 0.0, "queued": 0.0, "finished": 0.0}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in ("llm_extproc_pool_in_flight", "llm_extproc_pool_tokens_in_flight"):
-                out[s.name.removeprefix("llm_extproc_")] = s.value
-            elif s.name == "llm_extproc_in_flight":
-                out["in_flight"] += s.value
-            elif s.name == "llm_extproc_queue_depth":
-                out["queued"] += s.value
-            elif s.name == "llm_extproc_requests_total":
-                out["finished"] += s.value
+    total = {
+        "llm_extproc_in_flight": "in_flight",
+        "llm_extproc_queue_depth": "queued",
+        "llm_extproc_requests_total": "finished",
+    }
+    for (name, _), value in scrape(stack).items():
+        if name in ("llm_extproc_pool_in_flight", "llm_extproc_pool_tokens_in_flight"):
+            out[name.removeprefix("llm_extproc_")] = value
+        elif name in total:
+            out[total[name]] += value
     return out
 
 
