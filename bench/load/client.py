@@ -170,9 +170,7 @@ async def attempt(session: aiohttp.ClientSession, base_url: str, call: Call) -> 
     return reply
 
 
-async def _acquire(
-    places: asyncio.Semaphore, stop: float | None, loop: asyncio.AbstractEventLoop
-) -> bool:
+async def _acquire(places: asyncio.Semaphore, stop: float | None) -> bool:
     """A free place, waiting no later than ``stop`` (loop time); False when none came."""
     if stop is None:
         await places.acquire()
@@ -211,8 +209,8 @@ async def send_all(
     all. ``concurrency``: at most that many sends at once, an arrival waits for a free place;
     ``stop_after_s``: arrivals whose time or place comes later are not sent (an endless
     iterable of arrivals then ends); ``hard_cap_s``: sends still open then are cancelled (both
-    in the arrivals' time units). ``keep=False`` keeps no
-    results (a long soak), only the count."""
+    in the arrivals' time units). ``keep=False`` keeps no results (a long soak), only the
+    count."""
     loop = asyncio.get_running_loop()
     out: Sent[T, R] = Sent()
     places = asyncio.Semaphore(concurrency) if concurrency else None
@@ -236,7 +234,7 @@ async def send_all(
             at = t0 + t_s / speedup
             if (delay := at - loop.time()) > 0:
                 await asyncio.sleep(delay)
-            if places is not None and not await _acquire(places, stop, loop):
+            if places is not None and not await _acquire(places, stop):
                 break  # no place before the stop
             now = loop.time()
             if stop is not None and now > stop:
