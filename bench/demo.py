@@ -1,154 +1,125 @@
 """``make demo``: a busy LLM server behind Envoy and the sidecar, hit by a mixed burst.
 
-Starts the vLLM-like simulator (bench/sim/, H100 profile, real time), the sidecar with
-its embedded default policy, and Envoy with envoy/envoy.yaml, all on free ports of 127.0.0.1.
-Then sends, at once and above the capacity the policy gives each bucket:
+Starts the vLLM-like simulator (bench/sim/, H100 profile, real time), the sidecar with its
+embedded default policy (extproc/config/default_policy.yaml) and Envoy with envoy/envoy.yaml,
+all on free ports of 127.0.0.1. That policy has one pool of 64 requests at the backend at
+once, shared by its buckets: ``interactive`` (header ``x-llm-class: interactive``, short
+prompts) is guaranteed half of it and waits at most 5 s in a queue of 500; ``batch``
+(everything else) may take three quarters of it, waits up to 120 s in a queue of 5,000, the
+cheapest first, and has its ``max_tokens`` clamped to 1024. Then it sends, at once and above
+what the pool takes (:func:`bench.load.presets.demo_burst`):
 
-- short interactive chat requests (``x-llm-class: interactive``, ~100-token prompts,
-  max_tokens 64) at 250 req/s for 4 s: the interactive bucket has 48 slots, a queue of 500
-  and a 5 s deadline;
-- long batch requests (~1500-token prompts, max_tokens 4000, which the policy clamps to 1024):
-  60 at once into a bucket of 16 slots;
-- a few oversize prompts (~40k tokens), which get 413.
+- short interactive chat requests (~100-token prompts, max_tokens 64) at 250 req/s for 4 s;
+- long batch requests (~1500-token prompts, max_tokens 4000): 60 at once;
+- three oversize prompts (~40k tokens, above the 32,768-token limit), which get 413.
 
-It prints one row per kind of request (sent, admitted, 413, 429 for a full queue, 429 for
-a passed deadline, other, p50/p99 latency of admitted requests and p50 of refusals, the range
-of Retry-After given) and stops every process it started.
+It prints one row per kind of request: how many were sent, then one column per answer seen
+(200 and 413 always; each refusal by its status and error code, e.g. ``429 queue_timeout``;
+``other`` for anything that got no HTTP answer), which add up to ``sent``; the p50 and p99
+latency of the 200s, the p50 of the 429s and the range of Retry-After given. Then the
+sidecar's outcome counters that are not zero, and it stops every process it started.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import random
 import sys
 import time
 import urllib.request
-from collections import defaultdict
-from dataclasses import dataclass
-
-import aiohttp
+from collections.abc import Sequence
 
 from bench.common.stats import percentile
 from bench.common.table import fmt, format_table
+from bench.load.client import Call, Reply, attempt, send_all, session
+from bench.load.presets import demo_burst
 from testing.stack import Stack
 
-__all__ = ["main"]
+__all__ = ["KINDS", "burst", "column", "columns", "main", "nonzero_counters", "table"]
+
+KINDS = ("interactive", "batch", "oversize")
+OTHER = "other"  # no HTTP answer: the connection broke or the client gave up
+# What the sidecar's refusal codes mean (extproc/outcome.py), printed under the table.
+CODES = {
+    "queue_full": "the bucket's queue was full",
+    "queue_timeout": "waited in the queue until its deadline",
+    "queue_wait_too_long": "refused at once: its predicted wait is past its deadline",
+}
+
+Result = tuple[str, Reply]  # (kind of request, what it got)
 
 
-@dataclass(slots=True)
-class Result:
-    bucket: str
-    status: int | str
-    seconds: float
-    retry_after: str | None = None
-    code: str | None = None
+async def burst(url: str, rate: float, seconds: float, batch: int) -> list[Result]:
+    """Send :func:`~bench.load.presets.demo_burst` to ``url``; every request's answer."""
+    async with session() as http:
+
+        async def send(call: Call, at: float) -> Result:
+            return call.label, await attempt(http, url, call)
+
+        sent = await send_all(demo_burst(rate, seconds, batch), send)
+    return [result for _, result in sent.done]
 
 
-def _chat(tokens: int, max_tokens: int, seed: int) -> bytes:
-    words = " ".join(f"w{(seed * 7 + i) % 997}" for i in range(tokens))  # ~1 token per word
-    text = words[: tokens * 4]
-    return json.dumps(
-        {"model": "demo", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
-    ).encode()
+def column(reply: Reply) -> str:
+    """The column an answer counts in: ``200``; ``413``; another status with its error code
+    (``429 queue_full``), or alone when the body had none; ``other``."""
+    if reply.outcome == "ok":
+        return "200"
+    if reply.outcome != "http_error" or reply.status is None:
+        return OTHER
+    if reply.status == 413 or reply.code is None:
+        return str(reply.status)
+    return f"{reply.status} {reply.code}"
 
 
-async def _send(
-    session: aiohttp.ClientSession, url: str, bucket: str, body: bytes, headers: dict[str, str]
-) -> Result:
-    t0 = time.monotonic()
-    try:
-        async with session.post(
-            url,
-            data=body,
-            headers={"content-type": "application/json", **headers},
-            timeout=aiohttp.ClientTimeout(total=300),
-        ) as r:
-            data = await r.read()
-            code = None
-            if r.status != 200:
-                try:
-                    code = json.loads(data)["error"]["code"]
-                except (ValueError, KeyError, TypeError):
-                    code = None
-            return Result(
-                bucket, r.status, time.monotonic() - t0, r.headers.get("retry-after"), code
-            )
-    except (TimeoutError, aiohttp.ClientError) as e:
-        return Result(bucket, type(e).__name__, time.monotonic() - t0)
+def columns(results: Sequence[Result]) -> list[str]:
+    """200 and 413, then every other column seen (by status, then code), then ``other``."""
+    seen = {column(r) for _, r in results} - {"200", "413", OTHER}
+    ordered = sorted(seen, key=lambda c: (int(c.split()[0]), c))
+    return ["200", "413", *ordered, OTHER]
 
 
-async def burst(url: str, interactive_rate: float, seconds: float, batch: int) -> list[Result]:
-    rng = random.Random(1)
-    tasks: list[asyncio.Task[Result]] = []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        chat_url = f"{url}/v1/chat/completions"
-        for i in range(batch):
-            body = _chat(rng.randint(1000, 2000), 4000, i)
-            tasks.append(asyncio.create_task(_send(session, chat_url, "batch", body, {})))
-        for i in range(3):
-            body = _chat(40_000, 64, i)
-            tasks.append(asyncio.create_task(_send(session, chat_url, "oversize", body, {})))
-        start = time.monotonic()
-        n = int(interactive_rate * seconds)
-        for i in range(n):
-            delay = start + i / interactive_rate - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            body = _chat(rng.randint(50, 150), 64, i)
-            tasks.append(
-                asyncio.create_task(
-                    _send(session, chat_url, "interactive", body, {"x-llm-class": "interactive"})
-                )
-            )
-        return list(await asyncio.gather(*tasks))
-
-
-_HEADERS = [
-    "requests",
-    "sent",
-    "200",
-    "413",
-    "429 full",
-    "429 late",
-    "other",
-    "p50 ok s",
-    "p99 ok s",
-    "p50 429 s",
-    "retry-after",
-]
-
-
-def table(results: list[Result]) -> str:
-    """One row per kind of request; latencies are ``bench.common.stats.percentile``."""
-    groups: dict[str, list[Result]] = defaultdict(list)
-    for r in results:
-        groups[r.bucket].append(r)
+def table(results: Sequence[Result]) -> str:
+    """One row per kind of request; its answer columns add up to ``sent``. Latencies are
+    ``bench.common.stats.percentile``."""
+    answers = columns(results)
     rows = []
-    for bucket in ("interactive", "batch", "oversize"):
-        rs = groups.get(bucket, [])
-        ok = [r.seconds for r in rs if r.status == 200]
-        refused = [r for r in rs if r.status == 429]
-        other = sum(1 for r in rs if r.status not in (200, 413, 429))
-        ras = sorted(int(r.retry_after) for r in refused if r.retry_after)
+    for kind in KINDS:
+        replies = [r for k, r in results if k == kind]
+        counts = dict.fromkeys(answers, 0)
+        for r in replies:
+            counts[column(r)] += 1
+        ok = [r.seconds for r in replies if r.outcome == "ok"]
+        refused = [r for r in replies if r.status == 429]
+        ras = sorted(int(ra) for r in refused if (ra := r.retry_after) and ra.isdigit())
         rows.append(
             [
-                bucket,
-                str(len(rs)),
-                str(len(ok)),
-                str(sum(1 for r in rs if r.status == 413)),
-                str(sum(1 for r in refused if r.code == "queue_full")),
-                str(sum(1 for r in refused if r.code == "queue_timeout")),
-                str(other),
+                kind,
+                str(len(replies)),
+                *(str(counts[c]) for c in answers),
                 fmt(percentile(ok, 50)),
                 fmt(percentile(ok, 99)),
                 fmt(percentile([r.seconds for r in refused], 50)),
                 f"{ras[0]}-{ras[-1]}s" if ras else "-",
             ]
         )
-    head, *body = format_table(_HEADERS, rows).splitlines()
-    return "\n".join([head, "-" * len(head), *body])
+    headers = ["requests", "sent", *answers, "p50 ok s", "p99 ok s", "p50 429 s", "retry-after"]
+    head, *body = format_table(headers, rows).splitlines()
+    codes = [c.split()[1] for c in answers if " " in c]
+    legend = [f"  {code}: {CODES[code]}" for code in codes if code in CODES]
+    return "\n".join([head, "-" * len(head), *body, *legend])
+
+
+def nonzero_counters(metrics: str, prefix: str = "llm_extproc_requests_total") -> list[str]:
+    """The samples of a Prometheus text page whose name starts with ``prefix`` and whose
+    value is not zero."""
+    out = []
+    for line in metrics.splitlines():
+        if line.startswith(prefix):
+            _, _, value = line.rpartition(" ")
+            if float(value) != 0:
+                out.append(line)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,10 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         print(table(results))
         with urllib.request.urlopen(stack.metrics_url) as r:
             metrics = r.read().decode()
-        print("\nsidecar outcome counters:")
-        for line in metrics.splitlines():
-            if line.startswith("llm_extproc_requests_total"):
-                print("  " + line)
+        print("\nsidecar outcome counters (those not zero):")
+        for line in nonzero_counters(metrics):
+            print("  " + line)
     print("\nall processes stopped.")
     return 0
 

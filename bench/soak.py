@@ -3,11 +3,12 @@
 ``python -m bench.soak --minutes 60`` (``make soak``; CI runs ``--minutes 5``).
 
 Stack: the echo backend (testing/backend.py: every request takes a fixed ``--backend-ms``), the
-sidecar with SOAK_POLICY (one pool: 12 slots, 4,000 tokens, two bands), the real Envoy. Capacity is
-therefore known: slots / service time. Clients arrive open-loop (Poisson) at ``--load`` times
-that capacity, half interactive, half batch, a share streamed, and ``--abort-share`` of them give
-up at a random moment. Every ``--every`` seconds it samples the sidecar's RSS (from /proc),
-the in-flight and queued gauges, and the latency of the requests finished in the window.
+sidecar with SOAK_POLICY (one pool: 12 slots, 4,000 tokens, two bands), the real Envoy.
+Capacity is therefore known: slots / service time. Clients arrive open-loop (Poisson) at
+``--load`` times that capacity, half interactive, half batch, a share streamed, and
+``--abort-share`` of them give up at a random moment (:func:`bench.load.presets.soak_arrivals`,
+sent by :mod:`bench.load.client`). Every ``--every`` seconds it samples the sidecar's RSS (from
+/proc), the in-flight and queued gauges, and the latency of the requests sent in the window.
 
 It fails (exit 1) when, after the load stops, anything is still in flight or queued (bucket
 gauges, and the pool's slots and tokens); when the
@@ -22,35 +23,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
-
+from bench.common.policy import policy_yaml
 from bench.common.stats import percentile
+from bench.load.client import Call, attempt, send_all, session
+from bench.load.presets import soak_arrivals
+from testing.harness import scrape
 from testing.stack import REPO, Stack
 
+SLOTS = 12
 # One shared pool of 12 with two bands, a token bound that binds now and then (requests cost
 # up to ~500 tokens), cost order and predicted-wait refusals: every path that takes or gives
 # back a slot runs.
-SOAK_POLICY = """
-pool: {max_concurrency: 12, max_tokens_in_flight: 4000}
-buckets:
-  - name: interactive
-    match: {headers: {x-llm-class: interactive}}
-    priority: 0
-    min_share: 0.5
-    queue_timeout: 1s
-    max_queue: 100
-  - {name: batch, priority: 10, min_share: 0.25, max_share: 0.75, order: cost,
-     queue_timeout: 5s, max_queue: 200}
-"""
-SLOTS = 12
+SOAK_POLICY = policy_yaml(
+    {
+        "pool": {"max_concurrency": SLOTS, "max_tokens_in_flight": 4000},
+        "buckets": [
+            {"name": "interactive", "match": {"headers": {"x-llm-class": "interactive"}},
+             "priority": 0, "min_share": 0.5, "queue_timeout": "1s", "max_queue": 100},
+            {"name": "batch", "priority": 10, "min_share": 0.25, "max_share": 0.75,
+             "order": "cost", "queue_timeout": "5s", "max_queue": 200},
+        ],
+    },
+    source="bench.soak",
+)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -78,98 +78,73 @@ def rss_mb(pid: int) -> float:
 
 
 def gauges(stack: Stack) -> dict[str, float]:
-    with urllib.request.urlopen(stack.metrics_url, timeout=5) as r:
-        text = r.read().decode()
+    """In flight and queued (all buckets), finished (all outcomes), and the pool's slots and
+    tokens in flight, from the sidecar's metrics."""
     out: dict[str, float] = {"in_flight": 0.0, "queued": 0.0, "finished": 0.0}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in ("llm_extproc_pool_in_flight", "llm_extproc_pool_tokens_in_flight"):
-                out[s.name.removeprefix("llm_extproc_")] = s.value
-            elif s.name == "llm_extproc_in_flight":
-                out["in_flight"] += s.value
-            elif s.name == "llm_extproc_queue_depth":
-                out["queued"] += s.value
-            elif s.name == "llm_extproc_requests_total":
-                out["finished"] += s.value
+    total = {
+        "llm_extproc_in_flight": "in_flight",
+        "llm_extproc_queue_depth": "queued",
+        "llm_extproc_requests_total": "finished",
+    }
+    for (name, _), value in scrape(stack).items():
+        if name in ("llm_extproc_pool_in_flight", "llm_extproc_pool_tokens_in_flight"):
+            out[name.removeprefix("llm_extproc_")] = value
+        elif name in total:
+            out[total[name]] += value
     return out
 
 
 async def drive(stack: Stack, args: argparse.Namespace, windows: list[Window]) -> int:
-    rng = random.Random(args.seed)
-    capacity = SLOTS / (args.backend_ms / 1000)
-    rate = args.load * capacity
-    end = time.monotonic() + args.minutes * 60
+    """Send :func:`~bench.load.presets.soak_arrivals` at ``--load`` times capacity for
+    ``--minutes``, a window sampled every ``--every`` seconds until then; each request counts in
+    the window it was sent in. Returns how many were sent."""
+    rate = args.load * SLOTS / (args.backend_ms / 1000)
+    seconds = args.minutes * 60
+    end = time.monotonic() + seconds
     pid = stack.procs["sidecar"].popen.pid
-    current = Window(time.monotonic(), rss_mb(pid), 0, 0)
-    windows.append(current)
-    tasks: set[asyncio.Task[None]] = set()
-    sent = 0
+    windows.append(Window(time.monotonic(), rss_mb(pid), 0, 0))
 
-    async def one(session: aiohttp.ClientSession, w: Window) -> None:
-        # One chunk when streamed, so every request takes backend_ms and capacity is known.
-        headers = {
-            "content-type": "application/json",
-            "x-test-delay-ms": str(args.backend_ms),
-            "x-test-chunks": "1",
-        }
-        if rng.random() < 0.5:
-            headers["x-llm-class"] = "interactive"
-        body = json.dumps(
-            {
-                "messages": [{"role": "user", "content": "x" * rng.randint(1, 800)}],
-                "max_tokens": rng.randint(1, 300),
-                "stream": rng.random() < 0.5,
-            }
-        )
-        abort = (
-            rng.uniform(0, 2 * args.backend_ms / 1000) if rng.random() < args.abort_share else None
-        )
-        t0 = time.monotonic()
-
-        async def call() -> int:
-            async with session.post(
-                f"{stack.url}/v1/chat/completions", data=body, headers=headers
-            ) as r:
-                await r.read()
-                return r.status
-
-        try:
-            status = await asyncio.wait_for(call(), abort or 60)
-        except (TimeoutError, aiohttp.ClientError):
-            w.aborted += 1
-            return
-        if status == 200:
-            w.ok += 1
-            w.latencies.append(time.monotonic() - t0)
-        else:
-            w.refused += 1
-
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        next_arrival = time.monotonic()
-        while time.monotonic() < end:
+    async def sample() -> None:
+        while True:
+            await asyncio.sleep(args.every)
             now = time.monotonic()
-            if now - current.t >= args.every:
-                g = await asyncio.to_thread(gauges, stack)
-                current = Window(now, rss_mb(pid), g["in_flight"], g["queued"])
-                windows.append(current)
-                print(
-                    f"  t={now - windows[0].t:6.0f}s rss={current.rss_mb:6.1f}MB "
-                    f"in_flight={g['in_flight']:3.0f} queued={g['queued']:4.0f} "
-                    f"last window: sent={windows[-2].sent} ok={windows[-2].ok} "
-                    f"429={windows[-2].refused} aborted={windows[-2].aborted} "
-                    f"p50={windows[-2].p(50)}",
-                    flush=True,
-                )
-            if now >= next_arrival:
-                task = asyncio.create_task(one(session, current))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                current.sent += 1
-                sent += 1
-                next_arrival += rng.expovariate(rate)
-            await asyncio.sleep(max(0.0, min(next_arrival - time.monotonic(), 0.05)))
-        await asyncio.gather(*tasks)
-    return sent
+            if now >= end:
+                return
+            g = await asyncio.to_thread(gauges, stack)
+            windows.append(Window(now, rss_mb(pid), g["in_flight"], g["queued"]))
+            last = windows[-2]
+            print(
+                f"  t={now - windows[0].t:6.0f}s rss={windows[-1].rss_mb:6.1f}MB "
+                f"in_flight={g['in_flight']:3.0f} queued={g['queued']:4.0f} "
+                f"last window: sent={last.sent} ok={last.ok} 429={last.refused} "
+                f"aborted={last.aborted} p50={last.p(50)}",
+                flush=True,
+            )
+
+    async with session() as http:
+
+        async def send(call: Call, at: float) -> None:
+            w = windows[-1]
+            w.sent += 1
+            reply = await attempt(http, stack.url, call)
+            if reply.outcome == "timeout" or reply.error is not None:
+                w.aborted += 1  # gave up, or the connection broke
+            elif reply.status == 200:
+                w.ok += 1
+                w.latencies.append(reply.seconds)
+            else:
+                w.refused += 1
+
+        arrivals = soak_arrivals(
+            rate, seconds, backend_ms=args.backend_ms, abort_share=args.abort_share, seed=args.seed
+        )
+        sampler = asyncio.create_task(sample())
+        try:
+            sent = await send_all(arrivals, send, keep=False)
+        finally:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
+    return sent.count
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "sent": sent,
         "ok": sum(w.ok for w in windows),
         "refused_429": sum(w.refused for w in windows),
-        "aborted": sum(w.aborted for w in windows),
+        "aborted": (aborted := sum(w.aborted for w in windows)),
         "counted_by_sidecar": g["finished"],
         "in_flight_after": g["in_flight"],
         "queued_after": g["queued"],
@@ -231,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     problems = []
     if g["in_flight"] or g["queued"] or g.get("pool_in_flight") or g.get("pool_tokens_in_flight"):
         problems.append("slots, tokens or queue entries left behind")
-    if not sent - report["aborted"] <= g["finished"] <= sent:
+    if not sent - aborted <= g["finished"] <= sent:
         problems.append("outcome counters do not add up")
     if growth > args.max_rss_growth_mb:
         problems.append(f"RSS grew by {growth:.1f} MB")

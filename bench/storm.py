@@ -3,9 +3,10 @@
 ``python -m bench.storm --url http://127.0.0.1:10000 -n 10000`` (or ``run_storm`` from a test).
 Each request is a chat completion, streamed or not, of a random class; a random ``abort_share``
 of clients close their connection after a random delay, which lands while the request is
-queued, admitted, or mid-stream. The driver keeps at most ``concurrency`` requests open and
-stops by itself. Afterwards the sidecar must hold nothing (in flight and queued both zero) and
-its per-outcome counters must add up to the requests that reached it.
+queued, admitted, or mid-stream (:func:`bench.load.presets.storm_arrivals`). The client
+(:mod:`bench.load.client`) keeps at most ``concurrency`` requests open and stops by itself.
+Afterwards the sidecar must hold nothing (in flight and queued both zero) and its per-outcome
+counters must add up to the requests that reached it.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-import aiohttp
+from bench.load.client import Call, Reply, attempt, send_all, session
+from bench.load.presets import storm_arrivals
 
 __all__ = ["StormResult", "run_storm"]
 
@@ -52,56 +53,41 @@ async def run_storm(
     backend_delay_ms: tuple[int, ...] = (0, 10, 50),
     time_limit_s: float = 600.0,
 ) -> StormResult:
-    rng = random.Random(seed)
+    """Send :func:`~bench.load.presets.storm_arrivals` to ``url``, ``concurrency`` at a time,
+    for at most ``time_limit_s`` (requests whose turn comes later are not sent)."""
+    calls = storm_arrivals(
+        n,
+        abort_share=abort_share,
+        seed=seed,
+        max_abort_delay_s=max_abort_delay_s,
+        backend_delay_ms=backend_delay_ms,
+    )
     result = StormResult()
-    sem = asyncio.Semaphore(concurrency)
-    deadline = time.monotonic() + time_limit_s
+    t0 = time.monotonic()
+    async with session() as http:
 
-    async def one(session: aiohttp.ClientSession, i: int) -> None:
-        stream = rng.random() < 0.5
-        headers = {
-            "content-type": "application/json",
-            "x-test-delay-ms": str(rng.choice(backend_delay_ms)),
-            "x-test-chunks": str(rng.randint(1, 4)),
-        }
-        if rng.random() < 0.5:
-            headers["x-llm-class"] = "interactive"
-        body = json.dumps(
-            {
-                "messages": [{"role": "user", "content": "x" * rng.randint(1, 400)}],
-                "max_tokens": rng.randint(1, 200),
-                "stream": stream,
-            }
-        ).encode()
-        abort_after = rng.uniform(0.0, max_abort_delay_s) if rng.random() < abort_share else None
-        async with sem:
-            if time.monotonic() > deadline:
-                return
-            result.sent += 1
-
-            async def call() -> int:
-                async with session.post(
-                    f"{url}/v1/chat/completions", data=body, headers=headers
-                ) as r:
-                    await r.read()
-                    return r.status
-
-            try:
-                status: int | str = await asyncio.wait_for(call(), abort_after or 60.0)
-            except TimeoutError:
-                status = "aborted" if abort_after is not None else "timeout"
-            except aiohttp.ClientError as e:
-                status = type(e).__name__
-            if status == "aborted":
-                result.aborted += 1
+        async def send(call: Call, at: float) -> None:
+            reply = await attempt(http, url, call)
+            status = _status(call, reply)
+            result.aborted += status == "aborted"
             result.statuses[status] += 1
 
-    t0 = time.monotonic()
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        await asyncio.gather(*(one(session, i) for i in range(n)))
+        sent = await send_all(
+            calls, send, concurrency=concurrency, stop_after_s=time_limit_s, keep=False
+        )
+    result.sent = sent.count
     result.seconds = time.monotonic() - t0
     return result
+
+
+def _status(call: Call, reply: Reply) -> int | str:
+    """How a storm request ended: its status; ``aborted`` (its client left as planned) or
+    ``timeout``; else the exception that ended it."""
+    if reply.outcome == "timeout":
+        return "aborted" if call.aborts else "timeout"
+    if reply.error is None and reply.status is not None:
+        return reply.status
+    return reply.error or reply.outcome
 
 
 def main(argv: list[str] | None = None) -> int:

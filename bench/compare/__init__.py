@@ -5,34 +5,14 @@ What it measures
 Admission strategies, each run against a *fresh* simulator (:mod:`bench.sim`, one profile, one
 speedup) with the *same* open-loop schedule (:mod:`bench.load.workload`, one seed) on each run
 of each scenario (:mod:`.scenarios`: ``steady`` at each offered load, ``shift``, ``halve``,
-``spike``). The strategies (exact configurations in :mod:`.strategies`):
-
-``direct``
-    The clients talk to the simulator. Its own FCFS waiting queue is the only admission
-    control (vLLM has no other): under overload the queue grows until clients give up.
-``envoy-cb-default``
-    Envoy without ext_proc, backend circuit breakers at the engine's ``max_num_seqs`` (what an
-    operator sets without a model), the same pending queue as ``envoy-cb``.
-``envoy-cb``
-    Envoy without ext_proc, circuit breakers set from the capacity model:
-    ``max_connections = max_requests = C`` (HTTP/1.1 upstream: one request per connection, so
-    C requests run at once) and ``max_pending_requests = P``, a modest FIFO in Envoy; beyond
-    it Envoy answers 503 (``x-envoy-overloaded``).
-``envoy-adaptive``
-    Envoy without ext_proc, with its adaptive_concurrency filter (gradient controller, the
-    example values of Envoy's docs) in the HTTP filter chain.
-``priority-gateway``
-    :mod:`bench.gateway`: a small aiohttp gateway of ours, one pool of C workers, short
-    requests first, queue timeouts checked at dequeue. Clients talk to it directly (no
-    Envoy): it proxies itself, and an Envoy in front would add a hop and CPU on a two-core host
-    without changing a single admission decision.
-``sidecar-static``
-    Envoy + llm-extproc with the per-bucket policy: ``interactive`` (header
-    ``x-llm-class: interactive``) and a catch-all ``batch`` whose slots add up to C.
-``sidecar``
-    Envoy + llm-extproc with one shared pool whose limit the sidecar derives from the
-    simulators' own metrics against latency objectives; the model gives only the static
-    fallback (C).
+``spike``). The strategies: the peers the sidecar is measured against, each defined in
+:mod:`.baselines` (``direct``: the simulator's own FCFS queue; ``envoy-cb-default`` and
+``envoy-cb``: Envoy's circuit breakers at ``max_num_seqs`` and at the model's C;
+``envoy-adaptive``: Envoy's adaptive_concurrency filter; ``priority-gateway``: a small
+short-first gateway of C workers, :mod:`bench.gateway`), and the sidecar's own, defined in
+:mod:`.strategies` (``sidecar-static``: a fixed split of C slots between an ``interactive``
+and a ``batch`` bucket; ``sidecar``: one pool whose limit the sidecar derives from the
+simulators' metrics against latency objectives, C only its static fallback).
 
 Every Envoy with the sidecar runs with what ``render(policy)`` derives (max_message_timeout,
 stream_idle_timeout, route timeouts, the sidecar cluster's breakers), so a queue deadline above
@@ -40,13 +20,14 @@ envoy.yaml's is honoured.
 
 Several replicas (not in the default list)
 ------------------------------------------
-Three more strategies put ``--replicas`` (3) gateways, each an Envoy with its own sidecar
-(``testing.gateways.Gateways``), in front of ONE simulator. They answer what running the
-sidecar as several replicas costs, and what sharing the pool through Redis buys; run them with
-e.g. ``python -m bench.compare --strategies replicas-shared,replicas-full,replicas-split
---loads 2``. Each replica's policy is the ``sidecar`` strategy's pool without the adaptive
-limit (the same buckets, priorities, shares, deadlines and queue bounds; a static
-``max_concurrency``; ``fail_fast`` off in all three, because shared mode turns it off):
+Three more strategies (:mod:`.strategies`) put ``--replicas`` (3) gateways, each an Envoy with
+its own sidecar (``testing.gateways.Gateways``), in front of ONE simulator. They answer what
+running the sidecar as several replicas costs, and what sharing the pool through Redis buys;
+run them with e.g. ``python -m bench.compare --strategies
+replicas-shared,replicas-full,replicas-split --loads 2``. Each replica's policy is the
+``sidecar`` strategy's pool without the adaptive limit (the same buckets, priorities, shares,
+deadlines and queue bounds; a static ``max_concurrency``; ``fail_fast`` off in all three,
+because shared mode turns it off):
 
 ``replicas-shared``
     One pool of C shared by the replicas through a real ``redis-server`` started for the run
@@ -66,7 +47,7 @@ p99 TTFT of first attempts and the backend's in-flight peak against C.
 
 Every run, of every strategy, polls the simulators' ``/sim/stats`` every 0.5 s of wall time and
 reports the most requests they ran at once (``num_requests_running``; the peak over the whole
-run, and over the window, with the window's mean: :class:`.summary.InFlight`): what the backend
+run, and over the window, with the window's mean: :class:`.measure.InFlight`): what the backend
 itself saw, whatever the admission layer thinks it admitted.
 
 Clients are :mod:`bench.load`'s: interactive requests are streamed and give up after 30 s,
@@ -74,7 +55,7 @@ batch requests are not streamed and give up after 300 s, and by default they ret
 OpenAI SDK (2 retries, Retry-After honoured). A request is *good* if its final answer is a
 complete 200 within its class's timeout counted from the original arrival (retries included);
 it meets its *SLO* if it is good and, when interactive, its first token came within 2 s of the
-original arrival (:func:`.summary.meets_slo`). ``--mix long`` swaps the traces' lengths for
+original arrival (:func:`.measure.meets_slo`). ``--mix long`` swaps the traces' lengths for
 long prompts (~2.5k tokens) and ~300-token answers (up to 4k).
 
 Capacity, honestly
@@ -139,9 +120,9 @@ latencies include the host's, not only the backend's.
 
 During each run the backend (``/sim/stats``), the sidecar's ``llm_extproc_pool_limit`` gauge
 and Envoy's adaptive ``concurrency_limit`` gauge are sampled every ``--sample-every`` simulated
-seconds (:class:`.timeline.Sample`); the scenarios' figures (recovery after a burst, a slowdown
+seconds (:class:`.measure.Sample`); the scenarios' figures (recovery after a burst, a slowdown
 or a spike; how fast the pool limit settles; how much idle capacity batch uses) come from those
-samples and the per-request records (:mod:`.timeline`). The targets are in :mod:`.targets`.
+samples and the per-request records (:mod:`.measure`). The targets are in :mod:`.report`.
 
 Outputs (``--out``, default ``bench/results/``): ``compare.json`` (settings, capacity, every
 strategy's configuration, per-run summaries, target checks), ``records.json`` (per-request
@@ -157,9 +138,10 @@ runs three Envoys and three sidecars on the same two cores: check the lag column
 
 Modules: :mod:`.options` (the options, the simulator's command line), :mod:`.capacity` (the
 closed-loop model, C, the live check), :mod:`.scenarios` (each run's rates and events, pure),
-:mod:`.strategies` (configurations, each strategy's processes), :mod:`.spread` (one
-schedule over several gateways), :mod:`.run` (one strategy on one run: counters, samples, the
-in-flight polls, speed changes), :mod:`.summary` (window statistics, pure),
-:mod:`.timeline` (figures over time, pure), :mod:`.targets`, :mod:`.report` (tables, plots) and
-``__main__`` (the whole comparison, the CLI).
+:mod:`.baselines` (the peers and their configurations), :mod:`.strategies` (the sidecar's
+policies, as data), :mod:`.deploy` (each strategy's processes), :mod:`.spread` (one schedule
+over several gateways), :mod:`.run` (one strategy on one run: counters, samples, the in-flight
+polls, speed changes), then the figures in two layers: :mod:`.measure` (raw results to one
+record of figures per run, pure) and :mod:`.report` (tables, targets PASS/MISS) with
+:mod:`.plots`; ``__main__`` (the whole comparison, the CLI).
 """

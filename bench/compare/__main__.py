@@ -8,16 +8,18 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from bench.load.presets import MIXES
 from bench.load.summary import LoadResult, RequestRecord
-from bench.load.workload import MIXES
 from bench.sim.profiles import PROFILES
 
+from .baselines import baseline_configs
 from .capacity import Capacity, determine_capacity, live_capacity
+from .measure import RunSummary, Sample, with_ratio_to_direct
 from .options import (
     KNOWN_STRATEGIES,
     REPLICA_STRATEGIES,
@@ -27,28 +29,19 @@ from .options import (
     ScenarioName,
     Strategy,
 )
+from .plots import plot
 from .report import (
+    check_targets,
     format_admission,
     format_replicas,
     format_runs,
     format_scenarios,
     format_targets,
-    plot,
+    pct,
 )
 from .run import run_one
 from .scenarios import plan
-from .strategies import (
-    adaptive_concurrency,
-    envoy_breakers,
-    envoy_default_breakers,
-    gateway_thresholds,
-    pool_policy,
-    replica_policies,
-    sidecar_policy,
-)
-from .summary import RunSummary, pct
-from .targets import check_targets
-from .timeline import Sample
+from .strategies import sidecar_configs
 
 
 def _record_dict(r: RequestRecord) -> dict[str, Any]:
@@ -116,13 +109,7 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
                     + ("" if summary.harness_ok else "  [harness lagged]"),
                     flush=True,
                 )
-    direct = {(r.scenario, r.label): r.goodput_rps for r in rows if r.strategy == "direct"}
-    rows = [
-        replace(r, ratio_to_direct=r.goodput_rps / d)
-        if (d := direct.get((r.scenario, r.label)))
-        else r
-        for r in rows
-    ]
+    rows = with_ratio_to_direct(rows)
     checks = check_targets(rows)
     elapsed = time.monotonic() - started
     doc: dict[str, Any] = {
@@ -177,37 +164,9 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
 
 
 def _configs(cap: Capacity, opts: Options) -> dict[str, Any]:
-    """Each strategy's configuration, as it runs (the pool policy's metrics URLs are the run's
-    own simulators'; shown here with a placeholder)."""
-    out: dict[str, Any] = {}
-    s = set(opts.strategies)
-    if "envoy-cb-default" in s:
-        out["envoy-cb-default breakers"] = envoy_default_breakers(cap, opts)
-    if "envoy-cb" in s:
-        out["envoy-cb breakers"] = envoy_breakers(cap, opts)
-    if "envoy-adaptive" in s:
-        out["envoy-adaptive filter"] = adaptive_concurrency(opts.speedup)
-    if "priority-gateway" in s:
-        prompt, output = gateway_thresholds(opts)
-        out["priority-gateway"] = {
-            "workers": cap.concurrency,
-            "short_prompt_below": prompt,
-            "short_max_tokens_below": output,
-            "queue_timeout_s": opts.queue_timeouts_s,
-        }
-    if "sidecar-static" in s:
-        out["sidecar-static policy"] = sidecar_policy(cap, opts)
-    if "sidecar" in s:
-        out["sidecar policy"] = pool_policy(cap, opts, ["http://127.0.0.1:PORT/metrics"])
-    for strategy in REPLICA_STRATEGIES:
-        if strategy in s:
-            policies = replica_policies(strategy, cap, opts)
-            if len(set(policies)) == 1:
-                out[f"{strategy} policy (each of {opts.replicas})"] = policies[0]
-            else:
-                for i, text in enumerate(policies):
-                    out[f"{strategy} policy (replica {i})"] = text
-    return out
+    """Each strategy's configuration, as it runs: the peers' (:mod:`.baselines`), then the
+    sidecar's policies (:mod:`.strategies`)."""
+    return {**baseline_configs(cap, opts), **sidecar_configs(cap, opts)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,6 +219,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
     p.add_argument("--speedup", type=float, default=d.speedup)
     p.add_argument(
         "--scenario",
+        dest="scenarios",
         type=_scenarios,
         default=d.scenarios,
         help=f"comma-separated, or all: {', '.join(SCENARIOS)} (default steady)",
@@ -274,12 +234,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
     )
     p.add_argument(
         "--duration",
+        dest="duration_s",
         type=float,
         default=None,
         help=f"arrivals, simulated s (default {d.duration_s:g})",
     )
     p.add_argument(
         "--warmup",
+        dest="warmup_s",
         type=float,
         default=None,
         help="not measured: the window is [warmup, duration); default: (max retries + 1) x "
@@ -295,7 +257,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
     p.add_argument("--spike-load", type=float, default=d.spike_load)
     p.add_argument("--spike-s", type=float, default=None, help=f"default {d.spike_s:g}")
     p.add_argument("--slow-factor", type=float, default=d.slow_factor, help="halve: speed after")
-    p.add_argument("--sample-every", type=float, default=d.sample_every_s, help="simulated s")
+    p.add_argument(
+        "--sample-every",
+        dest="sample_every_s",
+        type=float,
+        default=d.sample_every_s,
+        help="simulated s",
+    )
     p.add_argument(
         "--gateway-short-prompt", type=int, default=None, help="default: the mix's median"
     )
@@ -321,12 +289,23 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--arrivals", choices=("poisson", "trace"), default=d.arrivals)
     p.add_argument("--interactive-share", type=float, default=d.interactive_share)
-    p.add_argument("--interactive-timeout", type=float, default=d.interactive_timeout_s)
-    p.add_argument("--batch-timeout", type=float, default=d.batch_timeout_s)
+    p.add_argument(
+        "--interactive-timeout",
+        dest="interactive_timeout_s",
+        type=float,
+        default=d.interactive_timeout_s,
+    )
+    p.add_argument("--batch-timeout", dest="batch_timeout_s", type=float, default=d.batch_timeout_s)
     p.add_argument("--max-retries", type=int, default=d.max_retries, help="SDK default 2")
-    p.add_argument("--interactive-queue-timeout", type=float, default=d.interactive_queue_timeout_s)
+    p.add_argument(
+        "--interactive-queue-timeout",
+        dest="interactive_queue_timeout_s",
+        type=float,
+        default=d.interactive_queue_timeout_s,
+    )
     p.add_argument(
         "--batch-queue-frac",
+        dest="batch_queue_timeout_frac",
         type=float,
         default=d.batch_queue_timeout_frac,
         help="batch queue deadline as a fraction of the batch client timeout",
@@ -353,59 +332,26 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
     )
     p.add_argument("--max-lag-s", type=float, default=d.max_lag_s)
     p.add_argument("--traces-dir", default=None)
-    p.add_argument("--out", type=Path, default=d.out_dir)
+    p.add_argument("--out", dest="out_dir", type=Path, default=d.out_dir)
     p.add_argument("--no-plots", action="store_true")
     a = p.parse_args(argv)
     q = QUICK_FACTOR if a.quick else 1.0
-    if a.duration is None:
-        a.duration = d.duration_s * q
-    if a.warmup is None:
-        a.warmup = (a.max_retries + 1) * a.interactive_timeout * q
+    if a.duration_s is None:
+        a.duration_s = d.duration_s * q
+    if a.warmup_s is None:
+        a.warmup_s = (a.max_retries + 1) * a.interactive_timeout_s * q
     if a.spike_s is None:
         a.spike_s = d.spike_s * q
     if a.live_capacity_s is None:
         a.live_capacity_s = 0.0 if a.quick else d.live_capacity_s
     if a.model_requests is None:
         a.model_requests = d.model_requests // 2 if a.quick else d.model_requests
-    if not 0 <= a.warmup < a.duration:
+    if not 0 <= a.warmup_s < a.duration_s:
         p.error("need 0 <= --warmup < --duration")
     if a.replicas < 1:
         p.error("need --replicas >= 1")
-    opts = Options(
-        profile=a.profile,
-        speedup=a.speedup,
-        duration_s=a.duration,
-        warmup_s=a.warmup,
-        loads=a.loads,
-        strategies=a.strategies,
-        scenarios=a.scenario,
-        mix=a.mix,
-        seed=a.seed,
-        arrivals=a.arrivals,
-        interactive_share=a.interactive_share,
-        interactive_timeout_s=a.interactive_timeout,
-        batch_timeout_s=a.batch_timeout,
-        max_retries=a.max_retries,
-        interactive_queue_timeout_s=a.interactive_queue_timeout,
-        batch_queue_timeout_frac=a.batch_queue_frac,
-        queue_bound=a.queue_bound,
-        cb_pending_s=a.cb_pending_s,
-        concurrency=a.concurrency,
-        model_requests=a.model_requests,
-        live_capacity_s=a.live_capacity_s,
-        max_lag_s=a.max_lag_s,
-        traces_dir=a.traces_dir,
-        out_dir=a.out,
-        base_load=a.base_load,
-        flood_load=a.flood_load,
-        spike_load=a.spike_load,
-        spike_s=a.spike_s,
-        slow_factor=a.slow_factor,
-        sample_every_s=a.sample_every,
-        replicas=a.replicas,
-        gateway_short_prompt=a.gateway_short_prompt,
-        gateway_short_output=a.gateway_short_output,
-    )
+    # Every option's dest is the name of its Options field.
+    opts = Options(**{f.name: getattr(a, f.name) for f in fields(Options) if hasattr(a, f.name)})
     if opts.mix == "long" and opts.arrivals != "poisson":
         p.error("--mix long needs Poisson arrivals")
     return opts, not a.no_plots

@@ -8,14 +8,13 @@ import asyncio
 import itertools
 import json
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import aiohttp
-
 from bench.common.stats import percentile
 from bench.common.table import fmt
+from bench.load.client import Call, attempt, send_all, session
 from bench.load.runner import request_payload
 from bench.load.workload import PlannedRequest, build_schedule
 from bench.sim.profiles import EngineConfig
@@ -84,8 +83,8 @@ def closed_loop(
         for f in outcome.finished:
             finished.append(f)
             add(t)
-    ends = sorted(f.finish_s for f in finished)
-    lo, hi = ends[len(ends) // 10], ends[(9 * len(ends)) // 10]
+    ends = [f.finish_s for f in finished]
+    lo, hi = percentile(ends, 10) or 0.0, percentile(ends, 90) or 0.0
     span = hi - lo
     done_in = [f for f in finished if lo < f.finish_s <= hi]
     started_in = [f for f in finished if lo <= f.arrival_s <= hi]
@@ -238,24 +237,22 @@ async def _live_saturation(url: str, mix: Sequence[PlannedRequest], opts: Option
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     done: list[float] = []
-    queue: Iterator[PlannedRequest] = itertools.cycle(mix)
+    async with session() as http:
 
-    async def worker(session: aiohttp.ClientSession) -> None:
-        while loop.time() - t0 < horizon:
-            pr = next(queue)
-            body = request_payload(specs[pr.cls], pr, "sim")
-            async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
-                await resp.read()
-                if resp.status == 200:
-                    done.append(loop.time() - t0)
+        async def send(pr: PlannedRequest, at: float) -> None:
+            body = json.dumps(request_payload(specs[pr.cls], pr, "sim")).encode()
+            if (await attempt(http, url, Call(body=body))).status == 200:
+                done.append(loop.time() - t0)
 
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        workers = [asyncio.create_task(worker(session)) for _ in range(opts.engine.max_num_seqs)]
-        await asyncio.sleep(horizon)
-        for w in workers:
-            w.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
+        # Every request as soon as a place is free, until the horizon cuts what is open.
+        await send_all(
+            ((0.0, pr) for pr in itertools.cycle(mix)),
+            send,
+            concurrency=opts.engine.max_num_seqs,
+            stop_after_s=horizon,
+            hard_cap_s=horizon,
+            keep=False,
+        )
     half = horizon / 2
     return sum(1 for t in done if half <= t < horizon) / (half * s)
 

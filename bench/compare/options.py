@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final, Literal
 
-from bench.load.workload import ClassSpec, Mix, default_classes
+from bench.load.presets import Mix, default_classes
+from bench.load.workload import ClassSpec
 from bench.sim.profiles import PROFILES, EngineConfig
 from testing.stack import REPO
 
@@ -23,16 +24,16 @@ Strategy = Literal[
     "replicas-full",
     "replicas-split",
 ]
-# The default comparison: one gateway (or none) in front of the simulator.
-STRATEGIES: Final[tuple[Strategy, ...]] = (
+# The peers the sidecar is measured against (bench.compare.baselines), in report order.
+BASELINES: Final[tuple[Strategy, ...]] = (
     "direct",
     "envoy-cb-default",
     "envoy-cb",
     "envoy-adaptive",
     "priority-gateway",
-    "sidecar-static",
-    "sidecar",
 )
+# The default comparison: one gateway (or none) in front of the simulator.
+STRATEGIES: Final[tuple[Strategy, ...]] = (*BASELINES, "sidecar-static", "sidecar")
 # Several gateways (Envoy + sidecar each, ``Options.replicas``) in front of ONE simulator: run
 # only when asked for (``--strategies replicas-shared,replicas-full,replicas-split``).
 REPLICA_STRATEGIES: Final[tuple[Strategy, ...]] = (

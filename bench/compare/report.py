@@ -1,23 +1,256 @@
-"""What a comparison prints and draws: the table per strategy and run, the admission events,
-the replica strategies side by side, the scenarios' figures, the target checks, and the
-plots."""
+"""The report layer: the figures of :mod:`.measure` as tables (per strategy and run, the
+admission events, the replica strategies side by side, the scenarios' figures) and as PASS or
+MISS against the targets the ``sidecar`` strategy (the adaptive pool) is held to; the plots are
+:mod:`.plots`.
+
+Targets:
+
+steady, loads >= 2x (checked against every other strategy that ran at that load):
+  * good req/s above every other strategy's, and good output tokens/s above every other's;
+  * SLO goodput (:func:`.measure.slo_goodput_rps`) at least 1.5x every other strategy's;
+  * interactive p99 TTFT over requests answered at their first attempt under 2 s;
+  * wasted work (tokens generated for requests their client abandoned) under 2 %.
+steady, loads <= 1x: nobody refused who would have been served in time, operationalized as
+  both: at most 1 % of the requests resolved in the window end refused (final 429 or 5xx, after
+  the client's retries), and at least as many good answers as ``direct`` (no admission control
+  at all) in the same window.
+halve: the pool limit settles within 30 s of the change (:func:`.measure.limit_settle_s`:
+  within 20 % of its final value from then on) and interactive p99 TTFT is back under 2 s
+  before the run ends (:func:`.measure.recovery_s`).
+shift: batch uses at least 90 % of the capacity interactive leaves idle, and interactive p99
+  TTFT is back under 2 s within 10 s of its burst.
+
+Context lines (``primary=False``) read a target another way: p99 TTFT from the original
+arrival, retries included; the recovery and settle figures of the other strategies are in the
+scenario table, not here.
+"""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Final
 
 from bench.common.table import fmt, format_table
-from bench.load.summary import LoadResult
 
 from .capacity import Capacity
-from .options import KNOWN_STRATEGIES, REPLICA_STRATEGIES, SIDECAR_STRATEGIES, Options
+from .measure import SLO_TTFT_S, RunSummary
+from .options import REPLICA_STRATEGIES, SIDECAR_STRATEGIES, Options
 from .strategies import replica_limits
-from .summary import RunSummary, Window, pct
-from .targets import TTFT_TARGET_S, TargetCheck
-from .timeline import WINDOW_S, Sample, ttft_windows
+
+__all__ = [
+    "TargetCheck",
+    "check_targets",
+    "format_admission",
+    "format_replicas",
+    "format_runs",
+    "format_scenarios",
+    "format_targets",
+    "pct",
+]
+
+
+def pct(x: float | None) -> str:
+    """A share as a percentage with one decimal, ``-`` when there is none."""
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+# --------------------------------------------------------------------------------------------
+# Targets
+# --------------------------------------------------------------------------------------------
+
+HELD: Final = "sidecar"
+TTFT_TARGET_S: Final = SLO_TTFT_S
+WASTE_TARGET: Final = 0.02
+SLO_VS_OTHERS: Final = 1.5
+REFUSED_AT_LOW_LOAD: Final = 0.01
+SETTLE_S: Final = 30.0
+IDLE_USE: Final = 0.9
+SHIFT_RECOVERY_S: Final = 10.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TargetCheck:
+    """One target on one run of a scenario."""
+
+    name: str
+    scenario: str
+    label: str  # "2x" or the scenario's name
+    value: float | None
+    threshold: float | None
+    passed: bool
+    detail: str
+    primary: bool = True
+
+
+def _best_other(
+    others: Sequence[RunSummary], get: Callable[[RunSummary], float]
+) -> tuple[float, str]:
+    best = max(others, key=get)
+    return get(best), best.strategy
+
+
+class _Checks(list[TargetCheck]):
+    """The checks of one run of the held strategy."""
+
+    def __init__(self, side: RunSummary) -> None:
+        super().__init__()
+        self.side = side
+
+    def add(
+        self,
+        name: str,
+        value: float | None,
+        threshold: float | None,
+        passed: bool,
+        detail: str,
+        *,
+        primary: bool = True,
+    ) -> None:
+        self.append(
+            TargetCheck(
+                name=name,
+                scenario=self.side.scenario,
+                label=self.side.label,
+                value=value,
+                threshold=threshold,
+                passed=passed,
+                detail=detail,
+                primary=primary,
+            )
+        )
+
+
+def _steady(side: RunSummary, rows: Sequence[RunSummary]) -> list[TargetCheck]:
+    others = [r for r in rows if r.strategy != HELD]
+    out = _Checks(side)
+    check = out.add
+
+    if side.load >= 2.0:
+        readings: tuple[tuple[str, str, Callable[[RunSummary], float]], ...] = (
+            ("good req/s", "req/s", lambda r: r.overall.goodput_rps),
+            ("good tok/s", "tok/s", lambda r: r.overall.goodput_tokens_per_s),
+        )
+        if others:
+            for name, unit, get in readings:
+                best, who = _best_other(others, get)
+                check(
+                    f"{name} above every other",
+                    get(side),
+                    best,
+                    get(side) > best,
+                    f"{get(side):.2f} vs {best:.2f} {unit} ({who})",
+                )
+            best, who = _best_other(others, lambda r: r.slo_goodput_rps)
+            need = SLO_VS_OTHERS * best
+            check(
+                "SLO goodput >= 1.5x every other",
+                side.slo_goodput_rps,
+                need,
+                side.slo_goodput_rps >= need,
+                f"{side.slo_goodput_rps:.2f} vs 1.5 x {best:.2f} ({who}) = {need:.2f} req/s",
+            )
+        first = side.ttft_p99_first_attempt_s
+        check(
+            "interactive p99 TTFT < 2 s (first attempts)",
+            first,
+            TTFT_TARGET_S,
+            first is not None and first < TTFT_TARGET_S,
+            f"{fmt(first)} s",
+        )
+        whole = side.ttft_p99_s
+        check(
+            "interactive p99 TTFT < 2 s (from arrival)",
+            whole,
+            TTFT_TARGET_S,
+            whole is not None and whole < TTFT_TARGET_S,
+            f"{fmt(whole)} s",
+            primary=False,
+        )
+        waste = side.wasted_frac
+        check(
+            "wasted work < 2%",
+            waste,
+            WASTE_TARGET,
+            waste is not None and waste < WASTE_TARGET,
+            f"{pct(waste)} of generated tokens",
+        )
+    if side.load <= 1.0:
+        direct = next((r for r in rows if r.strategy == "direct"), None)
+        ok_refused = side.refused_frac <= REFUSED_AT_LOW_LOAD
+        ok_good = direct is None or side.overall.good >= direct.overall.good
+        vs = "" if direct is None else f", good {side.overall.good} vs direct {direct.overall.good}"
+        check(
+            "nobody refused who would be served in time",
+            side.refused_frac,
+            REFUSED_AT_LOW_LOAD,
+            ok_refused and ok_good,
+            f"refused {pct(side.refused_frac)} (<= 1%){vs}",
+        )
+    return list(out)
+
+
+def check_targets(rows: Sequence[RunSummary]) -> list[TargetCheck]:
+    """Every target whose runs are there (see the module docstring)."""
+    groups: dict[tuple[str, str], list[RunSummary]] = {}
+    for r in rows:
+        groups.setdefault((r.scenario, r.label), []).append(r)
+    checks: list[TargetCheck] = []
+    for (scenario, _label), group in groups.items():
+        side = next((r for r in group if r.strategy == HELD), None)
+        if side is None:
+            continue
+        f = side.scenario_figures
+        out = _Checks(side)
+        check = out.add
+        if scenario == "steady":
+            checks.extend(_steady(side, group))
+        elif scenario == "halve":
+            settle = f.get("limit_settle_s")
+            check(
+                "pool limit settles within 30 s",
+                settle,
+                SETTLE_S,
+                settle is not None and settle <= SETTLE_S,
+                "no llm_extproc_pool_limit samples"
+                if f.get("limit_final") is None
+                else f"{fmt(settle, 1)} s after the change, {fmt(f.get('limit_before'), 0)} -> "
+                f"{fmt(f.get('limit_final'), 0)}",
+            )
+            rec = f.get("recovery_s")
+            check(
+                "interactive p99 TTFT < 2 s again",
+                rec,
+                None,
+                rec is not None,
+                "never" if rec is None else f"{rec:.0f} s after the change",
+            )
+        elif scenario == "shift":
+            use = f.get("idle_use")
+            check(
+                "batch uses >= 90% of idle capacity",
+                use,
+                IDLE_USE,
+                use is not None and use >= IDLE_USE,
+                f"{pct(use)} of batch's saturation tokens/s (engine busy "
+                f"{pct(f.get('busy_frac'))})",
+            )
+            rec = f.get("recovery_s")
+            check(
+                "interactive p99 TTFT < 2 s within 10 s of burst",
+                rec,
+                SHIFT_RECOVERY_S,
+                rec is not None and rec <= SHIFT_RECOVERY_S,
+                "never" if rec is None else f"{rec:.0f} s after the burst began",
+            )
+        checks.extend(out)
+    return checks
+
+
+# --------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------
+
 
 RUN_HEADERS: Final = (
     "run", "strategy", "offer/s", "good/s", "xdirect", "tok/s", "slo/s", "ttft99i", "1st99i",
@@ -236,188 +469,3 @@ def format_targets(checks: Sequence[TargetCheck]) -> str:
         for c in checks
     )
     return "\n".join(lines)
-
-
-COLORS: Final = {
-    "direct": "tab:red",
-    "envoy-cb-default": "tab:brown",
-    "envoy-cb": "tab:orange",
-    "envoy-adaptive": "tab:purple",
-    "priority-gateway": "tab:green",
-    "sidecar-static": "tab:cyan",
-    "sidecar": "tab:blue",
-    "replicas-shared": "tab:olive",
-    "replicas-full": "tab:pink",
-    "replicas-split": "tab:gray",
-}
-
-
-def plot(
-    rows: Sequence[RunSummary],
-    results: Mapping[tuple[str, str], LoadResult],
-    samples: Mapping[tuple[str, str], Sequence[Sample]],
-    cap: Capacity,
-    opts: Options,
-    out_dir: Path,
-) -> list[Path]:
-    """goodput.png and latency_cdf.png for the steady runs (requests resolved in the window),
-    timeline_<scenario>.png for each other scenario. ``results`` and ``samples`` are keyed by
-    (run key, strategy)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    paths: list[Path] = []
-    steady = [r for r in rows if r.scenario == "steady"]
-    if steady:
-        paths += _plot_steady(steady, results, cap, opts, out_dir)
-    for scenario in dict.fromkeys(r.scenario for r in rows if r.scenario != "steady"):
-        paths.append(
-            _plot_timeline(
-                scenario, [r for r in rows if r.scenario == scenario], results, samples, out_dir
-            )
-        )
-    return paths
-
-
-def _key(r: RunSummary) -> str:
-    return f"steady-{r.label}" if r.scenario == "steady" else r.scenario
-
-
-def _plot_steady(
-    rows: Sequence[RunSummary],
-    results: Mapping[tuple[str, str], LoadResult],
-    cap: Capacity,
-    opts: Options,
-    out_dir: Path,
-) -> list[Path]:
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter
-
-    window = Window(start_s=opts.warmup_s, end_s=opts.duration_s)
-    strategies = [s for s in KNOWN_STRATEGIES if any(r.strategy == s for r in rows)]
-    labels = list(dict.fromkeys(r.label for r in sorted(rows, key=lambda r: r.load)))
-    paths: list[Path] = []
-
-    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
-    for s in strategies:
-        rs = sorted((r for r in rows if r.strategy == s), key=lambda r: r.load)
-        x = [r.offered_rps for r in rs]
-        c = COLORS[s]
-        axes[0].plot(x, [r.goodput_rps for r in rs], "o-", color=c, label=s)
-        axes[1].plot(x, [r.overall.goodput_tokens_per_s for r in rs], "o-", color=c, label=s)
-        axes[2].plot(x, [r.slo_goodput_rps for r in rs], "o-", color=c, label=s)
-        axes[3].plot(x, [r.ttft_p99_s or math.nan for r in rs], "o-", color=c, label=s)
-    for ax in axes[:3]:
-        ax.axvline(cap.capacity_rps, color="grey", ls=":", lw=1)
-    axes[0].axhline(cap.capacity_rps, color="grey", ls=":", lw=1, label="capacity")
-    axes[0].set_ylabel("goodput, req/s (good = complete within timeout)")
-    axes[1].set_ylabel("goodput, output tokens/s")
-    axes[2].set_ylabel("SLO goodput, req/s (interactive TTFT <= 2 s)")
-    axes[3].axhline(TTFT_TARGET_S, color="grey", ls="--", lw=1, label="2 s target")
-    axes[3].set_yscale("log")
-    axes[3].set_ylabel("interactive p99 TTFT, s (from arrival)")
-    for ax in axes:
-        ax.set_xlabel("offered load, req/s (simulated)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(
-        f"{opts.profile} simulator, {opts.mix} mix, capacity {cap.capacity_rps:.2f} req/s, "
-        f"C={cap.concurrency}; loads {', '.join(labels)}"
-    )
-    fig.tight_layout()
-    path = out_dir / "goodput.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
-
-    panels = [
-        ("interactive", "ttft", "interactive TTFT", opts.interactive_timeout_s),
-        ("interactive", "e2e", "interactive end to end", opts.interactive_timeout_s),
-        ("batch", "e2e", "batch end to end", opts.batch_timeout_s),
-    ]
-    fig, axes = plt.subplots(
-        len(panels), len(labels), figsize=(4 * len(labels), 3.2 * len(panels)), squeeze=False
-    )
-    for row, (cls, metric, title, timeout) in enumerate(panels):
-        for col, label in enumerate(labels):
-            ax = axes[row][col]
-            for s in strategies:
-                res = results.get((f"steady-{label}", s))
-                if res is None:
-                    continue
-                recs = [r for r in res.records if r.cls == cls and window.holds(r)]
-                vals = sorted(
-                    v
-                    for r in recs
-                    if r.outcome == "ok"
-                    and (v := r.ttft_s if metric == "ttft" else r.e2e_s) is not None
-                )
-                if not recs:
-                    continue
-                ys = [(i + 1) / len(recs) for i in range(len(vals))]
-                ax.step(vals, ys, where="post", color=COLORS[s], label=s)
-            ax.axvline(timeout, color="grey", ls="--", lw=1)
-            if metric == "ttft":
-                ax.axvline(TTFT_TARGET_S, color="grey", ls=":", lw=1)
-            ax.set_xscale("log")
-            ax.xaxis.set_minor_formatter(NullFormatter())
-            ax.set_ylim(0, 1.02)
-            ax.grid(alpha=0.3)
-            ax.set_title(f"{title}, {label}", fontsize=9)
-            if col == 0:
-                ax.set_ylabel("share answered (200) within t")
-            if row == len(panels) - 1:
-                ax.set_xlabel("t, simulated s")
-            if row == 0 and col == 0:
-                ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out_dir / "latency_cdf.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    paths.append(path)
-    return paths
-
-
-def _plot_timeline(
-    scenario: str,
-    rows: Sequence[RunSummary],
-    results: Mapping[tuple[str, str], LoadResult],
-    samples: Mapping[tuple[str, str], Sequence[Sample]],
-    out_dir: Path,
-) -> Path:
-    """Per strategy over time: interactive p99 TTFT in 10 s windows (by arrival), requests
-    running in the backend, and the limit where the strategy has one."""
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
-    for r in rows:
-        c = COLORS.get(r.strategy, "black")
-        res = results.get((scenario, r.strategy))
-        if res is not None:
-            wins = ttft_windows(res.records, start_s=0.0, end_s=max(r.window_s[1], WINDOW_S))
-            axes[0].plot(
-                [w.start_s + WINDOW_S / 2 for w in wins],
-                [w.p99_s if w.p99_s is not None else math.nan for w in wins],
-                color=c,
-                label=r.strategy,
-            )
-        ss = samples.get((scenario, r.strategy), ())
-        axes[1].plot([x.t_s for x in ss], [x.running for x in ss], color=c, label=r.strategy)
-        lim = [(x.t_s, x.limit) for x in ss if x.limit is not None]
-        if lim:
-            axes[2].plot([t for t, _ in lim], [v for _, v in lim], color=c, label=r.strategy)
-    axes[0].axhline(TTFT_TARGET_S, color="grey", ls="--", lw=1)
-    axes[0].set_yscale("log")
-    axes[0].set_ylabel("interactive p99 TTFT, s\n(10 s windows, by arrival)")
-    axes[1].set_ylabel("running in the backend")
-    axes[2].set_ylabel("limit (pool / adaptive)")
-    axes[2].set_xlabel("t, simulated s from the start of the arrivals")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"scenario {scenario}")
-    fig.tight_layout()
-    path = out_dir / f"timeline_{scenario}.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

@@ -1,7 +1,7 @@
 """Running one strategy on one scenario run: a fresh deployment, one load-generator run (spread
 over the gateways where there are several, :mod:`.spread`), the counters snapshotted at the
 window's edges, the backend and the limit sampled all along, the backend's requests in flight
-polled every :data:`IN_FLIGHT_EVERY_S` of wall time (their peak: :class:`.summary.InFlight`),
+polled every :data:`IN_FLIGHT_EVERY_S` of wall time (their peak: :class:`.measure.InFlight`),
 the backend's speed changed on cue, teardown."""
 
 from __future__ import annotations
@@ -18,12 +18,20 @@ from bench.load.runner import LoadConfig, run_load
 from bench.load.summary import LoadResult
 
 from .capacity import Capacity
+from .deploy import Deployment, deploy
+from .measure import (
+    InFlightPoint,
+    RunSummary,
+    Sample,
+    Window,
+    combine_replicas,
+    in_flight_point,
+    sample_of,
+    summarize_run,
+)
 from .options import Options, Strategy
 from .scenarios import ScenarioRun
 from .spread import run_spread
-from .strategies import Deployment, deploy
-from .summary import InFlightPoint, RunSummary, Window, in_flight_point, summarize_run
-from .timeline import Sample
 
 _SIM_KEYS: Final = (
     "generation_tokens",
@@ -84,19 +92,6 @@ async def _sidecar_metrics(session: aiohttp.ClientSession, url: str) -> dict[str
     return out
 
 
-def combine_replicas(snaps: list[dict[str, float]]) -> dict[str, float]:
-    """The counters of several sidecars (or Envoys) as one: summed, except a shared pool's
-    limit, which every replica reports for all of them (the highest is kept)."""
-    out: dict[str, float] = {}
-    for snap in snaps:
-        for key, value in snap.items():
-            if key == "shared_pool_limit":
-                out[key] = max(out.get(key, value), value)
-            else:
-                out[key] = out.get(key, 0.0) + value
-    return out
-
-
 async def _envoy_stats(session: aiohttp.ClientSession, admin_url: str) -> dict[str, float]:
     """Backend-cluster counters as ``envoy.<stat>``; the adaptive filter's as
     ``envoy.adaptive.<stat>``."""
@@ -139,23 +134,6 @@ async def _snapshot(session: aiohttp.ClientSession, dep: Deployment) -> dict[str
     return out
 
 
-def _sample_of(t_s: float, snap: dict[str, float]) -> Sample:
-    # The limit on what reaches the backend: a shared pool's, else the sidecars' pools
-    # together (replicas-full: replicas x C), else Envoy's adaptive filter's.
-    limit = snap.get(
-        "shared_pool_limit", snap.get("pool_limit", snap.get("envoy.adaptive.concurrency_limit"))
-    )
-    return Sample(
-        t_s=t_s,
-        running=snap.get("gauge.num_requests_running", 0.0),
-        waiting=snap.get("gauge.num_requests_waiting", 0.0),
-        finished=snap.get("sim.finished_requests", 0.0),
-        busy_s=snap.get("sim.busy_s", 0.0),
-        speed_factor=snap.get("gauge.speed_factor", 1.0),
-        limit=limit,
-    )
-
-
 async def _sampler(
     session: aiohttp.ClientSession,
     dep: Deployment,
@@ -171,7 +149,7 @@ async def _sampler(
         await asyncio.sleep(max(0.0, t0 + k * opts.sample_every_s / opts.speedup - loop.time()))
         t_s = (loop.time() - t0) * opts.speedup
         try:
-            out.append(_sample_of(t_s, await _snapshot(session, dep)))
+            out.append(sample_of(t_s, await _snapshot(session, dep)))
         except (aiohttp.ClientError, TimeoutError, ValueError):
             pass
         k += 1
@@ -186,7 +164,7 @@ async def _in_flight_sampler(
 ) -> None:
     """Every :data:`IN_FLIGHT_EVERY_S` wall seconds until cancelled: the simulators' requests
     running and waiting (``/sim/stats``, summed over the replicas), as an
-    :class:`.summary.InFlightPoint`; a poll that fails is skipped."""
+    :class:`.measure.InFlightPoint`; a poll that fails is skipped."""
     loop = asyncio.get_running_loop()
     k = 0
     while True:

@@ -23,8 +23,11 @@ Design
 * **Always terminates**: arrivals stop at ``duration_s`` or ``max_requests``; each request is
   bounded by its timeouts and retries; a hard cap cancels anything left after ``max_run_s``.
 
-Modules: :mod:`.workload` (classes, length distributions, traces, the schedule; pure),
-:mod:`.retry` (the SDK's retry policy; pure), :mod:`.summary` (records, per-class summaries,
-the printed table; pure), :mod:`.runner` (the aiohttp client that runs a schedule) and the CLI,
-``python -m bench.load --url http://127.0.0.1:10000 --rate 5 --duration 60``.
+Modules: :mod:`.client` (the one HTTP client of every benchmark: one attempt at one request,
+the open-loop sender), :mod:`.presets` (what each benchmark sends: compare's two-class mix,
+the demo's burst, the storm's, the soak's arrivals), :mod:`.workload` (classes, length
+distributions, traces, the schedule; pure), :mod:`.retry` (the SDK's retry policy; pure),
+:mod:`.summary` (records, per-class summaries, the printed table; pure), :mod:`.runner` (a
+schedule sent with retries, as records) and the CLI, ``python -m bench.load --url
+http://127.0.0.1:10000 --rate 5 --duration 60``.
 """

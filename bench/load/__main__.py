@@ -9,9 +9,10 @@ import json
 import sys
 from pathlib import Path
 
+from .presets import MIXES, default_classes
 from .runner import DEFAULT_MODEL, LoadConfig, run_load
 from .summary import format_result
-from .workload import DEFAULT_TRACES_DIR, MIXES, class_from_dict, default_classes
+from .workload import DEFAULT_TRACES_DIR, class_from_dict
 
 
 def parse_args(argv: list[str] | None) -> tuple[LoadConfig, argparse.Namespace]:

@@ -1,20 +1,23 @@
-"""The client side: a :class:`LoadConfig`, request bodies, one HTTP attempt, retries, and
-:func:`run_load`, which sends a whole open-loop schedule and summarizes it."""
+"""The load generator's runs: a :class:`LoadConfig`, request bodies, the OpenAI SDK's retries
+around :func:`.client.attempt`, and :func:`run_load`, which sends a whole open-loop schedule
+with :func:`.client.send_all` and summarizes it."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 import aiohttp
 
+from .client import CHAT_PATH, COMPLETIONS_PATH, Call, attempt, send_all, session
 from .retry import retry_delay_s, should_retry
-from .summary import LoadResult, Outcome, RequestRecord, backend_work, summarize
+from .summary import LoadResult, RequestRecord, backend_work, summarize
 from .workload import ClassSpec, PlannedRequest, build_schedule
 
 DEFAULT_MODEL: Final = "meta-llama/Llama-3.1-8B-Instruct"
@@ -89,129 +92,50 @@ def request_payload(spec: ClassSpec, pr: PlannedRequest, model: str) -> dict[str
     return body
 
 
-@dataclass(slots=True, kw_only=True)
-class _Attempt:
-    """Mutable progress of one HTTP attempt (survives a timeout cancellation)."""
-
-    status: int | None = None
-    headers: Mapping[str, str] | None = None
-    first_token_wall: float | None = None
-    tokens: int = 0
-    complete: bool = False
-    outcome: Outcome = "conn_error"
-
-
-async def _read_stream(
-    resp: aiohttp.ClientResponse, att: _Attempt, loop: asyncio.AbstractEventLoop
-) -> None:
-    buf = b""
-    usage_tokens: int | None = None
-    async for data in resp.content.iter_any():
-        buf += data
-        *events, buf = buf.split(b"\n\n")
-        for event in events:
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    att.complete = True
-                    continue
-                chunk = json.loads(payload)
-                for choice in chunk.get("choices") or ():
-                    delta = choice.get("delta")
-                    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-                    if text:
-                        att.tokens += 1
-                        if att.first_token_wall is None:
-                            att.first_token_wall = loop.time()
-                usage = chunk.get("usage")
-                if isinstance(usage, dict):
-                    usage_tokens = usage.get("completion_tokens")
-    if usage_tokens is not None and att.complete:
-        att.tokens = int(usage_tokens)
-
-
-async def _attempt(
-    session: aiohttp.ClientSession,
-    url: str,
-    body: dict[str, Any],
-    headers: dict[str, str],
-    timeout_wall_s: float,
-    stream: bool,
-) -> _Attempt:
-    loop = asyncio.get_running_loop()
-    att = _Attempt()
-    try:
-        async with asyncio.timeout(timeout_wall_s):
-            async with session.post(url, json=body, headers=headers) as resp:
-                att.status = resp.status
-                att.headers = dict(resp.headers)
-                if resp.status != 200:
-                    await resp.read()
-                    att.outcome = "http_error"
-                    return att
-                if stream:
-                    await _read_stream(resp, att, loop)
-                else:
-                    data = await resp.json(content_type=None)
-                    att.tokens = int((data.get("usage") or {}).get("completion_tokens", 0))
-                    att.complete = True
-                att.outcome = "ok" if att.complete else "conn_error"
-    except TimeoutError:
-        att.outcome = "timeout"  # leaving the context closed the connection: the backend aborts
-    except (aiohttp.ClientError, ConnectionError, ValueError, AttributeError, TypeError):
-        att.outcome = "conn_error"  # transport failure or a malformed response body
-    return att
-
-
 async def _run_request(
-    session: aiohttp.ClientSession,
-    cfg: LoadConfig,
-    spec: ClassSpec,
-    pr: PlannedRequest,
-    arrival_wall: float,
+    session: aiohttp.ClientSession, cfg: LoadConfig, spec: ClassSpec, pr: PlannedRequest, at: float
 ) -> RequestRecord:
-    loop = asyncio.get_running_loop()
-    url = cfg.url.rstrip("/") + (
-        "/v1/chat/completions" if spec.endpoint == "chat" else "/v1/completions"
-    )
-    body = request_payload(spec, pr, cfg.model)
+    """One planned request, arrived at ``at`` (loop time): attempts and SDK-style retries
+    until an answer the SDK would not retry, or ``max_retries``."""
+    path = CHAT_PATH if spec.endpoint == "chat" else COMPLETIONS_PATH
+    body = json.dumps(request_payload(spec, pr, cfg.model)).encode()
     headers = {CLASS_HEADER: spec.name}
     if cfg.prompt_tokens_header:
         headers["x-sim-prompt-tokens"] = str(pr.prompt_tokens)
     rng = random.Random(f"{cfg.seed}:retry:{pr.index}")
+    give_up = spec.timeout_s / cfg.speedup
     attempts = 0
     while True:
         attempts += 1
-        headers[RETRY_COUNT_HEADER] = str(attempts - 1)
-        att = await _attempt(session, url, body, headers, spec.timeout_s / cfg.speedup, spec.stream)
-        if att.outcome == "ok" or attempts > cfg.max_retries:
+        call = Call(
+            body=body,
+            headers={**headers, RETRY_COUNT_HEADER: str(attempts - 1)},
+            path=path,
+            stream=spec.stream,
+            give_up_s=give_up,
+        )
+        reply = await attempt(session, cfg.url, call)
+        if reply.outcome == "ok" or attempts > cfg.max_retries:
             break
-        if not should_retry(att.status if att.outcome == "http_error" else None, att.headers):
+        if not should_retry(reply.status if reply.outcome == "http_error" else None, reply.headers):
             break
         await asyncio.sleep(
-            retry_delay_s(attempts - 1, att.headers, rand=rng.random()) / cfg.speedup
+            retry_delay_s(attempts - 1, reply.headers, rand=rng.random()) / cfg.speedup
         )
-    end_wall = loop.time()
-    e2e = (end_wall - arrival_wall) * cfg.speedup
+    e2e = (reply.done_at - at) * cfg.speedup
     ttft = None
-    if spec.stream and att.first_token_wall is not None and att.outcome == "ok":
-        ttft = (att.first_token_wall - arrival_wall) * cfg.speedup
-    return RequestRecord(
-        index=pr.index,
-        cls=pr.cls,
-        arrival_s=pr.t_s,
-        prompt_tokens=pr.prompt_tokens,
-        max_tokens=pr.output_tokens,
-        outcome=att.outcome,
-        status=att.status if att.outcome in ("ok", "http_error") else None,
+    if spec.stream and reply.first_token_at is not None and reply.outcome == "ok":
+        ttft = (reply.first_token_at - at) * cfg.speedup
+    return _record(
+        pr,
+        outcome=reply.outcome,
+        status=reply.status if reply.outcome in ("ok", "http_error") else None,
         ttft_s=ttft,
         e2e_s=e2e,
-        output_tokens=att.tokens,
+        output_tokens=reply.tokens,
         attempts=attempts,
-        gave_up=att.outcome == "timeout",
-        good=att.outcome == "ok" and e2e <= spec.timeout_s,
+        gave_up=reply.outcome == "timeout",
+        good=reply.outcome == "ok" and e2e <= spec.timeout_s,
     )
 
 
@@ -234,68 +158,32 @@ async def run_load(cfg: LoadConfig, schedule: Sequence[PlannedRequest] | None = 
         schedule = cfg.schedule()
     specs = {c.name: c for c in cfg.classes}
     loop = asyncio.get_running_loop()
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=None)
-    ) as session:
-        before = await _get_stats(session, cfg.stats_url) if cfg.stats_url else None
+    arrived = itertools.takewhile(lambda pr: pr.t_s < cfg.duration_s, schedule[: cfg.max_requests])
+    due = [(pr.t_s, pr) for pr in arrived]
+
+    async with session() as http:
+        before = await _get_stats(http, cfg.stats_url) if cfg.stats_url else None
         t0 = loop.time()
-        hard_deadline = t0 + cfg.hard_cap_s() / cfg.speedup
-        tasks: dict[asyncio.Task[RequestRecord], PlannedRequest] = {}
-        lag_max = 0.0
-        for pr in schedule[: cfg.max_requests]:
-            if pr.t_s >= cfg.duration_s:
-                break
-            at = t0 + pr.t_s / cfg.speedup
-            delay = at - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            lag_max = max(lag_max, (loop.time() - at) * cfg.speedup)
-            task = asyncio.create_task(_run_request(session, cfg, specs[pr.cls], pr, at))
-            tasks[task] = pr
-        records: list[RequestRecord] = []
-        if tasks:
-            done, pending = await asyncio.wait(tasks, timeout=max(0.0, hard_deadline - loop.time()))
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.wait(pending)
-            for task, pr in tasks.items():
-                if task in done and not task.cancelled() and task.exception() is None:
-                    records.append(task.result())
-                else:
-                    if task in done and not task.cancelled():
-                        print(
-                            f"bench.load: request {pr.index} failed: {task.exception()!r}",
-                            file=sys.stderr,
-                        )
-                    records.append(
-                        RequestRecord(
-                            index=pr.index,
-                            cls=pr.cls,
-                            arrival_s=pr.t_s,
-                            prompt_tokens=pr.prompt_tokens,
-                            max_tokens=pr.output_tokens,
-                            outcome="cancelled",
-                            status=None,
-                            ttft_s=None,
-                            e2e_s=(loop.time() - t0) * cfg.speedup - pr.t_s,
-                            output_tokens=0,
-                            attempts=1,
-                            gave_up=True,
-                            good=False,
-                        )
-                    )
+
+        async def send(pr: PlannedRequest, at: float) -> RequestRecord:
+            return await _run_request(http, cfg, specs[pr.cls], pr, at)
+
+        sent = await send_all(due, send, speedup=cfg.speedup, hard_cap_s=cfg.hard_cap_s())
+        records = [record for _, record in sent.done]
+        for pr, _, exc in sent.unfinished:
+            if exc is not None:
+                print(f"bench.load: request {pr.index} failed: {exc!r}", file=sys.stderr)
+            records.append(_cancelled(pr, (loop.time() - t0) * cfg.speedup - pr.t_s))
         elapsed = (loop.time() - t0) * cfg.speedup
         backend = None
         if cfg.stats_url and before is not None:
             await asyncio.sleep(0.05)  # let the backend process the last disconnects
-            after = await _get_stats(session, cfg.stats_url)
+            after = await _get_stats(http, cfg.stats_url)
             if after is not None:
                 backend = backend_work(before, after)
     records.sort(key=lambda r: r.index)
-    sent = len(records)
-    window = cfg.duration_s if sent < cfg.max_requests or not records else records[-1].arrival_s
+    n = len(records)
+    window = cfg.duration_s if n < cfg.max_requests or not records else records[-1].arrival_s
     per_class = {
         name: summarize(name, [r for r in records if r.cls == name], window) for name in specs
     }
@@ -304,9 +192,36 @@ async def run_load(cfg: LoadConfig, schedule: Sequence[PlannedRequest] | None = 
         elapsed_s=elapsed,
         speedup=cfg.speedup,
         seed=cfg.seed,
-        loadgen_lag_s_max=lag_max,
+        loadgen_lag_s_max=sent.lag_max_s * cfg.speedup,
         overall=summarize("all", records, window),
         per_class=per_class,
         backend=backend,
         records=tuple(records),
+    )
+
+
+def _record(pr: PlannedRequest, **what: Any) -> RequestRecord:
+    """The record of planned request ``pr``: what happened to it."""
+    return RequestRecord(
+        index=pr.index,
+        cls=pr.cls,
+        arrival_s=pr.t_s,
+        prompt_tokens=pr.prompt_tokens,
+        max_tokens=pr.output_tokens,
+        **what,
+    )
+
+
+def _cancelled(pr: PlannedRequest, e2e_s: float) -> RequestRecord:
+    """The record of a request the hard cap cut (or whose task failed)."""
+    return _record(
+        pr,
+        outcome="cancelled",
+        status=None,
+        ttft_s=None,
+        e2e_s=e2e_s,
+        output_tokens=0,
+        attempts=1,
+        gave_up=True,
+        good=False,
     )

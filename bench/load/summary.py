@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 from bench.common.stats import percentile
 from bench.common.table import fmt, format_table
 
-Outcome = Literal["ok", "http_error", "timeout", "conn_error", "cancelled"]
+from .client import Outcome
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

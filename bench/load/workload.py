@@ -33,7 +33,7 @@ import functools
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -214,68 +214,6 @@ def class_from_dict(d: Mapping[str, Any]) -> ClassSpec:
     if "rate_schedule" in kwargs:  # JSON lists of [start_s, rate]
         kwargs["rate_schedule"] = tuple((float(t), float(r)) for t, r in kwargs["rate_schedule"])
     return ClassSpec(**kwargs)
-
-
-Mix = Literal["default", "long"]
-MIXES: Final[tuple[Mix, ...]] = ("default", "long")
-# The long-prompt mix: RAG- or agent-like requests, prompts around 2.5k tokens, answers around
-# 300 and up to 4k. The bounds keep prompt + output (4096 + 4000) under the simulator's
-# max_model_len (8192), so no request is refused for its length alone.
-LONG_PROMPT: Final = LogNormal(median=2500, sigma=0.5, lo=64, hi=4096)
-LONG_OUTPUT: Final = LogNormal(median=300, sigma=1.0, lo=1, hi=4000)
-
-
-def default_classes(
-    rate: float,
-    *,
-    interactive_share: float = 0.8,
-    arrivals: Literal["poisson", "trace"] = "poisson",
-    mix: Mix = "default",
-) -> tuple[ClassSpec, ...]:
-    """The standard two-class mix: chat-like interactive traffic and prefill-heavy batch traffic.
-
-    * ``interactive``: streamed chat, 30 s timeout, lengths (and arrivals) from ``azure_conv.csv``.
-    * ``batch``: non-streamed, 300 s timeout, lengths (and arrivals) from ``azure_code.csv``
-      (long prompts, short outputs; very bursty arrivals).
-
-    ``mix="long"`` keeps the classes (streaming, timeouts) but draws both classes' lengths from
-    :data:`LONG_PROMPT` / :data:`LONG_OUTPUT` instead of the traces (Poisson arrivals only).
-    """
-    if not 0.0 <= interactive_share <= 1.0:
-        raise ValueError("interactive_share must be in [0, 1]")
-    if mix not in MIXES:
-        raise ValueError(f"unknown mix {mix!r}")
-    if mix == "long":
-        if arrivals != "poisson":
-            raise ValueError("the long mix has no trace to replay: use Poisson arrivals")
-        return tuple(
-            replace(c, trace=None, prompt=LONG_PROMPT, output=LONG_OUTPUT)
-            for c in default_classes(rate, interactive_share=interactive_share)
-        )
-    classes = []
-    if interactive_share > 0:
-        classes.append(
-            ClassSpec(
-                name="interactive",
-                rate=rate * interactive_share,
-                arrivals=arrivals,
-                trace="azure_conv.csv",
-                stream=True,
-                timeout_s=30.0,
-            )
-        )
-    if interactive_share < 1:
-        classes.append(
-            ClassSpec(
-                name="batch",
-                rate=rate * (1 - interactive_share),
-                arrivals=arrivals,
-                trace="azure_code.csv",
-                stream=False,
-                timeout_s=300.0,
-            )
-        )
-    return tuple(classes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

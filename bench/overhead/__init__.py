@@ -32,7 +32,7 @@ to the differences. A ``buffer`` filter sits before the router on every listener
 also reads the whole request body before it answers, as a real backend would; behind ext_proc
 (BUFFERED) the body is already complete when it gets there.
 
-Measured, one module each:
+Measured, one module each (the in-process one in :mod:`bench.micro`):
 
 - ``openloop``: **open loop** at fixed rates (default 100, 500, 1000 req/s) with a small
   generator (h2load's ``--rps`` sends in 10 ms bursts, so it is not used for this): HTTP/1.1
@@ -54,9 +54,10 @@ Measured, one module each:
   the time to drain the queue once the slot is freed. The same N sent at once (what a burst
   gets), and the naive server holding N streams from a direct gRPC client (what grpc.aio
   itself costs per stream);
-- ``admission_cost``: **admission cost vs queue length**: ``extproc.admission.gate.Gate`` and
-  ``extproc.admission.core.Admission`` in process, at 10, 1,000 and 10,000 waiters: enqueue,
-  admit (release + hand-over), cancel, evict (a real timer) must not grow with the queue;
+- ``bench.micro.admission_cost`` (also runnable alone): **admission cost vs queue length**:
+  ``extproc.pool.gate.Gate`` and ``extproc.pool.core.Admission`` in process, at 10,
+  1,000 and 10,000 waiters: enqueue, admit (release + hand-over), cancel, evict (a real timer)
+  must not grow with the queue;
 - ``profile``: ``--profile`` adds a py-spy profile of the sidecar under closed-loop load (needs
   ``py-spy`` in the venv).
 

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.overhead.admission_cost import admission_costs
+from bench.micro.admission_cost import admission_costs
 from bench.overhead.h2load import closed_loop, h2load_binary, warm_up
 from bench.overhead.held import held_queue
 from bench.overhead.meters import CpuMeter, log

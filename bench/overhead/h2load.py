@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.overhead.meters import CpuMeter, log, pct
+from bench.common.stats import percentile_scaled
+from bench.overhead.meters import CpuMeter, log
 from bench.overhead.procs import Bench
 from bench.overhead.ways import CLASS_HEADER, WAYS, listener_of, metered_of, server_of
 
@@ -173,8 +174,8 @@ def closed_loop(
             "requests": r.succeeded,
             "failed": r.failed,
             "non_2xx": r.requests - r.status_2xx,
-            "p50_ms": pct(r.latency_s, 50, 1e3),
-            "p99_ms": pct(r.latency_s, 99, 1e3),
+            "p50_ms": percentile_scaled(r.latency_s, 50, 1e3),
+            "p99_ms": percentile_scaled(r.latency_s, 99, 1e3),
             "envoy_cpu_us": 1e6 * m.delta["envoy"] / max(1, r.succeeded),
             "server_cpu_us": (1e6 * server_cpu / max(1, r.succeeded)) if server else None,
             "server_cores": (server_cpu / m.wall_s) if server else None,

@@ -1,5 +1,5 @@
-"""What is read off the processes and the machine: CPU and RSS from /proc, a meter of CPU
-between two moments, and percentiles in the unit they are reported in."""
+"""What is read off the processes and the machine: CPU and RSS from /proc, and a meter of CPU
+between two moments."""
 
 from __future__ import annotations
 
@@ -9,14 +9,10 @@ import resource
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
-
-from bench.common.stats import percentile
 
 __all__ = [
     "CpuMeter",
     "log",
-    "pct",
     "proc_cpu_s",
     "proc_rss_mb",
     "system_busy_s",
@@ -29,14 +25,6 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 def log(msg: str) -> None:
     """A progress line on stderr (the report goes to stdout)."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def pct(values: Sequence[float], q: float, scale: float = 1.0) -> float:
-    """``bench.common.stats.percentile`` times ``scale`` (1e3: seconds to ms); NaN when there
-    is no value, so a way whose every request failed still has a row (and misses its
-    targets)."""
-    v = percentile(values, q)
-    return float("nan") if v is None else scale * v
 
 
 def proc_cpu_s(pid: int) -> float:

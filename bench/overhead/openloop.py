@@ -26,7 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.overhead.meters import CpuMeter, log, pct
+from bench.common.stats import percentile_scaled
+from bench.overhead.meters import CpuMeter, log
 from bench.overhead.procs import Bench
 from bench.overhead.ways import REDIS, SIDECAR_REDIS, WAYS, metered_of
 
@@ -227,12 +228,12 @@ def summarise(way: str, s: Samples) -> dict[str, Any]:
         "ok": ok,
         "statuses": {str(k): v for k, v in s.statuses.items()},
         "achieved_rate": s.requests / s.wall_s if s.wall_s else 0.0,
-        "p50_ms": pct(s.latency_s, 50, 1e3),
-        "p90_ms": pct(s.latency_s, 90, 1e3),
-        "p99_ms": pct(s.latency_s, 99, 1e3),
+        "p50_ms": percentile_scaled(s.latency_s, 50, 1e3),
+        "p90_ms": percentile_scaled(s.latency_s, 90, 1e3),
+        "p99_ms": percentile_scaled(s.latency_s, 99, 1e3),
         "max_ms": 1e3 * max(s.latency_s, default=float("nan")),
-        "lag_p50_ms": pct(s.lag_s, 50, 1e3),
-        "lag_p99_ms": pct(s.lag_s, 99, 1e3),
+        "lag_p50_ms": percentile_scaled(s.lag_s, 50, 1e3),
+        "lag_p99_ms": percentile_scaled(s.lag_s, 99, 1e3),
         "lag_max_ms": 1e3 * max(s.lag_s, default=float("nan")),
         "generator_cores": s.gen_cpu_s / s.wall_s if s.wall_s else 0.0,
         "connections": s.max_connections,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.common.table import fmt, format_table
+from bench.micro.admission_cost import LEVELS, format_costs
 from bench.overhead.profile import PROFILED
 from bench.overhead.ways import FLOOR, NAIVE, SIDECAR, SIDECAR_GRPC, SIDECAR_REDIS, SIDECAR_RW
 
@@ -289,25 +290,6 @@ def _held(held: dict[str, Any]) -> list[str]:
     return out
 
 
-def _admission(title: str, g: dict[str, dict[str, dict[str, float]]]) -> list[str]:
-    ops = list(next(iter(g.values())).keys())
-    rows = [
-        [
-            f"{int(n):,}",
-            *(
-                f"{r[op]['p50_us']:.2f} / {r[op]['p99_us']:.2f} / {r[op]['max_us']:.1f}"
-                for op in ops
-            ),
-        ]
-        for n, r in g.items()
-    ]
-    return [
-        "",
-        f"admission cost against queue length, {title}: us per op, p50 / p99 / max",
-        format_table(["queued", *ops], rows),
-    ]
-
-
 def report(res: dict[str, Any]) -> str:
     """Every figure of a run (``__main__.run``'s result) as text."""
     out = _header(res)
@@ -319,12 +301,9 @@ def report(res: dict[str, Any]) -> str:
         out += _profile(res["profile"])
     if res.get("held"):
         out += _held(res["held"])
-    for level, title in (
-        ("gate", "extproc.admission.gate.Gate (asyncio)"),
-        ("core", "extproc.admission.core.Admission (pure)"),
-    ):
+    for level, title in LEVELS.items():
         if res.get(level):
-            out += _admission(title, res[level])
+            out += ["", *format_costs(title, res[level])]
     out += ["", "targets"]
     out += [f"  {t['verdict']:<4}  {t['target']}: {t['measured']}" for t in res.get("targets", [])]
     return "\n".join(out)

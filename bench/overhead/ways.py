@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from bench.common.policy import REDIS_PLACEHOLDER, policy_yaml
 from extproc.config.envoy import PROCESSING_MODE
 from testing.envoy import (
     address,
@@ -30,7 +31,6 @@ __all__ = [
     "CLASS_HEADER",
     "FLOOR",
     "HELD",
-    "HELD_POLICY",
     "NAIVE",
     "REDIS",
     "SERVERS",
@@ -160,31 +160,33 @@ _COMPLETION = json.dumps(
 # --------------------------------------------------------------------------------------------
 
 # Tokens, limits and Retry-After of every sidecar way: the default policy's.
-_COMMON = """\
-tokens: {chars_per_token: 4.0}
-limits:
-  {max_prompt_tokens: 32768, default_max_tokens: 256, max_output_tokens: 1024, on_excess: clamp}
-retry_after: {min: 1s, max: 60s}
-"""
+_COMMON: dict[str, Any] = {
+    "tokens": {"chars_per_token": 4.0},
+    "limits": {
+        "max_prompt_tokens": 32768,
+        "default_max_tokens": 256,
+        "max_output_tokens": 1024,
+        "on_excess": "clamp",
+    },
+    "retry_after": {"min": "1s", "max": "60s"},
+}
+_INTERACTIVE = {"headers": {"x-llm-class": "interactive"}, "max_prompt_tokens": 2000,
+                "max_tokens": 128}  # fmt: skip
 
 # The sidecars of the ways: the default policy's shape (interactive by header, batch for the
 # rest), with slots and queues far above what the load reaches, so every request is admitted
 # at once.
-SIDECAR_POLICY = (
-    _COMMON
-    + """\
-buckets:
-  - name: interactive
-    match: {headers: {x-llm-class: interactive}, max_prompt_tokens: 2000, max_tokens: 128}
-    max_concurrency: 4096
-    queue_timeout: 5s
-    max_queue: 4096
-  - name: batch
-    max_concurrency: 4096
-    queue_timeout: 120s
-    max_queue: 5000
-"""
-)
+SIDECAR_POLICY = policy_yaml(
+    {
+        **_COMMON,
+        "buckets": [
+            {"name": "interactive", "match": _INTERACTIVE, "max_concurrency": 4096,
+             "queue_timeout": "5s", "max_queue": 4096},
+            {"name": "batch", "max_concurrency": 4096, "queue_timeout": "120s", "max_queue": 5000},
+        ],
+    },
+    source="bench.overhead sidecar",
+)  # fmt: skip
 
 # sidecar+redis: SIDECAR_POLICY's buckets as the bands of one static pool with their slots
 # together (2 x 4096), shared through Redis (``{redis}``: the local redis-server's URL) with the
@@ -192,46 +194,41 @@ buckets:
 # is measured is the round trips, not a split. A lease freed with nobody waiting stays with the
 # replica as a spare and is reused without a round trip; ``redis_calls_per_request`` in the
 # report says how many requests went to Redis after all.
-SHARED_POLICY = (
-    _COMMON
-    + """\
-pool:
-  max_concurrency: 8192
-  shared: {redis: "{redis}", key_prefix: overhead}
-buckets:
-  - name: interactive
-    match: {headers: {x-llm-class: interactive}, max_prompt_tokens: 2000, max_tokens: 128}
-    priority: 0
-    queue_timeout: 5s
-    max_queue: 4096
-  - name: batch
-    priority: 10
-    queue_timeout: 120s
-    max_queue: 5000
-"""
-)
+SHARED_POLICY = policy_yaml(
+    {
+        **_COMMON,
+        "pool": {"max_concurrency": 8192,
+                 "shared": {"redis": REDIS_PLACEHOLDER, "key_prefix": "overhead"}},
+        "buckets": [
+            {"name": "interactive", "match": _INTERACTIVE, "priority": 0, "queue_timeout": "5s",
+             "max_queue": 4096},
+            {"name": "batch", "priority": 10, "queue_timeout": "120s", "max_queue": 5000},
+        ],
+    },
+    source="bench.overhead sidecar+redis",
+)  # fmt: skip
 
 
 def shared_policy(redis_url: str) -> str:
     """SHARED_POLICY with the redis-server's URL."""
-    return SHARED_POLICY.replace("{redis}", redis_url)
-
-
-# The held-queue sidecar: one slot, a long deadline, room for the whole queue.
-HELD_POLICY = """\
-tokens: {chars_per_token: 4.0}
-limits: {max_prompt_tokens: 32768, default_max_tokens: 256, max_output_tokens: 1024}
-buckets:
-  - name: held
-    max_concurrency: 1
-    queue_timeout: 300s
-    max_queue: {max_queue}
-"""
+    return SHARED_POLICY.replace(REDIS_PLACEHOLDER, redis_url)
 
 
 def held_policy(max_queue: int) -> str:
-    """HELD_POLICY with room for ``max_queue`` waiters."""
-    return HELD_POLICY.replace("{max_queue}", str(max_queue))
+    """The held-queue sidecar's policy: one slot, a long deadline, room for ``max_queue``
+    waiters."""
+    data = {
+        "tokens": {"chars_per_token": 4.0},
+        "limits": {
+            "max_prompt_tokens": 32768,
+            "default_max_tokens": 256,
+            "max_output_tokens": 1024,
+        },
+        "buckets": [
+            {"name": "held", "max_concurrency": 1, "queue_timeout": "300s", "max_queue": max_queue}
+        ],
+    }
+    return policy_yaml(data, source="bench.overhead held")
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,30 +17,31 @@ import pytest
 import yaml
 
 from bench.compare.__main__ import main, parse_args
-from bench.compare.capacity import Capacity, closed_loop, determine_capacity, workload_mix
-from bench.compare.options import Options
-from bench.compare.scenarios import plan
-from bench.compare.strategies import (
+from bench.compare.baselines import (
     ADAPTIVE_CONCURRENCY_FILTER,
     adaptive_concurrency,
     envoy_breakers,
     envoy_default_breakers,
     gateway_thresholds,
-    policy_envoy_patch,
-    pool_policy,
-    sidecar_policy,
-    slot_split,
-    with_http_filter,
 )
-from bench.compare.summary import ClassStats, RunSummary, Window, meets_slo, slo_goodput_rps
-from bench.compare.targets import check_targets
-from bench.compare.timeline import (
+from bench.compare.capacity import Capacity, closed_loop, determine_capacity, workload_mix
+from bench.compare.deploy import policy_envoy_patch, with_http_filter
+from bench.compare.measure import (
+    ClassStats,
+    RunSummary,
     Sample,
+    Window,
     idle_capacity_use,
     limit_settle_s,
+    meets_slo,
     recovery_s,
+    slo_goodput_rps,
     ttft_windows,
 )
+from bench.compare.options import Options
+from bench.compare.report import check_targets
+from bench.compare.scenarios import plan
+from bench.compare.strategies import pool_policy, sidecar_policy, slot_split
 from bench.load.summary import Outcome, RequestRecord
 from bench.load.workload import build_schedule
 from extproc.config.envoy import extproc_streams

@@ -15,25 +15,26 @@ from aiohttp import web
 
 from bench.compare.__main__ import _configs, main, parse_args
 from bench.compare.capacity import Capacity, ClosedLoopPoint
-from bench.compare.options import REPLICA_STRATEGIES, STRATEGIES, Options
-from bench.compare.report import format_replicas, format_runs
-from bench.compare.run import _sample_of, combine_replicas
-from bench.compare.spread import merge_results, round_robin, run_spread
-from bench.compare.strategies import (
-    REDIS_PLACEHOLDER,
-    policy_envoy_patch,
-    pool_policy,
-    replica_limits,
-    replica_policies,
-)
-from bench.compare.summary import (
+from bench.compare.deploy import policy_envoy_patch
+from bench.compare.measure import (
     ClassStats,
     InFlight,
     InFlightPoint,
     RunSummary,
     Window,
+    combine_replicas,
     in_flight_figures,
     in_flight_point,
+    sample_of,
+)
+from bench.compare.options import REPLICA_STRATEGIES, STRATEGIES, Options
+from bench.compare.report import format_replicas, format_runs
+from bench.compare.spread import merge_results, round_robin, run_spread
+from bench.compare.strategies import (
+    REDIS_PLACEHOLDER,
+    pool_policy,
+    replica_limits,
+    replica_policies,
 )
 from bench.load.runner import LoadConfig
 from bench.load.summary import LoadResult, RequestRecord, summarize
@@ -333,11 +334,11 @@ def test_replica_counters_combined_and_the_limit() -> None:
     b = {"sidecar.batch/admitted": 7.0, "pool_limit": 56.0, "shared_pool_limit": 56.0}
     both = combine_replicas([a, b])
     assert both == {"sidecar.batch/admitted": 12.0, "pool_limit": 112.0, "shared_pool_limit": 56.0}
-    assert _sample_of(1.0, both).limit == 56.0  # a shared pool: its limit, once
+    assert sample_of(1.0, both).limit == 56.0  # a shared pool: its limit, once
     full = combine_replicas([{"pool_limit": 56.0}] * 3)
-    assert _sample_of(1.0, full).limit == 168.0  # replicas-full admits 3 x C
-    assert _sample_of(1.0, {"envoy.adaptive.concurrency_limit": 30.0}).limit == 30.0
-    assert _sample_of(1.0, {}).limit is None
+    assert sample_of(1.0, full).limit == 168.0  # replicas-full admits 3 x C
+    assert sample_of(1.0, {"envoy.adaptive.concurrency_limit": 30.0}).limit == 30.0
+    assert sample_of(1.0, {}).limit is None
 
 
 # ---------------------------------------------------------------------------------------------

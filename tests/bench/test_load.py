@@ -15,13 +15,12 @@ from aiohttp import web
 
 from bench.common.stats import percentile
 from bench.load.__main__ import parse_args
+from bench.load.presets import LONG_OUTPUT, LONG_PROMPT, default_classes
 from bench.load.retry import retry_after_s, retry_delay_s, should_retry
 from bench.load.runner import LoadConfig, prompt_text, request_payload, run_load
 from bench.load.summary import LoadResult, Outcome, RequestRecord, summarize
 from bench.load.workload import (
     DEFAULT_TRACES_DIR,
-    LONG_OUTPUT,
-    LONG_PROMPT,
     ClassSpec,
     Fixed,
     LogNormal,
@@ -29,7 +28,6 @@ from bench.load.workload import (
     Uniform,
     build_schedule,
     class_from_dict,
-    default_classes,
     load_trace,
     parse_dist,
     piecewise_poisson_arrivals,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -33,4 +34,19 @@ def test_demo_runs_and_prints_the_table() -> None:
     assert rows["batch"][1:3] == ["3", "3"]
     assert rows["oversize"][1:4] == ["3", "0", "3"]
     assert 'outcome="rejected_too_large"} 3.0' in out.stdout
+    # Every answer is in a column: between "sent" and "other", each row adds up to "sent".
+    cells = {
+        line.split()[0]: re.split(r"\s{2,}", line.strip())
+        for line in out.stdout.splitlines()
+        if line.startswith(("requests", "interactive", "batch", "oversize"))
+    }
+    headers = cells.pop("requests")
+    answers = headers[headers.index("sent") + 1 : headers.index("other") + 1]
+    assert answers[:2] == ["200", "413"]
+    assert set(cells) == {"interactive", "batch", "oversize"}
+    for row in cells.values():
+        got = dict(zip(headers, row, strict=True))
+        assert sum(int(got[c]) for c in answers) == int(got["sent"]), got
+    # Only the counters that are not zero.
+    assert " 0.0" not in out.stdout
     assert "all processes stopped." in out.stdout

@@ -1,23 +1,24 @@
-"""What the shared pool's Redis calls cost, against a throwaway local redis-server:
-``python -m testing.shared_rtt [--n 2000]``.
+"""What the shared pool's Redis calls cost, against a throwaway local redis-server
+(``testing.redis.RedisServer``): ``python -m bench.micro.redis_rtt [--n 2000]``.
 
-Prints the latency (median, p99) of one ``ACQUIRE`` and one ``RETURN`` (the script calls a
-replica makes, sequentially), of one ``RENEW`` of 64 leases, the acquire + return cycles per
-second one client sustains, and the hand-over: from a release on replica B, whose lease goes
-to a waiter on replica A, to that waiter being admitted on A (``RETURN`` + pub/sub + ``ACQUIRE``).
+Prints the latency (median, p99: ``bench.common.stats.percentile``) of one ``ACQUIRE`` and one
+``RETURN`` (the script calls a replica makes, sequentially), of one ``RENEW`` of 64 leases, the
+acquire + return cycles per second one client sustains, and the hand-over: from a release on
+replica B, whose lease goes to a waiter on replica A, to that waiter being admitted on A
+(``RETURN`` + pub/sub + ``ACQUIRE``). Figures: docs/scaling.md, "Measured here".
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from bench.common.stats import percentile_scaled
 from extproc.config.policy import SharedPolicy
 from extproc.pool.shared import LeaseManager
 from extproc.pool.shared.scripts import ACQUIRE, RENEW, RETURN, Keys
@@ -53,16 +54,15 @@ async def _knows(holder: LeaseManager, replica: str) -> None:
 
 
 def _ms(values: list[float]) -> str:
-    values = sorted(values)
-    p99 = values[min(len(values) - 1, int(0.99 * len(values)))]
-    return f"median {1000 * statistics.median(values):.3f} ms, p99 {1000 * p99:.3f} ms"
+    p50, p99 = percentile_scaled(values, 50, 1e3), percentile_scaled(values, 99, 1e3)
+    return f"median {p50:.3f} ms, p99 {p99:.3f} ms"
 
 
 async def _scripts(url: str, n: int) -> None:
     r = aioredis.Redis.from_url(url)
     keys = Keys.for_prefix("rtt")
     acquire, give, renew = (r.register_script(s) for s in (ACQUIRE, RETURN, RENEW))
-    head = ["me", 10000, 1000, keys.channel]
+    head: list[str | int] = ["me", 10000, 1000, keys.channel]
     await acquire(keys=keys.all, args=[*head, "0:1", "me:w"])  # load the scripts
     await give(keys=keys.all, args=[*head, "-", "", 0, "me:w"])
     await renew(keys=keys.all, args=[*head, "", "0", "", 0, 0, 0])
@@ -123,13 +123,20 @@ async def _handover(url: str, n: int) -> None:
     print(f"hand-over B -> A:  {_ms(took)} (release to admission on the other replica)")
 
 
-async def main(n: int) -> None:
+async def run(n: int) -> None:
+    """Every figure, against a redis-server started for the run."""
     with RedisServer(Path(tempfile.mkdtemp(prefix="shared-rtt-"))) as server:
         await _scripts(server.url, n)
         await _handover(server.url, max(10, n // 20))
 
 
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.micro.redis_rtt", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--n", type=int, default=2000, help="script calls of each kind")
+    asyncio.run(run(parser.parse_args(argv).n))
+
+
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--n", type=int, default=2000)
-    asyncio.run(main(parser.parse_args().n))
+    main()

@@ -1,13 +1,20 @@
-"""One run's figures over the measurement window, pure: per-class statistics, SLO goodput,
-wasted work, the counters' deltas (see "Time and the measurement window" in
-:mod:`bench.compare`), the backend's requests in flight (:class:`InFlight`), and the
-scenario's figures over time (:mod:`.timeline`)."""
+"""The measure layer, pure: a run's raw results (per-request records, counter snapshots, the
+samples and polls taken while it ran) turned into one record of figures per strategy and run
+(:class:`RunSummary`), which :mod:`.report` prints and checks against its targets.
+
+Over the measurement window (see "Time and the measurement window" in :mod:`bench.compare`):
+per-class statistics, SLO goodput, wasted work, the counters' deltas, the backend's requests in
+flight (:class:`InFlight`). Over time (simulated seconds from the start of the arrivals):
+interactive p99 TTFT in sliding windows, and from it how fast a strategy recovers, how fast its
+limit settles and how much of the capacity a class left idle the other class used.
+"""
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Final
 
 from bench.common.stats import percentile
@@ -16,11 +23,112 @@ from bench.load.summary import LoadResult, RequestRecord
 from .capacity import Capacity
 from .options import CLASSES, Options, Strategy
 from .scenarios import ScenarioRun
-from .timeline import Sample, idle_capacity_use, limit_settle_s, recovery_s
+
+__all__ = [
+    "SLO_TTFT_S",
+    "ClassStats",
+    "InFlight",
+    "InFlightPoint",
+    "RunSummary",
+    "Sample",
+    "TtftWindow",
+    "Window",
+    "class_stats",
+    "combine_replicas",
+    "idle_capacity_use",
+    "in_flight_figures",
+    "in_flight_point",
+    "limit_settle_s",
+    "meets_slo",
+    "recovery_s",
+    "sample_of",
+    "scenario_figures",
+    "slo_goodput_rps",
+    "summarize_run",
+    "ttft_windows",
+    "with_ratio_to_direct",
+]
 
 # SLO goodput: an interactive answer counts if its first token came within this of the
-# original arrival (retries included), a batch answer if it completed within its timeout.
+# original arrival (retries included), a batch answer if it completed within its timeout. It
+# is also the TTFT the sidecar is held to and the one a strategy recovers to.
 SLO_TTFT_S: Final = 2.0
+# Sliding windows: 10 s wide, one every second; a window needs this many answers to count as
+# meeting the target (a window where almost nobody was answered proves nothing).
+WINDOW_S: Final = 10.0
+STEP_S: Final = 1.0
+MIN_ANSWERS: Final = 5
+
+# --------------------------------------------------------------------------------------------
+# Raw inputs: samples and polls taken while a run runs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sample:
+    """The backend (summed over its replicas) and the strategy's limit at one instant."""
+
+    t_s: float
+    running: float
+    waiting: float
+    finished: float  # the simulator's finished_requests counter
+    busy_s: float  # the simulator's busy time counter (simulated s)
+    speed_factor: float
+    limit: float | None  # the sidecar's pool limit or Envoy's adaptive limit; None: none shown
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InFlightPoint:
+    """What the simulators said they held at one moment (``/sim/stats``, summed over them)."""
+
+    t_s: float  # simulated seconds from the start of the arrivals
+    running: int  # num_requests_running: in the engine's batch
+    waiting: int  # num_requests_waiting: in its FCFS queue
+
+
+def in_flight_point(t_s: float, stats: Sequence[Mapping[str, Any]]) -> InFlightPoint:
+    """One poll of every simulator's ``/sim/stats`` as a point (a missing gauge counts 0)."""
+    return InFlightPoint(
+        t_s=t_s,
+        running=sum(int(s.get("num_requests_running", 0)) for s in stats),
+        waiting=sum(int(s.get("num_requests_waiting", 0)) for s in stats),
+    )
+
+
+def combine_replicas(snaps: list[dict[str, float]]) -> dict[str, float]:
+    """The counters of several sidecars (or Envoys) as one: summed, except a shared pool's
+    limit, which every replica reports for all of them (the highest is kept)."""
+    out: dict[str, float] = {}
+    for snap in snaps:
+        for key, value in snap.items():
+            if key == "shared_pool_limit":
+                out[key] = max(out.get(key, value), value)
+            else:
+                out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def sample_of(t_s: float, snap: dict[str, float]) -> Sample:
+    """One counter snapshot of a run (``run._snapshot``'s keys) as a sample. Its limit is the
+    one on what reaches the backend: a shared pool's, else the sidecars' pools together
+    (replicas-full: replicas x C), else Envoy's adaptive filter's."""
+    limit = snap.get(
+        "shared_pool_limit", snap.get("pool_limit", snap.get("envoy.adaptive.concurrency_limit"))
+    )
+    return Sample(
+        t_s=t_s,
+        running=snap.get("gauge.num_requests_running", 0.0),
+        waiting=snap.get("gauge.num_requests_waiting", 0.0),
+        finished=snap.get("sim.finished_requests", 0.0),
+        busy_s=snap.get("sim.busy_s", 0.0),
+        speed_factor=snap.get("gauge.speed_factor", 1.0),
+        limit=limit,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Over the window
+# --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,27 +220,9 @@ def class_stats(records: Sequence[RequestRecord], window: Window) -> ClassStats:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class InFlightPoint:
-    """What the simulators said they held at one moment (``/sim/stats``, summed over them)."""
-
-    t_s: float  # simulated seconds from the start of the arrivals
-    running: int  # num_requests_running: in the engine's batch
-    waiting: int  # num_requests_waiting: in its FCFS queue
-
-
-def in_flight_point(t_s: float, stats: Sequence[Mapping[str, Any]]) -> InFlightPoint:
-    """One poll of every simulator's ``/sim/stats`` as a point (a missing gauge counts 0)."""
-    return InFlightPoint(
-        t_s=t_s,
-        running=sum(int(s.get("num_requests_running", 0)) for s in stats),
-        waiting=sum(int(s.get("num_requests_waiting", 0)) for s in stats),
-    )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class InFlight:
     """The backend's requests in flight over a run, from polls every 0.5 s of wall time
-    (``run.IN_FLIGHT_EVERY_S``): a sampled peak, so a peak shorter than that may be missed.
+    (:data:`.run.IN_FLIGHT_EVERY_S`): a sampled peak, so a peak shorter than that may be missed.
     What the backend itself says it ran, whatever the gateways think they admitted (with
     several replicas, the overshoot of limits that are not shared shows here)."""
 
@@ -157,6 +247,121 @@ def in_flight_figures(points: Sequence[InFlightPoint], window: Window) -> InFlig
         waiting_peak=max(p.waiting for p in points),
         held_peak=max(p.running + p.waiting for p in points),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Over time
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TtftWindow:
+    """Interactive requests that *arrived* in ``[start_s, start_s + WINDOW_S)`` and were
+    answered: their p99 TTFT, counted from the original arrival (retries included)."""
+
+    start_s: float
+    answers: int
+    p99_s: float | None
+
+    def meets(self, target_s: float) -> bool:
+        return self.answers >= MIN_ANSWERS and self.p99_s is not None and self.p99_s < target_s
+
+
+def ttft_windows(
+    records: Sequence[RequestRecord], *, start_s: float, end_s: float, cls: str = "interactive"
+) -> list[TtftWindow]:
+    """Windows starting every ``STEP_S`` from ``start_s`` while they fit before ``end_s``."""
+    answered = sorted(
+        (r.arrival_s, r.ttft_s)
+        for r in records
+        if r.cls == cls and r.outcome == "ok" and r.ttft_s is not None
+    )
+    arrivals = [a for a, _ in answered]
+    out = []
+    k = 0
+    while (u := start_s + k * STEP_S) + WINDOW_S <= end_s + 1e-9:
+        lo, hi = bisect.bisect_left(arrivals, u), bisect.bisect_left(arrivals, u + WINDOW_S)
+        ttfts = [t for _, t in answered[lo:hi]]
+        out.append(TtftWindow(start_s=u, answers=len(ttfts), p99_s=percentile(ttfts, 99)))
+        k += 1
+    return out
+
+
+def recovery_s(
+    records: Sequence[RequestRecord],
+    *,
+    since_s: float,
+    until_s: float,
+    target_s: float = SLO_TTFT_S,
+) -> float | None:
+    """How long after ``since_s`` interactive p99 TTFT is under ``target_s`` to stay: the first
+    window start from which every window up to ``until_s`` meets the target, minus
+    ``since_s`` (0: never missed). None: still missed in the last window, or no window fits."""
+    windows = ttft_windows(records, start_s=since_s, end_s=until_s)
+    if not windows or not windows[-1].meets(target_s):
+        return None
+    i = len(windows) - 1
+    while i > 0 and windows[i - 1].meets(target_s):
+        i -= 1
+    return windows[i].start_s - since_s
+
+
+def limit_settle_s(
+    samples: Sequence[Sample], *, since_s: float, band: float = 0.2, min_band: float = 2.0
+) -> tuple[float | None, float | None]:
+    """When the limit settles after ``since_s``: (seconds after ``since_s`` from which every
+    later sample stays within ``band`` (20 %, at least ``min_band``) of the final limit, the
+    final limit). The final limit is the median over the last quarter of the samples after
+    ``since_s``. (None, None) without limit samples."""
+    post = [(s.t_s, s.limit) for s in samples if s.t_s >= since_s and s.limit is not None]
+    if len(post) < 4:
+        return None, None
+    final = percentile([v for _, v in post[-max(1, len(post) // 4) :]], 50) or 0.0
+    width = max(band * final, min_band)
+    i = len(post)
+    while i > 0 and abs(post[i - 1][1] - final) <= width:
+        i -= 1
+    if i == len(post):
+        return None, final
+    return post[i][0] - since_s, final
+
+
+def idle_capacity_use(
+    records: Sequence[RequestRecord],
+    samples: Sequence[Sample],
+    *,
+    cls: str,
+    from_s: float,
+    to_s: float,
+    capacity_tokens_s: float,
+) -> tuple[float | None, float | None]:
+    """(the work ``cls`` got done over ``[from_s, to_s)``, as a share of what the backend does
+    for that class alone at saturation; the share of that time the engine was busy).
+
+    Work is tokens (prompt + output) of the class's answers completed in the interval, against
+    the model's tokens per second for the class alone at ``max_num_seqs``: counting requests
+    instead would credit an order that picks the cheap ones first (requests per second grow,
+    tokens per second do not). Answers only: tokens for abandoned requests are not work done.
+    Busy: from the first and last samples inside (None without two)."""
+    span = to_s - from_s
+    if span <= 0 or capacity_tokens_s <= 0:
+        return None, None
+    done = sum(
+        r.prompt_tokens + r.output_tokens
+        for r in records
+        if r.cls == cls and r.outcome == "ok" and from_s <= r.arrival_s + r.e2e_s < to_s
+    )
+    inside = [s for s in samples if from_s <= s.t_s <= to_s]
+    busy = None
+    if len(inside) >= 2 and inside[-1].t_s > inside[0].t_s:
+        a, b = inside[0], inside[-1]
+        busy = (b.busy_s - a.busy_s) / (b.t_s - a.t_s)
+    return done / span / capacity_tokens_s, busy
+
+
+# --------------------------------------------------------------------------------------------
+# One record of figures per strategy and run
+# --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -225,12 +430,12 @@ def scenario_figures(
 ) -> dict[str, float | None]:
     """What each scenario measures (see :mod:`.scenarios`):
 
-    * ``recovery_s`` (shift, halve, spike): :func:`.timeline.recovery_s` from the burst, the
+    * ``recovery_s`` (shift, halve, spike): :func:`recovery_s` from the burst, the
       change or the spike's end, until the next phase (shift) or the end;
-    * halve: ``limit_settle_s`` and ``limit_final`` (:func:`.timeline.limit_settle_s`),
+    * halve: ``limit_settle_s`` and ``limit_final`` (:func:`limit_settle_s`),
       ``limit_before`` (the median limit over the 20 s before the change);
     * shift: ``idle_use`` (batch's tokens answered per second while interactive is quiet, over
-      batch's own saturation throughput, :func:`.timeline.idle_capacity_use`) and
+      batch's own saturation throughput, :func:`idle_capacity_use`) and
       ``busy_frac`` (the engine's busy share then).
     """
     m = run.marks
@@ -245,7 +450,7 @@ def scenario_figures(
         before = [s.limit for s in samples if change - 20 <= s.t_s < change and s.limit is not None]
         out["limit_settle_s"] = settle
         out["limit_final"] = final
-        out["limit_before"] = statistics.median(before) if before else None
+        out["limit_before"] = percentile(before, 50)
     if run.scenario == "shift":
         use, busy = idle_capacity_use(
             records,
@@ -349,6 +554,12 @@ def summarize_run(
     )
 
 
-def pct(x: float | None) -> str:
-    """A share as a percentage with one decimal, ``-`` when there is none."""
-    return "-" if x is None else f"{100 * x:.1f}%"
+def with_ratio_to_direct(rows: Sequence[RunSummary]) -> list[RunSummary]:
+    """Each row with its goodput over ``direct``'s in the same run (where direct ran)."""
+    direct = {(r.scenario, r.label): r.goodput_rps for r in rows if r.strategy == "direct"}
+    return [
+        replace(r, ratio_to_direct=r.goodput_rps / d)
+        if (d := direct.get((r.scenario, r.label)))
+        else r
+        for r in rows
+    ]

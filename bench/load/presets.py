@@ -1,0 +1,208 @@
+"""What each benchmark sends, as data for :mod:`.client`: one function per benchmark.
+
+============================== ===========================================================
+:func:`default_classes`        ``bench.compare`` and ``python -m bench.load``: the two-class
+                               mix (interactive chat, batch), lengths from the Azure traces
+                               or the long-prompt mix; :mod:`.runner` sends it open loop
+                               with the OpenAI SDK's retries
+:func:`demo_burst`             ``make demo``: a batch flood and three oversize prompts at
+                               once, then interactive chat at a fixed rate
+:func:`storm_arrivals`         ``bench.storm``: chat of random class, length and streaming,
+                               half the clients leaving at a random moment
+:func:`soak_arrivals`          ``bench.soak``: Poisson arrivals of the same kind of chat,
+                               each request a fixed backend time (``testing/backend.py``)
+============================== ===========================================================
+
+The last three take a seed and return ``(t, Call)`` arrivals (wall seconds from the start),
+drawn from one random stream in arrival order, so a run is reproducible. The echo backend
+(``testing/backend.py``) reads ``x-test-delay-ms`` and ``x-test-chunks``; the simulator
+ignores them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Final, Literal
+
+from .client import Call
+from .workload import ClassSpec, LogNormal
+
+__all__ = [
+    "LONG_OUTPUT",
+    "LONG_PROMPT",
+    "MIXES",
+    "Mix",
+    "default_classes",
+    "demo_burst",
+    "soak_arrivals",
+    "storm_arrivals",
+]
+
+_INTERACTIVE: Final = {"x-llm-class": "interactive"}
+
+Mix = Literal["default", "long"]
+MIXES: Final[tuple[Mix, ...]] = ("default", "long")
+# The long-prompt mix: RAG- or agent-like requests, prompts around 2.5k tokens, answers around
+# 300 and up to 4k. The bounds keep prompt + output (4096 + 4000) under the simulator's
+# max_model_len (8192), so no request is refused for its length alone.
+LONG_PROMPT: Final = LogNormal(median=2500, sigma=0.5, lo=64, hi=4096)
+LONG_OUTPUT: Final = LogNormal(median=300, sigma=1.0, lo=1, hi=4000)
+
+
+def default_classes(
+    rate: float,
+    *,
+    interactive_share: float = 0.8,
+    arrivals: Literal["poisson", "trace"] = "poisson",
+    mix: Mix = "default",
+) -> tuple[ClassSpec, ...]:
+    """The standard two-class mix: chat-like interactive traffic and prefill-heavy batch traffic.
+
+    * ``interactive``: streamed chat, 30 s timeout, lengths (and arrivals) from ``azure_conv.csv``.
+    * ``batch``: non-streamed, 300 s timeout, lengths (and arrivals) from ``azure_code.csv``
+      (long prompts, short outputs; very bursty arrivals).
+
+    ``mix="long"`` keeps the classes (streaming, timeouts) but draws both classes' lengths from
+    :data:`LONG_PROMPT` / :data:`LONG_OUTPUT` instead of the traces (Poisson arrivals only).
+    """
+    if not 0.0 <= interactive_share <= 1.0:
+        raise ValueError("interactive_share must be in [0, 1]")
+    if mix not in MIXES:
+        raise ValueError(f"unknown mix {mix!r}")
+    if mix == "long":
+        if arrivals != "poisson":
+            raise ValueError("the long mix has no trace to replay: use Poisson arrivals")
+        return tuple(
+            replace(c, trace=None, prompt=LONG_PROMPT, output=LONG_OUTPUT)
+            for c in default_classes(rate, interactive_share=interactive_share)
+        )
+    classes = []
+    if interactive_share > 0:
+        classes.append(
+            ClassSpec(
+                name="interactive",
+                rate=rate * interactive_share,
+                arrivals=arrivals,
+                trace="azure_conv.csv",
+                stream=True,
+                timeout_s=30.0,
+            )
+        )
+    if interactive_share < 1:
+        classes.append(
+            ClassSpec(
+                name="batch",
+                rate=rate * (1 - interactive_share),
+                arrivals=arrivals,
+                trace="azure_code.csv",
+                stream=False,
+                timeout_s=300.0,
+            )
+        )
+    return tuple(classes)
+
+
+def _demo_chat(tokens: int, max_tokens: int, seed: int) -> bytes:
+    words = " ".join(f"w{(seed * 7 + i) % 997}" for i in range(tokens))  # ~1 token per word
+    text = words[: tokens * 4]
+    return json.dumps(
+        {"model": "demo", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+    ).encode()
+
+
+def demo_burst(
+    rate: float, seconds: float, batch: int, *, seed: int = 1
+) -> list[tuple[float, Call]]:
+    """``make demo``'s requests: ``batch`` long batch requests (1000-2000-token prompts,
+    max_tokens 4000) and 3 oversize prompts (40,000 tokens) at once, then ``rate * seconds``
+    short interactive chats (50-150 tokens, max_tokens 64, ``x-llm-class: interactive``) at
+    a fixed spacing of ``1 / rate``. Labels: ``batch``, ``oversize``, ``interactive``."""
+    rng = random.Random(seed)
+    out = [
+        (0.0, Call(body=_demo_chat(rng.randint(1000, 2000), 4000, i), label="batch", give_up_s=300))
+        for i in range(batch)
+    ]
+    out += [
+        (0.0, Call(body=_demo_chat(40_000, 64, i), label="oversize", give_up_s=300))
+        for i in range(3)
+    ]
+    for i in range(int(rate * seconds)):
+        body = _demo_chat(rng.randint(50, 150), 64, i)
+        call = Call(body=body, headers=_INTERACTIVE, label="interactive", give_up_s=300)
+        out.append((i / rate, call))
+    return out
+
+
+def _echo_call(
+    rng: random.Random,
+    headers: dict[str, str],
+    *,
+    chars: int,
+    max_tokens: int,
+    stream: bool,
+    abort_s: float | None,
+) -> Call:
+    """A chat of 1-``chars`` characters and 1-``max_tokens`` max_tokens, half of them
+    interactive; it aborts after ``abort_s``, or gives up after 60 s."""
+    if rng.random() < 0.5:
+        headers = headers | _INTERACTIVE
+    body = {
+        "messages": [{"role": "user", "content": "x" * rng.randint(1, chars)}],
+        "max_tokens": rng.randint(1, max_tokens),
+        "stream": stream,
+    }
+    return Call(
+        body=json.dumps(body).encode(),
+        headers=headers,
+        stream=stream,
+        give_up_s=60.0 if abort_s is None else abort_s,
+        aborts=abort_s is not None,
+    )
+
+
+def storm_arrivals(
+    n: int,
+    *,
+    abort_share: float,
+    seed: int = 1,
+    max_abort_delay_s: float = 0.3,
+    backend_delay_ms: tuple[int, ...] = (0, 10, 50),
+) -> list[tuple[float, Call]]:
+    """``n`` chat completions, all due at once (the storm's concurrency paces them): streamed
+    or not, half interactive, a backend delay from ``backend_delay_ms`` and 1-4 chunks;
+    ``abort_share`` of them abort (``Call.aborts``) after a uniform delay up to
+    ``max_abort_delay_s``, which lands while the request is queued, admitted, or mid-stream;
+    the others give up after 60 s."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        stream = rng.random() < 0.5
+        headers = {
+            "x-test-delay-ms": str(rng.choice(backend_delay_ms)),
+            "x-test-chunks": str(rng.randint(1, 4)),
+        }
+        abort = rng.uniform(0.0, max_abort_delay_s) if rng.random() < abort_share else None
+        call = _echo_call(rng, headers, chars=400, max_tokens=200, stream=stream, abort_s=abort)
+        out.append((0.0, call))
+    return out
+
+
+def soak_arrivals(
+    rate: float, seconds: float, *, backend_ms: int, abort_share: float, seed: int = 1
+) -> Iterator[tuple[float, Call]]:
+    """Poisson arrivals at ``rate`` per second for ``seconds``, the first at 0: half
+    interactive, half streamed, prompts of 1-800 characters, max_tokens 1-300; every request
+    takes ``backend_ms`` at the backend (one chunk when streamed), so capacity is known;
+    ``abort_share`` abort after a uniform delay up to twice that, the others give up after
+    60 s. Lazy: an hour's arrivals are never all in memory."""
+    rng = random.Random(seed)
+    headers = {"x-test-delay-ms": str(backend_ms), "x-test-chunks": "1"}
+    t = 0.0
+    while t < seconds:
+        stream = rng.random() < 0.5
+        abort = rng.uniform(0, 2 * backend_ms / 1000) if rng.random() < abort_share else None
+        yield t, _echo_call(rng, headers, chars=800, max_tokens=300, stream=stream, abort_s=abort)
+        t += rng.expovariate(rate)

@@ -1,0 +1,38 @@
+"""``bench.micro``: each micro-benchmark runs as ``python -m bench.micro.<name>`` would, a few
+operations only, and prints its figures (shape, not values)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.micro import admission_cost, body_parser, redis_rtt
+
+
+def test_admission_cost(capsys: pytest.CaptureFixture[str]) -> None:
+    costs = admission_cost.admission_costs(20)
+    assert set(costs) == set(admission_cost.LEVELS) == {"gate", "core"}
+    for level in costs.values():
+        assert list(level) == [str(n) for n in admission_cost.QUEUE_LENGTHS]
+        for ops in level.values():
+            assert set(ops) == {"admit", "enter", "cancel", "evict"}
+            assert all(0 < op["p50_us"] <= op["p99_us"] <= op["max_us"] for op in ops.values())
+    admission_cost.main(["--ops", "20"])
+    out = capsys.readouterr().out
+    assert out.count("admission cost against queue length") == 2 and "10,000" in out
+
+
+def test_body_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    costs = body_parser.parse_costs(20)
+    assert list(costs) == list(body_parser.BODIES)
+    assert all(c["parse_p50_us"] > 0 and c["json_p50_us"] > 0 for c in costs.values())
+    assert costs["chat 1 KB"]["bytes"] < 2000 < costs["chat 16 KB, 80 turns"]["bytes"]
+    body_parser.main(["--n", "20"])
+    (head, *rows) = capsys.readouterr().out.splitlines()
+    assert head.startswith("body") and "parse/json" in head and len(rows) == len(costs)
+
+
+def test_redis_rtt(capsys: pytest.CaptureFixture[str]) -> None:
+    redis_rtt.main(["--n", "20"])
+    out = capsys.readouterr().out
+    for line in ("ACQUIRE 1 lease:", "RETURN 1 lease:", "RENEW 64 leases:", "hand-over B -> A:"):
+        assert line in out and "median" in out and "p99" in out
