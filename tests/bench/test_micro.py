@@ -31,6 +31,7 @@ def test_body_parser(capsys: pytest.CaptureFixture[str]) -> None:
     assert head.startswith("body") and "parse/json" in head and len(rows) == len(costs)
 
 
+@pytest.mark.redis  # a throwaway redis-server of its own
 def test_redis_rtt(capsys: pytest.CaptureFixture[str]) -> None:
     redis_rtt.main(["--n", "20"])
     out = capsys.readouterr().out
