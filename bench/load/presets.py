@@ -105,9 +105,15 @@ def default_classes(
     return tuple(classes)
 
 
+def _demo_word(n: int) -> str:
+    """A three-letter word for ``n`` (letters only: the sidecar's estimate charges a digit a
+    whole token, so digits would make the prompts look longer than they are)."""
+    return "".join(chr(97 + (n // 26**k) % 26) for k in range(3))
+
+
 def _demo_chat(tokens: int, max_tokens: int, seed: int) -> bytes:
-    words = " ".join(f"w{(seed * 7 + i) % 997}" for i in range(tokens))  # ~1 token per word
-    text = words[: tokens * 4]
+    words = " ".join(_demo_word((seed * 7 + i) % 997) for i in range(tokens))  # 4 chars a word
+    text = words[: tokens * 4]  # ``tokens`` tokens at 4 characters each
     return json.dumps(
         {"model": "demo", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
     ).encode()
