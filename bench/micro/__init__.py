@@ -4,6 +4,10 @@ its own and printing its figures.
 - ``python -m bench.micro.admission_cost``: the admission core and gate with 10 to 10,000
   waiters (``bench.overhead`` runs the same step and holds it to its target);
 - ``python -m bench.micro.body_parser``: ``parse_body`` against ``json.loads`` on four bodies;
+- ``python -m bench.micro.metrics_parser``: our Prometheus page parser against
+  ``prometheus_client``'s on a vLLM-shaped page;
+- ``python -m bench.micro.prompt_estimate``: the prompt estimate without a tokenizer against
+  two real tokenizers, on text of many scripts;
 - ``python -m bench.micro.redis_rtt``: the shared pool's Redis script calls and the hand-over
   between replicas, against a throwaway redis-server.
 

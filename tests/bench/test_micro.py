@@ -37,3 +37,17 @@ def test_redis_rtt(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for line in ("ACQUIRE 1 lease:", "RETURN 1 lease:", "RENEW 64 leases:", "hand-over B -> A:"):
         assert line in out and "median" in out and "p99" in out
+
+
+def test_the_prompt_estimate_is_safe_on_natural_text_of_every_script() -> None:
+    """Against two real tokenizers (bench.micro.prompt_estimate): never below 0.9x the larger
+    real count on prose of fourteen scripts, code and mixed text, never above 3x."""
+    from bench.micro.prompt_estimate import ABSURD, ADVERSARIAL, NATURAL, SAFE, measure
+
+    rows = measure(NATURAL)
+    assert {r.name for r in rows} == set(NATURAL)
+    for r in rows:
+        assert SAFE <= r.ratio <= ABSURD, r
+        assert r.old <= r.estimate  # never below the old characters / 4
+    emoji = next(r for r in measure(ADVERSARIAL) if r.name == "emoji")
+    assert emoji.ratio >= 1.0 and emoji.old * 4 <= emoji.estimate  # issue 22's hole

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import string
 from pathlib import Path
 
 import pytest
@@ -236,11 +237,13 @@ def test_prompt_estimate_counts_text_parts_tools_and_fixed_costs() -> None:
         "buckets: [{name: a, max_concurrency: 1, queue_timeout: 1s}]"
     )
     cls = classify(policy, token_counter(policy.tokens), {}, parsed)
-    # ceil((chars - digits) / 4 + digits) + 2 non-text parts * 512 + 3 messages * 3; the only
-    # digit is the tool call's id "1"
-    digits = sum(ch.isdigit() for t in parsed.texts for ch in t)
-    assert digits == 1
-    assert cls.prompt_tokens == math.ceil((text_chars - 1) / 4 + 1) + 2 * 512 + 3 * 3
+    # ceil(letters and spaces / 4 + digits and punctuation) + 2 non-text parts * 512 +
+    # 3 messages * 3 (the texts are ASCII: the tools' JSON, the tool call's id "1")
+    assert all(t.isascii() for t in parsed.texts)
+    heavy = sum(ch in string.digits + string.punctuation for t in parsed.texts for ch in t)
+    assert heavy > 1
+    expected = math.ceil((text_chars - heavy) / 4 + heavy) + 2 * 512 + 3 * 3
+    assert cls.prompt_tokens == expected
 
 
 def test_completions_prompts() -> None:
@@ -449,14 +452,16 @@ def test_a_body_without_priority_is_left_alone_by_a_bucket_without_vllm_priority
 @pytest.mark.parametrize(
     "text,tokens",
     [
-        ("abcd" * 10, 10),  # ASCII prose: chars_per_token
-        ("2024-12-01", 9),  # digits a token each: 8 + 2 / 4
-        ("é" * 8, 8),  # 2-byte characters: 1 each
+        ("abcd" * 10, 10),  # ASCII letters: chars_per_token
+        ("a b\tc\nd", 2),  # ASCII whitespace too: 7 / 4
+        ("2024-12-01", 10),  # digits and punctuation a token each
+        ("def f(x):", 5),  # 6 letters and spaces / 4 + 3 punctuation
+        ("é" * 10, 12),  # 2-byte characters: 1.2 each
         ("准入控制", 8),  # 3-byte: 2 each
         ("∑∫√", 6),
         ("😀" * 6000, 24000),  # 4-byte: 4 each (issue 22: was 1,500)
         ("a\ud800", 3),  # a lone surrogate, as a JSON escape allows: 3 bytes, 2 tokens + 1/4
-        ("hi 😀 Привет 你好 42", 18),  # mixed: 6 ASCII / 4 + emoji 4 + 6 + 2 x 2 + digits 2
+        ("hi 😀 Привет 你好 42", 19),  # 6 ASCII / 4 + 2 digits + 4 + 6 x 1.2 + 2 x 2
     ],
 )
 def test_the_fallback_estimate_charges_characters_by_what_they_are(text: str, tokens: int) -> None:
