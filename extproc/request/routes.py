@@ -87,9 +87,21 @@ class RouteCache:
             override.max_concurrency is not None or override.max_queue is not None
         ):
             b = policy.bucket(override.bucket)
+            capacity = override.max_concurrency or b.max_concurrency
+            if capacity < 1:
+                # A bucket of a pool has no slots of its own (max_concurrency 0: none), so a
+                # share needs the route's own max_concurrency; without one there is nothing
+                # for its max_queue to queue for. Refused like any bad metadata: never a 500.
+                log.warning(
+                    "route metadata %s.max_queue refused: bucket %r has no max_concurrency of "
+                    "its own, so the route needs one; the policy file applies to this route",
+                    METADATA_NAMESPACE,
+                    b.name,
+                )
+                return Route(invalid=True)
             share = Share(
                 key=f"{b.name}/route-{next(self._share_ids)}",
-                capacity=override.max_concurrency or b.max_concurrency,
+                capacity=capacity,
                 max_queue=b.max_queue if override.max_queue is None else override.max_queue,
             )
         return Route(override=override, share=share)

@@ -7,6 +7,7 @@
 - The prompt estimate without a tokenizer charges a character by its UTF-8 length: 6,000 emoji
   are 24,000 tokens (real tokenizers: 6,000-24,000), not 1,500, so they cannot pass a
   ``max_prompt_tokens`` of 4,096.
+- Route metadata that would give a route a share of 0 slots is refused, never a 500.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from testing.harness import running_stack, start_stack
+from testing.envoy import with_route_metadata
+from testing.harness import running_stack, scrape, start_stack
 from testing.stack import Stack
+from testing.wait import until
 
 # The README's "what the default leaves off" buckets: retries behind first attempts, with no
 # vllm_priority of their own, and a catch-all that sets one.
@@ -107,3 +111,23 @@ def test_emoji_cannot_pass_the_prompt_limit_as_a_quarter_token_each(stack: Stack
     assert "about 24003 tokens" in answer["error"]["message"]  # 6,000 x 4 + 1 message x 3
     status, answer = post(stack, chat(max_tokens=10).replace(b'"hi"', b'"' + b"abcd" * 1000 + b'"'))
     assert status == 200, answer  # 4,000 ASCII characters: 1,000 tokens
+
+
+def test_route_max_queue_alone_on_a_pool_bucket_is_refused_not_a_500(module_tmp: Path) -> None:
+    """Route metadata `max_queue` without `max_concurrency`, for a bucket of a pool that has no
+    `max_concurrency` of its own: the route's share would have 0 slots (ValueError, then
+    KeyError: every request on the route failed). Now refused like any bad metadata: counted,
+    and the policy file applies to the route."""
+    with running_stack(module_tmp / "routes", POLICY, rds=True) as s:
+        routes = yaml.safe_load(s.routes_path.read_text())
+        before = s.envoy_stat("http.llm.rds.llm.update_success")
+        s.write_routes(
+            with_route_metadata(routes, "/v1/chat/completions", {"bucket": "all", "max_queue": 3})
+        )
+        until(lambda: s.envoy_stat("http.llm.rds.llm.update_success") > before, "routes loaded")
+        for _ in range(3):
+            status, answer = post(s, chat(max_tokens=10))
+            assert status == 200, answer
+            assert forwarded(answer)[0] == "all"
+        errors = scrape(s)[("llm_extproc_route_policy_errors_total", ())]
+        assert errors == 3
