@@ -17,7 +17,8 @@ from typing import Any
 import hpack
 
 from extproc.transport import h2
-from extproc.transport.h2 import (
+from extproc.transport.h2 import H2Server, Method
+from extproc.transport.h2.frames import (
     DATA,
     END_HEADERS,
     END_STREAM,
@@ -26,8 +27,6 @@ from extproc.transport.h2 import (
     PREFACE,
     RST_STREAM,
     SETTINGS,
-    H2Server,
-    Method,
 )
 
 Frame = tuple[int, int, int, bytes]

@@ -42,6 +42,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.transport import h2 as transport
+from extproc.transport.h2.limits import HEADER_CACHE_BYTES
 from tests.service.h2_peer import frame
 
 MAX_MESSAGE = 64 * 1024
@@ -514,7 +515,7 @@ def test_h2_answers_as_grpc_aio_does_and_stays_bounded(servers: Servers, sc: Sce
     limits = servers.ours.limits
     assert servers.peaks.get("buffered_bytes", 0) <= limits.connection_window
     assert servers.peaks.get("queued_out_bytes", 0) <= limits.send_queue
-    assert servers.peaks.get("header_cache_bytes", 0) <= transport.HEADER_CACHE_BYTES
+    assert servers.peaks.get("header_cache_bytes", 0) <= HEADER_CACHE_BYTES
     # Nothing is held once the client is gone.
     for _ in range(300):
         s = servers.stats()
