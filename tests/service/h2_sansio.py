@@ -23,7 +23,7 @@ from extproc.transport.h2.flow import Counters
 from extproc.transport.h2.frames import GOAWAY, PREFACE, SETTINGS, U32, frame
 from extproc.transport.h2.headers import OK_TRAILERS, status_block
 from extproc.transport.h2.limits import HEADER_CACHE_BYTES
-from tests.service.h2_peer import Frame, parse_frames
+from tests.service.h2_peer import Frame, parse_frames, request_headers
 
 MAX_MESSAGE = 64 * 1024
 
@@ -147,18 +147,7 @@ class Peer(Raw):
 
     def open(self, path: str = "/t.T/Echo", *, end_stream: bool = False) -> int:
         sid: int = self.h2.get_next_available_stream_id()
-        self.h2.send_headers(
-            sid,
-            [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", path),
-                (":authority", "x"),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-            ],
-            end_stream=end_stream,
-        )
+        self.h2.send_headers(sid, request_headers(path), end_stream=end_stream)
         return sid
 
     def answer_of(self, sid: int) -> tuple[dict[str, str], bytes, dict[str, str]]:

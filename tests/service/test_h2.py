@@ -32,6 +32,7 @@ from extproc.transport.h2.frames import (
 )
 from extproc.transport.h2.headers import HeaderDecoder
 from extproc.transport.h2.limits import MAX_HEADER_LIST, OUR_MAX_FRAME
+from tests.service.h2_peer import request_headers
 
 
 def frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
@@ -62,18 +63,7 @@ class Client:
         self.writer.write(data)
 
     def headers_block(self, path: str) -> bytes:
-        return bytes(
-            self.encoder.encode(
-                [
-                    (":method", "POST"),
-                    (":scheme", "http"),
-                    (":path", path),
-                    (":authority", "x"),
-                    ("content-type", "application/grpc"),
-                    ("te", "trailers"),
-                ]
-            )
-        )
+        return bytes(self.encoder.encode(request_headers(path)))
 
     def open(self, sid: int, path: str, end_stream: bool = False) -> None:
         flags = END_HEADERS | (END_STREAM if end_stream else 0)

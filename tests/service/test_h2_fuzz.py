@@ -266,6 +266,10 @@ class Client:
 
     def __init__(self, port: int, deadline: float, *, padding: bool = True) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=2)
+        self.start(deadline, padding)
+
+    def start(self, deadline: float, padding: bool) -> None:
+        """The client's state machine, and its preface out."""
         self.deadline = deadline
         self.padding = padding
         config = h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
@@ -299,9 +303,13 @@ class Client:
         if not chunk:
             self.terminated = True
             return
-        # One frame at a time: h2 applies a new SETTINGS_MAX_FRAME_SIZE only between calls
-        # of receive_data, so a larger frame right behind the ACK, in the same read, would be
-        # refused though the protocol allows it (RFC 9113 6.5.3).
+        self.receive(chunk)
+        self.flush()
+
+    def receive(self, chunk: bytes) -> None:
+        """One frame at a time: h2 applies a new SETTINGS_MAX_FRAME_SIZE only between calls
+        of receive_data, so a larger frame right behind the ACK, in the same read, would be
+        refused though the protocol allows it (RFC 9113 6.5.3)."""
         self._rest += chunk
         while len(self._rest) >= 9:
             end = 9 + int.from_bytes(self._rest[:3], "big")
@@ -310,7 +318,6 @@ class Client:
             one, self._rest = self._rest[:end], self._rest[end:]
             for event in self.conn.receive_data(one):
                 self.on_event(event)
-        self.flush()
 
     def on_event(self, event: h2.events.Event) -> None:
         if isinstance(event, h2.events.DataReceived):
@@ -545,17 +552,7 @@ class Alone(Client):
         self.streams = {1 + 2 * n: sc.streams[i] for n, i in enumerate(first)}
         self.paths = {sid: stream.path for sid, stream in self.streams.items()}
         self.failing: list[Call] = []
-        self.deadline = deadline
-        self.padding = True
-        config = h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
-        self.conn = h2.connection.H2Connection(config)
-        self.conn.initiate_connection()
-        self.outcomes: dict[int, Outcome] = {}
-        self._rest = b""
-        self.settings_unacked = 1
-        self.done: set[int] = set()
-        self.terminated = False
-        self.flush()
+        self.start(deadline, padding=True)
 
     def feed(self, data: bytes) -> None:
         ours = self.ours
@@ -600,14 +597,7 @@ class Alone(Client):
         self.ours.host.wire.clear()
         goaway = goaway_of(parse_frames(wire)[0])
         assert goaway is None or goaway[1] != 0x2, "INTERNAL_ERROR: an exception escaped"
-        self._rest += wire
-        while len(self._rest) >= 9:
-            end = 9 + int.from_bytes(self._rest[:3], "big")
-            if len(self._rest) < end:
-                break
-            one, self._rest = self._rest[:end], self._rest[end:]
-            for event in self.conn.receive_data(one):
-                self.on_event(event)
+        self.receive(wire)
         if self.ours.conn.closed and not wire:
             self.terminated = True
         self.flush()
