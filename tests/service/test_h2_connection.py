@@ -50,6 +50,7 @@ from extproc.transport.h2.frames import (
 from extproc.transport.h2.headers import NOT_GRPC, OK_TRAILERS
 from extproc.transport.h2.limits import (
     GOAWAY_LINGER_S,
+    HEADER_CACHE_BYTES,
     IDLE_DRAIN_S,
     MAX_HEADER_BLOCK,
     MAX_HEADER_LIST,
@@ -560,6 +561,45 @@ def test_a_request_that_is_not_grpc_gets_415_and_an_unknown_method_a_fixed_messa
         "grpc-message": "unknown method",
     }
     assert raw.take_events() == [] and raw.conn.calls == {}
+
+
+def test_the_header_cache_is_bounded_in_bytes() -> None:
+    """Twin of test_h2_hostile's: 2,500 distinct cacheable blocks of 200 fields each (2 MB)
+    leave at most HEADER_CACHE_BYTES cached, counted as the bound counts them."""
+    raw = Raw(max_streams=5000)
+    blocks = [b"\x00\x01x\x00" * 199 + b"\x00\x01y\x08" + b"%08d" % i for i in range(2500)]
+    for i, block in enumerate(blocks):
+        feed(raw, frame(HEADERS, END_HEADERS | END_STREAM, 1 + 2 * i, block))
+        assert raw.conn.header_cache_bytes <= HEADER_CACHE_BYTES
+    cache = raw.conn._headers.cache
+    cost = sum(len(k) + sum(len(n) + len(v) + 128 for n, v in f) for k, f in cache.items())
+    assert cost == raw.conn.header_cache_bytes <= HEADER_CACHE_BYTES
+    assert len(raw.read()) == 2500 and raw.take_events() == []  # each answered: not gRPC
+
+
+def test_window_churn_then_every_blocked_answer_arrives_intact() -> None:
+    """Twin of test_h2_hostile's window churn: 3,000 answers blocked on a closed window,
+    1,280 changes of the initial window, then it opens: every answer, after its data."""
+    raw = Raw(handshake=False, max_streams=4096)
+    raw.send(PREFACE + frame(SETTINGS, 0, 0, SETTING.pack(4, 0)))
+    sids = range(1, 6000, 2)
+    feed(raw, b"".join(frame(HEADERS, END_HEADERS, sid, ECHO) for sid in sids))
+    for sid in sids:
+        raw.conn.send_message(raw.conn.calls[sid], b"r%d" % sid)
+        raw.conn.complete(raw.conn.calls[sid], OK_TRAILERS)
+    churn = frame(SETTINGS, 0, 0, b"".join(SETTING.pack(4, v) for v in (1, 0) * 16)) * 40
+    feed(raw, churn)
+    raw.read()
+    feed(raw, setting(4, 65535))
+    data: dict[int, bytes] = {}
+    ended = set()
+    for ftype, flags, sid, payload in raw.read():
+        if ftype == DATA:
+            data[sid] = data.get(sid, b"") + payload
+        elif ftype == HEADERS and flags & END_STREAM:
+            ended.add(sid)
+            assert data[sid] == grpc_msg(b"r%d" % sid)
+    assert ended == set(sids) and raw.conn.calls == {} and raw.conn.queued_out == 0
 
 
 def test_blocks_that_leave_the_table_alone_are_decoded_once() -> None:

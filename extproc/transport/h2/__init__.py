@@ -27,10 +27,10 @@ machine that does no I/O, and a thin shell that does):
 * ``flow``, ``control``, ``connection``: the sans-IO connection (``Connection``), in three
   layers: the calls, the windows and the output; connection-wide frames, rate limits and
   time; the bytes cut into frames and the frames of streams. Bytes in (``receive_data``,
-  with the time), frames out (``data_to_send``), events as calls on its host.
+  with the time), frames out and events as calls on its host, in the order they happen.
 * ``server``: the asyncio shell: ``H2Server`` (listeners, the tick, stop) and one
-  ``ServerProtocol`` per connection, which feeds its ``Connection``, writes what it returns,
-  owns the timers and runs each call's method as a task.
+  ``ServerProtocol`` per connection, the host: it feeds its ``Connection``, writes what it is
+  given, owns the timers and runs each call's method as a task.
 
 Theory of operation: a hostile peer. The peer is meant to be Envoy, but the server must hold
 whatever a broken or hostile HTTP/2 client sends. Every resource a peer can make us spend is

@@ -2,11 +2,11 @@
 
 ``Connection`` is a synchronous state machine in the manner of h11's ``Connection`` and
 python-hyper h2's ``H2Connection``: ``receive_data(data, now)`` takes what the socket read,
-``data_to_send()`` returns the frames that produced, and ``tick(now)``,
-``handshake_expired()``, ``shutdown()`` and the calls' reads and writes (``consumed``,
-``send_message``, ``complete``) are the other ways in. It owns no socket, no event loop and
-no clock; the asyncio shell (``server.ServerProtocol``) feeds it, writes what it returns,
-keeps the timers and runs each call's method. It is built in three layers, one module each:
+and ``tick(now)``, ``handshake_expired()``, ``shutdown()`` and the calls' reads and writes
+(``consumed``, ``send_message``, ``complete``) are the other ways in; the frames they produce
+go to its host's ``write``. It owns no socket, no event loop and no clock; the asyncio shell
+(``server.ServerProtocol``, the host) feeds it, writes what it is given, keeps the timers and
+runs each call's method. It is built in three layers, one module each:
 ``flow.Flow`` (the calls, the windows, the output), ``control.Control`` (connection-wide
 frames, rate limits, time) and this one, which cuts the bytes into frames and handles the
 frames of streams (DATA, HEADERS, CONTINUATION, RST_STREAM).

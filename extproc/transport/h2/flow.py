@@ -1,8 +1,9 @@
 """The calls of one connection, the flow-control windows both ways, and the bytes going out.
 
-This is the half of the sans-IO connection (``connection.Connection`` is the other, the frames
-in) that a method's reads and writes reach: ``Flow`` holds the open calls, credits what they
-read back to the peer, queues what they write until the peer's windows take it, and ends them.
+This is the base layer of the sans-IO connection (``control.Control`` and
+``connection.Connection``, the frames in, are built on it), the one a method's reads and
+writes reach: ``Flow`` holds the open calls, credits what they read back to the peer, queues
+what they write until the peer's windows take it, and ends them.
 Nothing here does I/O: what needs the event loop or the transport (a method's task, a timer,
 a write, a close) is asked of the ``Host``. Frames go to ``Host.write``: those that one batch of
 received bytes produces (acks, window updates, refusals) in one write at the end of
