@@ -131,7 +131,34 @@ class Connection(Control):
         self._work = 0
         self._batching = True
         try:
-            self._frames(data)
+            if self._partial.parts:
+                data = self._partial.add(data) or b""  # b"": the frame is still incomplete
+            if data and not self._preface:
+                data = self._after_preface(data)
+            pos, n = 0, len(data)
+            unpack = HEADER.unpack_from
+            need = 9
+            while n - pos >= 9:
+                hi, lo, ftype, flags, sid = unpack(data, pos)
+                length = hi << 16 | lo
+                if length > MAX_HEADER_BLOCK:
+                    self._check_length(length, ftype)  # before the payload is buffered
+                end = pos + 9 + length
+                if end > n:
+                    need = 9 + length
+                    break
+                self._on_frame(ftype, flags, sid & 0x7FFFFFFF, data[pos + 9 : end])
+                pos = end
+                if self.closed:
+                    pos = n
+                    break
+                self._work += 1
+                if self._work >= SLICE_WORK and pos < n:
+                    self._backlog = data[pos:]  # enough for one turn: the rest waits
+                    pos = n
+                    break
+            if pos < n:
+                self._partial.keep(data[pos:], need)
             if self._flush_wanted and not self.closed:
                 self._flush_wanted = False
                 self._flush_blocked()
@@ -155,54 +182,28 @@ class Connection(Control):
             return self.receive_data(backlog, now)
         return False
 
-    def _frames(self, data: bytes) -> None:
-        if self._partial.parts:
-            joined = self._partial.add(data)
-            if joined is None:
-                return
-            data = joined
-        if not self._preface:
-            if len(data) < len(PREFACE):
-                if not PREFACE.startswith(data):
-                    raise ConnectionFailure(PROTOCOL_ERROR, "bad preface")
-                self._partial.keep(data, len(PREFACE))
-                return
-            if not data.startswith(PREFACE):
+    def _after_preface(self, data: bytes) -> bytes:
+        """The bytes after the client preface, once it is all there (until then b"")."""
+        if len(data) < len(PREFACE):
+            if not PREFACE.startswith(data):
                 raise ConnectionFailure(PROTOCOL_ERROR, "bad preface")
-            self._preface = True
-            data = data[len(PREFACE) :]
-        pos, n = 0, len(data)
-        unpack = HEADER.unpack_from
-        need = 9
-        while n - pos >= 9:
-            hi, lo, ftype, flags, sid = unpack(data, pos)
-            length = hi << 16 | lo
-            if length > MAX_HEADER_BLOCK:
-                # Checked from the frame header, before the payload is buffered.
-                if length > OUR_MAX_FRAME:
-                    raise ConnectionFailure(FRAME_SIZE_ERROR, "frame too large", f"{length} bytes")
-                if ftype == HEADERS or ftype == CONTINUATION:
-                    raise ConnectionFailure(
-                        ENHANCE_YOUR_CALM, "header block too large", f"frame of {length} bytes"
-                    )
-                if ftype == DATA and length > self._recv_window:
-                    raise ConnectionFailure(
-                        FLOW_CONTROL_ERROR, "flow control", f"DATA of {length} bytes"
-                    )
-            end = pos + 9 + length
-            if end > n:
-                need = 9 + length
-                break
-            self._on_frame(ftype, flags, sid & 0x7FFFFFFF, data[pos + 9 : end])
-            pos = end
-            if self.closed:
-                return
-            self._work += 1
-            if self._work >= SLICE_WORK and pos < n:
-                self._backlog = data[pos:]  # enough for one turn: the rest waits
-                return
-        if pos < n:
-            self._partial.keep(data[pos:], need)
+            self._partial.keep(data, len(PREFACE))
+            return b""
+        if not data.startswith(PREFACE):
+            raise ConnectionFailure(PROTOCOL_ERROR, "bad preface")
+        self._preface = True
+        return data[len(PREFACE) :]
+
+    def _check_length(self, length: int, ftype: int) -> None:
+        """A frame above MAX_HEADER_BLOCK, refused from its header when it cannot be right."""
+        if length > OUR_MAX_FRAME:
+            raise ConnectionFailure(FRAME_SIZE_ERROR, "frame too large", f"{length} bytes")
+        if ftype == HEADERS or ftype == CONTINUATION:
+            raise ConnectionFailure(
+                ENHANCE_YOUR_CALM, "header block too large", f"frame of {length} bytes"
+            )
+        if ftype == DATA and length > self._recv_window:
+            raise ConnectionFailure(FLOW_CONTROL_ERROR, "flow control", f"DATA of {length} bytes")
 
     def _on_frame(self, ftype: int, flags: int, sid: int, payload: bytes) -> None:
         if self._headers_for and ftype != CONTINUATION:
