@@ -17,7 +17,8 @@ from typing import Any
 import hpack
 
 from extproc.transport import h2
-from extproc.transport.h2 import (
+from extproc.transport.h2 import H2Server, Method
+from extproc.transport.h2.frames import (
     DATA,
     END_HEADERS,
     END_STREAM,
@@ -26,8 +27,6 @@ from extproc.transport.h2 import (
     PREFACE,
     RST_STREAM,
     SETTINGS,
-    H2Server,
-    Method,
 )
 
 Frame = tuple[int, int, int, bytes]
@@ -47,25 +46,26 @@ def settings(**values: int) -> bytes:
     return b"".join(struct.pack(">HL", ids[k], v) for k, v in values.items())
 
 
+def request_headers(path: str) -> list[tuple[str, str]]:
+    """A gRPC request's headers."""
+    return [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", path),
+        (":authority", "x"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]
+
+
 def request_block(path: str, encoder: hpack.Encoder | None = None) -> bytes:
     """A gRPC request's header block: with a fresh encoder (the default) it touches no
     dynamic table, so any connection can decode it."""
     # Fields "never indexed" (the third element): the block leaves the table alone, like
     # Envoy's, so the server can cache it.
     enc = encoder or hpack.Encoder()
-    return bytes(
-        enc.encode(
-            [
-                (":method", "POST", True),
-                (":scheme", "http", True),
-                (":path", path, True),
-                (":authority", "x", True),
-                ("content-type", "application/grpc", True),
-                ("te", "trailers", True),
-            ],
-            huffman=False,
-        )
-    )
+    fields = [(name, value, True) for name, value in request_headers(path)]
+    return bytes(enc.encode(fields, huffman=False))
 
 
 def parse_frames(data: bytes) -> tuple[list[Frame], bytes]:

@@ -1,4 +1,4 @@
-"""The h2 transport (extproc/transport/h2.py) at the frame level: a raw socket on 127.0.0.1 speaks
+"""The h2 transport (extproc/transport/h2/) at the frame level: a raw socket on 127.0.0.1 speaks
 HTTP/2 to it byte by byte, including what Envoy rarely sends (CONTINUATION, padding, small
 windows, resets), so each rule of the protocol we rely on is pinned. grpc-python's client is
 used against it in test_service.py and Envoy in the end-to-end tests."""
@@ -14,7 +14,8 @@ import hpack
 import pytest
 
 from extproc.transport import h2
-from extproc.transport.h2 import (
+from extproc.transport.h2 import H2Server, Method, modifies_table
+from extproc.transport.h2.frames import (
     CONTINUATION,
     DATA,
     DEFAULT_WINDOW,
@@ -28,10 +29,10 @@ from extproc.transport.h2 import (
     RST_STREAM,
     SETTINGS,
     WINDOW_UPDATE,
-    H2Server,
-    Method,
-    modifies_table,
 )
+from extproc.transport.h2.headers import HeaderDecoder
+from extproc.transport.h2.limits import MAX_HEADER_LIST, OUR_MAX_FRAME
+from tests.service.h2_peer import request_headers
 
 
 def frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
@@ -62,18 +63,7 @@ class Client:
         self.writer.write(data)
 
     def headers_block(self, path: str) -> bytes:
-        return bytes(
-            self.encoder.encode(
-                [
-                    (":method", "POST"),
-                    (":scheme", "http"),
-                    (":path", path),
-                    (":authority", "x"),
-                    ("content-type", "application/grpc"),
-                    ("te", "trailers"),
-                ]
-            )
-        )
+        return bytes(self.encoder.encode(request_headers(path)))
 
     def open(self, sid: int, path: str, end_stream: bool = False) -> None:
         flags = END_HEADERS | (END_STREAM if end_stream else 0)
@@ -200,7 +190,7 @@ def test_settings_and_ping_are_acknowledged() -> None:
         # 2^31-1: what a stream may send beyond what its method read is what we buffer.
         assert settings[4] == server.limits.stream_window == 100_000 + 5
         assert settings[3] == server.limits.max_streams  # MAX_CONCURRENT_STREAMS
-        assert settings[6] == h2.MAX_HEADER_LIST == 8 * 1024  # MAX_HEADER_LIST_SIZE
+        assert settings[6] == MAX_HEADER_LIST == 8 * 1024  # MAX_HEADER_LIST_SIZE
         # The connection window is opened to what a connection may buffer (4 messages).
         update = next(f for f in frames if f[0] == WINDOW_UPDATE)
         assert DEFAULT_WINDOW + struct.unpack(">L", update[3])[0] == 4 * 100_000
@@ -293,7 +283,7 @@ def test_connection_lost_cancels_every_call() -> None:
                 break
             await asyncio.sleep(0.01)
         assert st["cancelled"] == 3
-        assert not any(conn.calls for conn in server.connections)
+        assert not any(conn.connection.calls for conn in server.connections)
 
     run(t)
 
@@ -390,14 +380,11 @@ def test_header_cache_is_exact_while_the_table_changes() -> None:
     shrink = e.encode([("x-k", "2")])  # adds x-k: 2 at the top: "again" now means other things
     assert modifies_table(shrink)
 
-    async def t(server: H2Server, st: dict[str, Any]) -> None:
-        conn = h2._Connection(server)
-        fresh = hpack.Decoder()
-        for block in (first, again, again, shrink, again, again):
-            assert conn.decode_headers(block) == fresh.decode(block, raw=True)
-        assert list(conn._decoded) == [again]  # cached again after the table changed
-
-    run(t)
+    decoder = HeaderDecoder()
+    fresh = hpack.Decoder()
+    for block in (first, again, again, shrink, again, again):
+        assert decoder.decode(block)[0] == fresh.decode(block, raw=True)
+    assert list(decoder.cache) == [again]  # cached again after the table changed
 
 
 def test_streams_above_the_limit_are_refused() -> None:
@@ -407,7 +394,7 @@ def test_streams_above_the_limit_are_refused() -> None:
             c.open(sid, "/t.T/Hold")
         frames = await c.until(lambda ft, fl, sid, p: ft == RST_STREAM)
         assert frames[-1][2] == 5 and frames[-1][3] == struct.pack(">L", 0x7)  # REFUSED
-        assert sorted(next(iter(server.connections)).calls) == [1, 3]
+        assert sorted(next(iter(server.connections)).connection.calls) == [1, 3]
         c.close()
 
     run(t, max_streams=2)
@@ -417,7 +404,7 @@ def test_frame_above_the_announced_size_ends_the_connection() -> None:
     async def t(server: H2Server, st: dict[str, Any]) -> None:
         c = await Client.connect(st["port"])
         c.open(1, "/t.T/Echo")
-        c.send(frame(DATA, 0, 1, b"\0" * (h2.OUR_MAX_FRAME + 1)))
+        c.send(frame(DATA, 0, 1, b"\0" * (OUR_MAX_FRAME + 1)))
         frames = await c.until(lambda ft, fl, sid, p: ft == GOAWAY)
         assert struct.unpack(">LL", frames[-1][3][:8])[1] == 0x6  # FRAME_SIZE_ERROR
         try:  # closed (reset, if our unread bytes were still in its socket)

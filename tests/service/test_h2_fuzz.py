@@ -42,7 +42,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.transport import h2 as transport
-from tests.service.h2_peer import frame
+from extproc.transport.h2 import Call
+from extproc.transport.h2.headers import OK_TRAILERS, status_block
+from extproc.transport.h2.limits import HEADER_CACHE_BYTES
+from tests.service.h2_peer import frame, parse_frames
+from tests.service.h2_sansio import Raw, goaway_of, held
 
 MAX_MESSAGE = 64 * 1024
 EXAMPLE_DEADLINE_S = 5.0
@@ -262,6 +266,10 @@ class Client:
 
     def __init__(self, port: int, deadline: float, *, padding: bool = True) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=2)
+        self.start(deadline, padding)
+
+    def start(self, deadline: float, padding: bool) -> None:
+        """The client's state machine, and its preface out."""
         self.deadline = deadline
         self.padding = padding
         config = h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
@@ -295,9 +303,13 @@ class Client:
         if not chunk:
             self.terminated = True
             return
-        # One frame at a time: h2 applies a new SETTINGS_MAX_FRAME_SIZE only between calls
-        # of receive_data, so a larger frame right behind the ACK, in the same read, would be
-        # refused though the protocol allows it (RFC 9113 6.5.3).
+        self.receive(chunk)
+        self.flush()
+
+    def receive(self, chunk: bytes) -> None:
+        """One frame at a time: h2 applies a new SETTINGS_MAX_FRAME_SIZE only between calls
+        of receive_data, so a larger frame right behind the ACK, in the same read, would be
+        refused though the protocol allows it (RFC 9113 6.5.3)."""
         self._rest += chunk
         while len(self._rest) >= 9:
             end = 9 + int.from_bytes(self._rest[:3], "big")
@@ -306,7 +318,6 @@ class Client:
             one, self._rest = self._rest[:end], self._rest[end:]
             for event in self.conn.receive_data(one):
                 self.on_event(event)
-        self.flush()
 
     def on_event(self, event: h2.events.Event) -> None:
         if isinstance(event, h2.events.DataReceived):
@@ -514,7 +525,7 @@ def test_h2_answers_as_grpc_aio_does_and_stays_bounded(servers: Servers, sc: Sce
     limits = servers.ours.limits
     assert servers.peaks.get("buffered_bytes", 0) <= limits.connection_window
     assert servers.peaks.get("queued_out_bytes", 0) <= limits.send_queue
-    assert servers.peaks.get("header_cache_bytes", 0) <= transport.HEADER_CACHE_BYTES
+    assert servers.peaks.get("header_cache_bytes", 0) <= HEADER_CACHE_BYTES
     # Nothing is held once the client is gone.
     for _ in range(300):
         s = servers.stats()
@@ -523,3 +534,106 @@ def test_h2_answers_as_grpc_aio_does_and_stays_bounded(servers: Servers, sc: Sce
         time.sleep(0.01)
     assert (s.connections, s.calls, s.buffered_bytes, s.queued_out_bytes) == (0, 0, 0, 0)
     assert time.monotonic() - start < 3 * EXAMPLE_DEADLINE_S
+
+
+# --- the sans-IO twin ---------------------------------------------------------------------------
+
+
+class Alone(Client):
+    """The same client against our sans-IO connection alone (no sockets, no event loop): each
+    ``pump`` is a turn of the loop, in which the methods (echo, and fail on b"fail") read what
+    arrived and answer, and the calls failing soon fail. Every read is checked against the
+    connection's bounds and its receive-window invariant (``h2_sansio.held``)."""
+
+    def __init__(self, sc: Scenario, deadline: float) -> None:
+        self.ours = Raw(handshake=False, max_message=MAX_MESSAGE)
+        self.ours.host.wire += b"".join(frame(*f) for f in self.ours.announced)  # for the client
+        first = sorted(range(len(sc.streams)), key=lambda i: sc.order.index(i))
+        self.streams = {1 + 2 * n: sc.streams[i] for n, i in enumerate(first)}
+        self.paths = {sid: stream.path for sid, stream in self.streams.items()}
+        self.failing: list[Call] = []
+        self.start(deadline, padding=True)
+
+    def feed(self, data: bytes) -> None:
+        ours = self.ours
+        more = ours.send(data)
+        held(ours.conn)
+        while more:
+            more = ours.conn.resume(ours.now)
+            held(ours.conn)
+        for event in ours.take_events():
+            if event[0] == "fail_soon":
+                self.failing.append(ours.conn.calls[event[1]])
+
+    def flush(self) -> None:
+        data = self.conn.data_to_send()
+        if data:
+            self.feed(data)
+
+    def methods(self) -> None:
+        conn = self.ours.conn
+        failing, self.failing = self.failing, []
+        for call in failing:
+            conn.fail_due(call)
+        for call in list(conn.calls.values()):
+            try:
+                while not (call.reset or call.closed) and (msg := call.take()) is not None:
+                    if msg is transport.EOF:
+                        conn.complete(call, OK_TRAILERS)
+                    elif msg == b"fail" and self.paths.get(call.id) == FAIL:
+                        conn.complete(call, status_block(grpc.StatusCode.INVALID_ARGUMENT, "bad"))
+                    else:
+                        conn.send_message(call, msg)
+            except transport.CallAbort as e:
+                conn.complete(call, status_block(e.code, e.message))
+        held(conn)
+
+    def pump(self, wait: float) -> None:
+        if self.terminated:
+            return
+        self.ours.now += 0.001
+        self.methods()
+        wire = bytes(self.ours.host.wire)
+        self.ours.host.wire.clear()
+        goaway = goaway_of(parse_frames(wire)[0])
+        assert goaway is None or goaway[1] != 0x2, "INTERNAL_ERROR: an exception escaped"
+        self.receive(wire)
+        if self.ours.conn.closed and not wire:
+            self.terminated = True
+        self.flush()
+
+    def close(self) -> None:
+        pass
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(sc=scenarios())
+def test_the_connection_alone_answers_and_stays_bounded(sc: Scenario) -> None:
+    """The twin of the differential test, on the sans-IO connection (200 examples in a few
+    seconds): every stream the client did not reset ends; an unknown method is UNIMPLEMENTED;
+    echo streams get their messages back; after the hostile tail the connection is closed or
+    still answers a PING; once lost, it holds nothing. No read ends in INTERNAL_ERROR."""
+    client = Alone(sc, time.monotonic() + EXAMPLE_DEADLINE_S)
+    got = client.run(sc)
+    for sid, outcome in got.items():
+        stream = client.streams[sid]
+        assert outcome.status is not None or outcome.reset is not None or client.terminated, sid
+        if stream.path == NOPE:
+            assert outcome.status == "12"
+        elif stream.path == ECHO and all(len(m) <= MAX_MESSAGE for m in stream.messages):
+            assert (outcome.status, outcome.messages()) == ("0", list(stream.messages)), sid
+    ours = client.ours
+    if sc.hostile and not ours.conn.closed:
+        client.feed(_hostile_bytes(sc.hostile))
+        if not ours.conn.closed:
+            ours.read()
+            client.feed(bytes((1 << 20) + 64) + frame(6, 0, 0, b"fuzzping"))
+            frames = ours.read()
+            assert ours.conn.closed or (6, 1, 0, b"fuzzping") in frames
+    ours.conn.lost()
+    assert (ours.conn.calls, ours.conn.buffered, ours.conn.queued_out) == ({}, 0, 0)

@@ -30,19 +30,22 @@ from extproc.app import Sidecar
 from extproc.config.policy import policy_from_yaml
 from extproc.contract import PROCESS_METHOD
 from extproc.transport import h2
-from extproc.transport.h2 import (
+from extproc.transport.h2 import H2Server
+from extproc.transport.h2.frames import (
     CONTINUATION,
     DATA,
     END_HEADERS,
     END_STREAM,
+    GOAWAY,
     HEADERS,
     PING,
+    PREFACE,
     PRIORITY,
     RST_STREAM,
     SETTINGS,
     WINDOW_UPDATE,
-    H2Server,
 )
+from extproc.transport.h2.limits import HEADER_CACHE_BYTES, MAX_HEADER_BLOCK
 from tests.service.h2_peer import (
     Honest,
     RawPeer,
@@ -99,8 +102,8 @@ def buffered_in_calls(server: H2Server) -> int:
     (read from the call objects, so the measure means the same for any version)."""
     total = 0
     for conn in list(server.connections):
-        for call in list(conn.calls.values()):
-            total += call._partial.have + sum(
+        for call in list(conn.connection.calls.values()):
+            total += call.partial.have + sum(
                 len(m) if isinstance(m, bytes) else len(m[0]) for m in call._messages
             )
     return total
@@ -110,7 +113,7 @@ def queued_for_window(server: H2Server) -> int:
     """Answer bytes waiting for the peer's window, read from the call objects."""
     total = 0
     for conn in list(server.connections):
-        for call in list(conn.calls.values()):
+        for call in list(conn.connection.calls.values()):
             for entry in list(call.pending):
                 if not entry[-1]:  # DATA, not the trailers frame behind it
                     total += len(entry[0]) - (entry[1] if len(entry) == 3 else 0)
@@ -267,7 +270,7 @@ def test_header_floods_cost_little(kind: str) -> None:
         want = COMPRESSION_ERROR
     else:
         payloads = _huffman_blocks(250)
-        assert all(len(p) <= h2.MAX_HEADER_BLOCK for p in payloads)
+        assert all(len(p) <= MAX_HEADER_BLOCK for p in payloads)
         want = None
 
     async def t(server: H2Server, port: int) -> None:
@@ -338,11 +341,12 @@ def test_goaway_debug_data_is_a_fixed_string() -> None:
 
 
 def _cache_cost(server: H2Server) -> int:
-    """What the decoded-header caches hold, counted the way h2.py bounds it: key bytes, and
-    per field its name and value plus 128 bytes of Python objects (a tuple, two bytes)."""
+    """What the decoded-header caches hold, counted the way the h2 transport bounds it: key
+    bytes, and per field its name and value plus 128 bytes of Python objects (a tuple, two
+    bytes)."""
     total = 0
     for conn in list(server.connections):
-        for key, fields in list(conn._decoded.items()):
+        for key, fields in list(conn.connection._headers.cache.items()):
             total += len(key) + sum(len(k) + len(v) + 128 for k, v in fields)
     return total
 
@@ -374,8 +378,8 @@ def test_header_cache_is_bounded_in_bytes() -> None:
         answered, honest = await job
         assert answered
         assert peak <= 64 * 1024, peak
-        assert h2.HEADER_CACHE_BYTES == 64 * 1024
-        assert server.statistics().header_cache_bytes <= h2.HEADER_CACHE_BYTES
+        assert HEADER_CACHE_BYTES == 64 * 1024
+        assert server.statistics().header_cache_bytes <= HEADER_CACHE_BYTES
         assert_honest(honest)
 
     serve(t)
@@ -609,13 +613,15 @@ def test_floods_are_rate_limited(kind: str) -> None:
             if not peer.read_until(lambda f, last=last: f[0] == DATA and f[2] == last, 3):
                 return False
             peer.send(b"".join(frame(RST_STREAM, 0, s, struct.pack(">L", 0x8)) for s in sids))
-        return not peer.read_until(lambda f: f[0] == h2.GOAWAY, 0.2)
+        return not peer.read_until(lambda f: f[0] == GOAWAY, 0.2)
 
     async def t(server: H2Server, port: int) -> None:
         peer = RawPeer(port)
         if kind == "rapid-reset":
             assert await asyncio.to_thread(disconnect_storm, peer)
-            assert await settle(server, lambda s: not any(c.calls for c in s.connections))
+            assert await settle(
+                server, lambda s: not any(c.connection.calls for c in s.connections)
+            )
 
         def attack() -> tuple[int, bytes] | None:
             peer.send(wire)
@@ -632,7 +638,7 @@ def test_floods_are_rate_limited(kind: str) -> None:
 # --- 6. time and connections -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sent", [b"", h2.PREFACE], ids=["nothing", "preface-only"])
+@pytest.mark.parametrize("sent", [b"", PREFACE], ids=["nothing", "preface-only"])
 def test_handshake_must_complete_in_time(sent: bytes) -> None:
     """Finding: no handshake timeout (2,000 idle connections held forever). A connection
     without the preface and the first SETTINGS within handshake_timeout is closed."""
@@ -669,7 +675,7 @@ def test_idle_connection_gets_goaway_and_is_closed() -> None:
 
 def h2_goaway(frames: list[tuple[int, int, int, bytes]]) -> tuple[int, int] | None:
     for ftype, _fl, _sid, payload in frames:
-        if ftype == h2.GOAWAY:
+        if ftype == GOAWAY:
             last, code = struct.unpack(">LL", payload[:8])
             return last, code
     return None

@@ -395,7 +395,7 @@ def test_health_unknown_service_and_watch() -> None:
             watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
             first = await watch.read()
             assert first.status == health_pb2.HealthCheckResponse.SERVING
-            await sidecar._health.enter_graceful_shutdown()
+            await sidecar._transport.health.enter_graceful_shutdown()
             second = await watch.read()
             assert second.status == health_pb2.HealthCheckResponse.NOT_SERVING
             watch.cancel()
