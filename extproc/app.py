@@ -190,8 +190,11 @@ class Sidecar:
         """Graceful stop: health says NOT_SERVING, queued and new requests get 503 with
         Retry-After, admitted requests may finish for up to ``grace`` seconds, then the server
         closes (cancelling whatever is left)."""
-        if self._watch_task is not None:
-            self._watch_task.cancel()
+        watch, self._watch_task = self._watch_task, None
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
         if self.control is not None:
             await self.control.stop()
         await self._transport.health.enter_graceful_shutdown()
