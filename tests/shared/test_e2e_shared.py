@@ -35,6 +35,8 @@ from testing.harness import outcomes, scrape, wait_idle
 from testing.stack import Stack
 from testing.wait import until, until_async
 
+pytestmark = [pytest.mark.envoy, pytest.mark.redis, pytest.mark.slow]
+
 LIMIT = 8
 PREFIX = "e2e"
 LEASE_MS = 1000

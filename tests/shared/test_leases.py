@@ -11,6 +11,7 @@ import random
 from collections.abc import Awaitable
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 
 from extproc.pool.shared import LeaseManager, Mode
@@ -313,6 +314,7 @@ def test_a_release_nobody_waits_for_costs_no_round_trip(redis_server: RedisServe
     run(main())
 
 
+@pytest.mark.redis  # a server of its own, not the fixture's
 def test_redis_gone_falls_back_to_local_shares_and_rejoins_without_overshoot(
     tmp_path: Any,
 ) -> None:
