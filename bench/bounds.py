@@ -15,7 +15,7 @@ Each row: the bound, the figure in seconds, the target, PASS / MISS (``n/a`` whe
 did not produce the figure, with the reason), and the test whose scenario it times. Figures
 taken by polling the sidecar's metrics (a slot freed, a leaver dropped) include up to one scrape
 (about 10 ms). The leases group runs no stack: lease managers on ``testing.leases``' fake local
-pool and a redis-server of its own (``BARE``). On two shared cores a MISS can be the machine:
+pool and a redis-server of its own. On two shared cores a MISS can be the machine:
 rerun before believing it.
 """
 
@@ -493,8 +493,10 @@ async def leases_group(tmp: Path) -> Figures:
 
 # --- running them ------------------------------------------------------------------------------
 
+# A group: its scenarios, each (policy, running_stack's keywords, the scenario on that stack);
+# or, for a group without a stack, one scenario that gets a folder.
 Group = tuple[str | None, dict[str, Any], Callable[[Stack], Awaitable[Figures]]]
-GROUPS: dict[str, list[Group]] = {
+GROUPS: dict[str, list[Group] | Callable[[Path], Awaitable[Figures]]] = {
     "queue": [(QUEUE_POLICY, {}, queue_group)],
     "pool": [(POOL_POLICY, {}, pool_group)],
     "reload": [(RELOAD_POLICY, {"rds": True}, reload_group)],
@@ -504,18 +506,18 @@ GROUPS: dict[str, list[Group]] = {
     "timers": [(None, {"envoy_patch": timers}, timers_group)],
     "bodies": [(BODIES_POLICY, {}, bodies_group), (QUEUED_BYTES_POLICY, {}, queued_bytes_group)],
     "slow": [(SLOW_POLICY, {"envoy_patch": scale_down_breakers}, slow_group)],
+    "leases": leases_group,  # no stack
 }
-# Groups without a stack: the scenario gets a folder of its own.
-BARE: dict[str, Callable[[Path], Awaitable[Figures]]] = {"leases": leases_group}
 
 
 def run_group(name: str, tmp: Path) -> tuple[Figures, str]:
     """The group's figures, and why some are missing ("" when none is)."""
     figures: Figures = {}
+    group = GROUPS[name]
     try:
-        if name in BARE:
-            return asyncio.run(asyncio.wait_for(BARE[name](tmp / name), 120)), ""
-        for i, (policy, kwargs, scenario) in enumerate(GROUPS[name]):
+        if callable(group):  # no stack: the scenario gets a folder of its own
+            return asyncio.run(asyncio.wait_for(group(tmp / name), 120)), ""
+        for i, (policy, kwargs, scenario) in enumerate(group):
             with running_stack(tmp / f"{name}-{i}", policy, **kwargs) as stack:
                 figures |= asyncio.run(asyncio.wait_for(scenario(stack), 120))
     except Exception as e:  # a scenario that breaks is reported, the others still run
@@ -549,10 +551,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strict", action="store_true", help="exit 1 when a bound is missed")
     args = ap.parse_args(argv)
     wanted = {w for w in args.only.split(",") if w}
-    unknown = wanted - set(GROUPS) - set(BARE) - {b.name for b in BOUNDS}
+    unknown = wanted - set(GROUPS) - {b.name for b in BOUNDS}
     if unknown:
         ap.error(f"unknown: {', '.join(sorted(unknown))}")
-    groups = [g for g in [*GROUPS, *BARE] if not wanted or g in wanted or any(
+    groups = [g for g in GROUPS if not wanted or g in wanted or any(
         b.group == g and b.name in wanted for b in BOUNDS)]  # fmt: skip
     figures: Figures = {}
     reasons: dict[str, str] = {}

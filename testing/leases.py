@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import cast
 
 import redis.asyncio as aioredis
 
@@ -98,6 +99,7 @@ async def leases_in_redis(url: str, prefix: str = KEY_PREFIX) -> tuple[int, dict
         live = await r.zrangebyscore(
             Keys.for_prefix(prefix).leases, now_ms + 1, "+inf", withscores=True
         )
-        return now_ms, {lease: int(expiry) for lease, expiry in live}
+        pairs = cast(list[tuple[str, float]], live)  # withscores: (member, score)
+        return now_ms, {lease: int(expiry) for lease, expiry in pairs}
     finally:
         await r.aclose()
