@@ -347,7 +347,7 @@ def test_redis_gone_falls_back_to_local_shares_and_rejoins_without_overshoot(
                             p.finish()
                             p.arrive(0)
                     peak = max(peak, sum(p.running for p in pools))
-                    await asyncio.sleep(0.01)
+                    await asyncio.sleep(0.01)  # the load's pace (no assertion rests on it)
 
             async def served(what: str) -> None:
                 """Wait until the load has had ``admissions`` more admissions."""

@@ -114,17 +114,17 @@ def test_the_tick_loop_looks_every_tick_on_the_loops_clock(
         control.tick = recording  # type: ignore[method-assign]
         held = [gate.enter("batch", 1.0) for _ in range(4)]  # batch borrowed the whole pool
         control.start()
-        await asyncio.sleep(1.5)  # past the first tick (the first totals)
+        await asyncio.sleep(1.5)  # past the first tick (the first totals); virtual: at once
         for w in [gate.enter("chat", 0.01) for _ in range(25)]:
             assert isinstance(w, Waiter)
             with pytest.raises(Refused):
                 await w.admitted()  # evicted at 1.51
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)  # the next tick
         assert changes == [(2.0, "overloaded", 0.0)]  # the first tick after the evictions
         for s in held:
             assert isinstance(s, Slot)
             s.release()
-        await asyncio.sleep(40.0)
+        await asyncio.sleep(40.0)  # forty ticks more
         await control.stop()
         assert ticks == [OVERLOAD_TICK_S * n for n in range(1, 43)]  # every tick, none missed
         # Clear from tick 7 (the 5 s window has forgotten the evictions), then a step every

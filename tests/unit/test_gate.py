@@ -125,7 +125,7 @@ def test_cancel_after_wake_passes_the_slot_on() -> None:
         woken, nxt = gate.enter("b", 5), gate.enter("b", 5)
         assert isinstance(woken, Waiter) and isinstance(nxt, Waiter)
         task = asyncio.ensure_future(woken.admitted())
-        await asyncio.sleep(0)  # the task now awaits its future
+        await asyncio.sleep(0)  # one loop turn: the task now awaits its future
         holder.release()  # the future gets its result...
         task.cancel()  # ...and the task is cancelled before it runs
         with pytest.raises(asyncio.CancelledError):
