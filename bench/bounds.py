@@ -1,4 +1,5 @@
-"""How fast: the latency bounds of the end-to-end tests, timed on the tests' own scenarios.
+"""How fast: the latency bounds of the end-to-end and shared-pool tests, timed on the tests'
+own scenarios.
 
 The tests assert what happens (refused with 429 ``queue_full`` while the queue was full,
 evicted at its deadline and not before, the honest client served during the flood) and wait
@@ -13,7 +14,9 @@ target the test once asserted, with PASS or MISS:
 Each row: the bound, the figure in seconds, the target, PASS / MISS (``n/a`` when the scenario
 did not produce the figure, with the reason), and the test whose scenario it times. Figures
 taken by polling the sidecar's metrics (a slot freed, a leaver dropped) include up to one scrape
-(about 10 ms). On two shared cores a MISS can be the machine: rerun before believing it.
+(about 10 ms). The leases group runs no stack: lease managers on ``testing.leases``' fake local
+pool and a redis-server of its own. On two shared cores a MISS can be the machine:
+rerun before believing it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from testing.harness import (
     until_in_flight,
     until_queued,
 )
+from testing.leases import leases_in_redis, replica
+from testing.redis import RedisServer
 from testing.stack import Stack
 from testing.wait import until_async
 
@@ -64,6 +69,7 @@ def _b(name: str, group: str, target_s: float, test: str) -> Bound:
 
 
 E2E, POOL, RELOAD = "test_e2e.py", "test_pool_through_envoy.py", "test_reload.py"
+LEASES = "test_leases.py"
 BOUNDS = [
     _b("slot_freed_after_stream", "queue", 0.5, f"{E2E}::test_slot_is_held_through_sse..."),
     _b("queue_timeout_eviction", "queue", 2.5, f"{E2E}::test_queue_timeout_evicts_with_429..."),
@@ -87,6 +93,9 @@ BOUNDS = [
     _b("worst_bodies_bystanders_p99", "bodies", 0.1, "test_large_bodies.py::test_a_burst..."),
     _b("queued_bytes_refusal", "bodies", 1.0, "test_large_bodies.py::test_bytes_held..."),
     _b("slow_uploads_bystanders_p99", "slow", 1.0, "test_slow_clients.py::test_slow_bodies..."),
+    _b("dead_replica_leases_gone", "leases", 1.3, f"{LEASES}::test_a_dead_replicas_leases..."),
+    _b("dead_replica_takeover", "leases", 1.3, f"{LEASES}::test_a_dead_replicas_leases..."),
+    _b("leader_takeover", "leases", 1.63, f"{LEASES}::test_one_leader_publishes..."),
 ]
 
 Figures = dict[str, float]
@@ -441,10 +450,53 @@ async def slow_group(stack: Stack) -> Figures:
     return {} if p99 is None else {"slow_uploads_bystanders_p99": p99}
 
 
+# --- leases: replicas of a shared pool on a real redis-server, no stack (test_leases.py) -------
+
+
+async def leases_group(tmp: Path) -> Figures:
+    """Leases of 1 s: a replica dies holding the whole pool (its leases left to expire, as a
+    killed sidecar's are) while another waits; an adaptive pool's leader leaves."""
+    out: Figures = {}
+    for d in ("dead", "leader"):
+        (tmp / d).mkdir(parents=True, exist_ok=True)
+    with RedisServer(tmp / "dead") as server:
+        (a, pa), (b, pb) = replica(server.url, "a", 3), replica(server.url, "b", 3)
+        a.start()
+        b.start()
+        await until_async(lambda: a.connected and b.connected, "both reached Redis")
+        pa.arrive(0, 3)
+        await until_async(lambda: pa.running == 3, "a holds the pool")
+        pb.arrive(0, 3)
+        await a.close(give_back=False)
+        died = time.monotonic()
+        while pb.running < 3:  # bounded by run_group's wait_for
+            if "dead_replica_leases_gone" not in out:
+                _, leases = await leases_in_redis(server.url)
+                if not any(lease.startswith("a:") for lease in leases):
+                    out["dead_replica_leases_gone"] = time.monotonic() - died
+            await asyncio.sleep(0.005)
+        out["dead_replica_takeover"] = time.monotonic() - died
+        await b.close()
+    with RedisServer(tmp / "leader") as server:
+        (x, _), (y, _) = (replica(server.url, n, 4, adaptive=True) for n in "xy")
+        x.start()
+        y.start()
+        await until_async(lambda: x.leader == y.leader != "" and x.connected, "one leader")
+        leader, follower = (x, y) if x.is_leader else (y, x)
+        await leader.close(give_back=False)
+        left = time.monotonic()
+        await until_async(lambda: follower.is_leader, "the other leads", every=0.005)
+        out["leader_takeover"] = time.monotonic() - left
+        await follower.close()
+    return out
+
+
 # --- running them ------------------------------------------------------------------------------
 
+# A group: its scenarios, each (policy, running_stack's keywords, the scenario on that stack);
+# or, for a group without a stack, one scenario that gets a folder.
 Group = tuple[str | None, dict[str, Any], Callable[[Stack], Awaitable[Figures]]]
-GROUPS: dict[str, list[Group]] = {
+GROUPS: dict[str, list[Group] | Callable[[Path], Awaitable[Figures]]] = {
     "queue": [(QUEUE_POLICY, {}, queue_group)],
     "pool": [(POOL_POLICY, {}, pool_group)],
     "reload": [(RELOAD_POLICY, {"rds": True}, reload_group)],
@@ -454,18 +506,22 @@ GROUPS: dict[str, list[Group]] = {
     "timers": [(None, {"envoy_patch": timers}, timers_group)],
     "bodies": [(BODIES_POLICY, {}, bodies_group), (QUEUED_BYTES_POLICY, {}, queued_bytes_group)],
     "slow": [(SLOW_POLICY, {"envoy_patch": scale_down_breakers}, slow_group)],
+    "leases": leases_group,  # no stack
 }
 
 
 def run_group(name: str, tmp: Path) -> tuple[Figures, str]:
     """The group's figures, and why some are missing ("" when none is)."""
     figures: Figures = {}
-    for i, (policy, kwargs, scenario) in enumerate(GROUPS[name]):
-        try:
+    group = GROUPS[name]
+    try:
+        if callable(group):  # no stack: the scenario gets a folder of its own
+            return asyncio.run(asyncio.wait_for(group(tmp / name), 120)), ""
+        for i, (policy, kwargs, scenario) in enumerate(group):
             with running_stack(tmp / f"{name}-{i}", policy, **kwargs) as stack:
                 figures |= asyncio.run(asyncio.wait_for(scenario(stack), 120))
-        except Exception as e:  # a scenario that breaks is reported, the others still run
-            return figures, f"{type(e).__name__}: {e}"[:200]
+    except Exception as e:  # a scenario that breaks is reported, the others still run
+        return figures, f"{type(e).__name__}: {e}"[:200]
     return figures, ""
 
 

@@ -6,6 +6,7 @@ and checks the Envoy configs for them,
 ``testing.harness`` reads the sidecar's metrics back and waits on them, ``testing.wait`` is the
 bounded wait for an event that tests use instead of sleeping, ``testing.clients`` the clients
 tests and ``bench.bounds`` share, ``testing.clock`` an asyncio loop on a virtual clock,
+``testing.leases`` shared-pool lease managers on a fake local pool (for the same two),
 ``testing.tools`` what a test needs beyond Python (the markers' check), ``testing.backend`` is
 a small OpenAI-compatible stand-in, and ``testing.dockerfile`` reads the Dockerfile and its
 build context without a Docker engine.

@@ -44,8 +44,6 @@ NEEDS_BY_PATH: dict[str, tuple[str, ...]] = {
     "tests/e2e/test_grpc_aio_path.py": ("slow",),  # the sidecar process alone, no Envoy
     "tests/e2e/test_demo.py": ("envoy", "slow"),
     "tests/e2e/test_slow_clients.py": ("envoy", "slow"),
-    "tests/shared/test_e2e_shared.py": ("envoy", "redis", "slow"),
-    "tests/shared/test_leases.py::test_redis_gone_falls_back": ("redis",),  # a server of its own
     "tests/bench/test_compare.py::test_compare_end_to_end_small": ("envoy", "slow"),
     "tests/bench/test_compare.py::test_envoy_configs_load_in_the_real_envoy": ("envoy",),
     "tests/bench/test_compare.py::test_compare_halve_small": ("envoy", "slow"),

@@ -5,8 +5,6 @@ leader leaves, another takes over and starts its own poller from the limit in fo
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
 from extproc.config.policy import Policy, policy_from_yaml
 from extproc.ops.metrics import Metrics
@@ -14,6 +12,7 @@ from extproc.pool.control import PoolControl
 from extproc.pool.gate import Gate
 from testing.redis import RedisServer
 from testing.stack import free_port
+from testing.wait import until_async
 
 
 def policy(redis_url: str) -> Policy:
@@ -33,13 +32,6 @@ buckets:
     )
 
 
-async def until(cond: Callable[[], bool], within: float, what: str) -> None:
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < within, f"not within {within}s: {what}"
-        await asyncio.sleep(0.02)
-
-
 def test_one_leader_runs_the_poller_and_the_others_read_its_limit(
     redis_server: RedisServer,
 ) -> None:
@@ -56,23 +48,22 @@ def test_one_leader_runs_the_poller_and_the_others_read_its_limit(
         def leaders() -> list[PoolControl]:
             return [c for c in controls if c._shared is not None and c._shared.is_leader]
 
-        await until(lambda: len(leaders()) == 1, 3, "one leader")
+        await until_async(lambda: len(leaders()) == 1, "one leader")
         leader = leaders()[0]
-        await until(lambda: leader._poller is not None, 1, "the leader polls")
+        await until_async(lambda: leader._poller is not None, "the leader polls")
         assert [c._poller is None for c in controls if c is not leader] == [True, True]
-        await until(
+        await until_async(
             lambda: all(c.debug()["shared"]["pool_limit"] == 3 for c in controls),  # type: ignore[index]
-            3,
             "everyone on the leader's (fallback) limit",
         )
         await leader.stop()
         await leader.close()
         rest = [c for c in controls if c is not leader]
-        await until(
-            lambda: len([c for c in rest if c._shared and c._shared.is_leader]) == 1, 3, "takeover"
+        await until_async(
+            lambda: len([c for c in rest if c._shared and c._shared.is_leader]) == 1, "takeover"
         )
         new = next(c for c in rest if c._shared is not None and c._shared.is_leader)
-        await until(lambda: new._poller is not None, 1, "the new leader polls")
+        await until_async(lambda: new._poller is not None, "the new leader polls")
         assert new.gauges()["shared_leader"] == 1
         for c in rest:
             await c.stop()

@@ -8,73 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 
-from extproc.config.policy import SharedPolicy
 from extproc.pool.shared import LeaseManager, Mode
-from extproc.pool.shared.decide import local_share
+from extproc.pool.shared.decide import POLL_S, local_share
 from extproc.pool.shared.scripts import ACQUIRE, RENEW, RETURN, Keys, decode_demand, encode_demand
+from testing.leases import KEY_PREFIX, FakePool, asked_since, leases_in_redis, replica
 from testing.redis import RedisServer
+from testing.wait import until_async
 
-LEASE_S = 1.0
+LEASE_S = 1.0  # where leases must run out: a dead replica's, the leader's, Redis gone
+# Elsewhere: a call may take a quarter of this (2.5 s) on a loaded machine before the replica
+# counts Redis as gone, so the tests whose subject is shared mode stay in it.
+STEADY_LEASE_S = 10.0
 
 
 def run(coro: Awaitable[Any]) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 60))  # type: ignore[arg-type]
-
-
-async def until(cond: Callable[[], bool], within: float = 5.0, what: str = "") -> float:
-    """Wait for ``cond``; returns how long it took."""
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > within:
-            raise AssertionError(f"not within {within}s: {what}")
-        await asyncio.sleep(0.005)
-    return time.monotonic() - t0
-
-
-class FakePool:
-    """The local side, as the gate does it: at most ``held`` running, the most urgent band's
-    waiter first, the manager told before a slot is freed and after every change."""
-
-    def __init__(self) -> None:
-        self.running = 0
-        self.held = 0
-        self.pool_limit = 0
-        self.waiting: dict[int, int] = {}
-        self.admitted: list[int] = []
-        self.manager: LeaseManager | None = None
-
-    def shared_view(self) -> tuple[int, dict[int, int]]:
-        return self.running, {b: n for b, n in self.waiting.items() if n}
-
-    def set_leases(self, held: int, pool_limit: int) -> None:
-        self.held, self.pool_limit = held, pool_limit
-        self._fill()
-
-    def _fill(self) -> None:
-        while self.running < self.held and any(self.waiting.values()):
-            band = min(b for b, n in self.waiting.items() if n)
-            self.waiting[band] -= 1
-            self.running += 1
-            self.admitted.append(band)
-
-    def arrive(self, band: int = 0, n: int = 1) -> None:
-        self.waiting[band] = self.waiting.get(band, 0) + n
-        self._fill()
-        assert self.manager is not None
-        self.manager.on_change()
-
-    def finish(self) -> None:
-        assert self.manager is not None and self.running > 0
-        self.manager.on_release()
-        self.running -= 1
-        self._fill()
-        self.manager.on_change()
 
 
 def manager(
@@ -84,22 +38,20 @@ def manager(
     *,
     adaptive: bool = False,
     lease: float = LEASE_S,
+    seed: int | None = None,
 ) -> tuple[LeaseManager, FakePool]:
-    pool = FakePool()
-    policy = SharedPolicy(redis=server.url, key_prefix="t", lease_s=lease, timeout_s=0.2)
-    m = LeaseManager(pool, policy, limit=limit, adaptive=adaptive, replica=name)
-    pool.manager = m
-    return m, pool
+    rand = random.random if seed is None else random.Random(seed).random
+    return replica(server.url, name, limit, adaptive=adaptive, lease_s=lease, rand=rand)
 
 
 async def held_in_redis(server: RedisServer) -> int:
-    r = aioredis.Redis.from_url(server.url)
-    try:
-        t = await r.time()
-        now_ms = t[0] * 1000 + t[1] // 1000
-        return int(await r.zcount(Keys.for_prefix("t").leases, now_ms + 1, "+inf"))
-    finally:
-        await r.aclose()
+    _, leases = await leases_in_redis(server.url)
+    return len(leases)
+
+
+async def until(cond: Any, what: str) -> None:
+    """``testing.wait.until_async``, polling the managers' state often (it is cheap)."""
+    await until_async(cond, what, every=0.002)
 
 
 # --- pure helpers -----------------------------------------------------------------------------
@@ -155,7 +107,7 @@ def test_renew_is_one_call_for_every_lease_and_reports_what_it_lost(
         ids = ["a:1", "a:2", "a:3"]
         await acquire(keys=keys.all, args=["a", 1000, 3, keys.channel, "0:3", *ids])
         before = {i: await r.zscore(keys.leases, i) for i in ids}
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # the subject: Redis's clock moves, so a renewal scores higher
         # a:2 vanished (Redis lost it) and b took the slot: renewing cannot re-add it.
         await r.zrem(keys.leases, "a:2")
         await acquire(keys=keys.all, args=["b", 1000, 3, keys.channel, "0:1", "b:1"])
@@ -185,20 +137,29 @@ def test_renew_is_one_call_for_every_lease_and_reports_what_it_lost(
 
 def test_managers_hold_the_limit_together(redis_server: RedisServer) -> None:
     async def main() -> None:
-        (a, pa), (b, pb) = manager(redis_server, "a", 5), manager(redis_server, "b", 5)
+        loop = asyncio.get_running_loop()
+        (a, pa), (b, pb) = (
+            manager(redis_server, "a", 5, lease=STEADY_LEASE_S),
+            manager(redis_server, "b", 5, lease=STEADY_LEASE_S),
+        )
         a.start()
         b.start()
         pa.arrive(0, 4)
         pb.arrive(0, 4)
-        await until(lambda: pa.running + pb.running == 5, what="the pool is full")
-        await asyncio.sleep(0.3)
+        await until(lambda: pa.running + pb.running == 5, "the pool is full")
+        full = loop.time()
+        # Those with waiters left ask again (every POLL_S) and get nothing more.
+        waiting = [m for m, p in ((a, pa), (b, pb)) if any(p.waiting.values())]
+        await until(lambda: all(asked_since(m, full) for m in waiting), "they asked again")
         assert pa.running + pb.running == 5 and a.held + b.held == 5
         assert await held_in_redis(redis_server) == 5
         for i in range(3):  # as they end, the waiters behind get the slots
             p = pa if (i % 2 == 0 and pa.running) or not pb.running else pb
             p.finish()
-            await asyncio.sleep(0.05)
-        await until(lambda: sum(pa.waiting.values()) + sum(pb.waiting.values()) == 0)
+            await until(lambda: pa.running + pb.running == 5, f"slot {i + 1} passed on")
+        await until(
+            lambda: sum(pa.waiting.values()) + sum(pb.waiting.values()) == 0, "nobody waits"
+        )
         assert pa.running + pb.running == 5
         while pa.running:
             pa.finish()
@@ -206,7 +167,7 @@ def test_managers_hold_the_limit_together(redis_server: RedisServer) -> None:
             pb.finish()
         a._kick()
         b._kick()  # the next renewals return the spares
-        await until(lambda: a.held + b.held == 0, what="spares returned")
+        await until(lambda: a.held + b.held == 0, "spares returned")
         await a.close()
         await b.close()
         assert await held_in_redis(redis_server) == 0
@@ -216,21 +177,37 @@ def test_managers_hold_the_limit_together(redis_server: RedisServer) -> None:
 
 def test_one_band_is_shared_in_proportion_to_the_waiters(redis_server: RedisServer) -> None:
     """Three replicas with long queues in one band: each gets about a third of the
-    admissions, whoever subscribed or asked first."""
+    admissions, whoever subscribed or asked first. In rounds, once each has heard that the
+    others wait: each replica running a request ends one with probability 0.3, then every
+    lease given back is taken and in use again before the next round. So the split is the
+    decisions' (rules 3 and 4 of ``decide``), not how many requests a replica ended while a
+    hand-over or a demand message was still on its way (what a loaded machine changed when
+    requests ended every 5 ms of real time)."""
+    limit, rounds = 6, 300
 
     async def main() -> None:
-        ms = [manager(redis_server, n, 6) for n in ("a", "b", "c")]
+        ms = [
+            manager(redis_server, n, limit, lease=STEADY_LEASE_S, seed=i)
+            for i, n in enumerate("abc")
+        ]
+        pools = [p for _, p in ms]
         for m, p in ms:
             m.start()
             p.arrive(0, 1000)
+
+        def full() -> bool:
+            return sum(p.running for p in pools) == limit
+
+        await until(full, "the pool is full")
+        await until(lambda: all(len(m.known().others) == 2 for m, _ in ms), "the others seen")
         rng = random.Random(3)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 2.0:
-            for _, p in ms:
+        for i in range(rounds):
+            for p in pools:
                 if p.running and rng.random() < 0.3:
                     p.finish()
-            await asyncio.sleep(0.005)
-        counts = [len(p.admitted) for _, p in ms]
+            await asyncio.sleep(0)  # one loop turn: the managers look at what changed
+            await until(full, f"round {i}: every lease in use again")
+        counts = [len(p.admitted) for p in pools]
         assert min(counts) >= 0.2 * sum(counts), counts
         for m, _ in ms:
             await m.close()
@@ -240,17 +217,26 @@ def test_one_band_is_shared_in_proportion_to_the_waiters(redis_server: RedisServ
 
 def test_a_dead_replicas_leases_come_back_within_the_lease(redis_server: RedisServer) -> None:
     async def main() -> None:
+        loop = asyncio.get_running_loop()
         (a, pa), (b, pb) = manager(redis_server, "a", 3), manager(redis_server, "b", 3)
         a.start()
         b.start()
+        await until(lambda: a.connected and b.connected, "both reached Redis")
         pa.arrive(0, 3)
-        await until(lambda: pa.running == 3)
+        await until(lambda: pa.running == 3, "a holds the pool")
+        asked = loop.time()
         pb.arrive(0, 3)
-        await asyncio.sleep(0.2)
+        await until(lambda: asked_since(b, asked), "b asked")
         assert pb.running == 0
         await a.close(give_back=False)  # dies holding everything
-        took = await until(lambda: pb.running == 3, within=3, what="b takes over")
-        assert took <= LEASE_S + 0.3, took
+        now_ms, leases = await leases_in_redis(redis_server.url)
+        expiries = [ms for lease, ms in leases.items() if lease.startswith("a:")]
+        # Within the lease, on Redis's clock: renewed at most a lease ago, gone a lease after.
+        assert all(ms <= now_ms + LEASE_S * 1000 for ms in expiries), (now_ms, leases)
+        # How soon after a died: bench.bounds, dead_replica_leases_gone, dead_replica_takeover.
+        await until(lambda: pb.running == 3, "b takes over")
+        now_ms, _ = await leases_in_redis(redis_server.url)
+        assert now_ms >= max(expiries, default=0)  # only once they expired
         await b.close()
 
     run(main())
@@ -261,22 +247,26 @@ def test_a_more_urgent_band_elsewhere_goes_first(redis_server: RedisServer) -> N
     then an interactive one (band 0) on a: the first slot freed goes to a."""
 
     async def main() -> None:
-        ms = [manager(redis_server, n, 2) for n in ("h", "a", "b")]
-        (h, ph), (a, pa), (_, pb) = ms
+        loop = asyncio.get_running_loop()
+        ms = [manager(redis_server, n, 2, lease=STEADY_LEASE_S) for n in ("h", "a", "b")]
+        (h, ph), (a, pa), (b, pb) = ms
         for m, _ in ms:
             m.start()
         ph.arrive(5, 2)
-        await until(lambda: ph.running == 2)
+        await until(lambda: ph.running == 2, "h holds the pool")
+        asked = loop.time()
         pb.arrive(10)
-        await asyncio.sleep(0.1)
+        await until(lambda: asked_since(b, asked), "b waits, and Redis has its demand")
         pa.arrive(0)
-        await until(lambda: "b" in a._others and "a" in h._others, what="demand seen")
+        await until(lambda: "b" in a.known().others and "a" in h.known().others, "demand seen")
         ph.finish()
-        await until(lambda: pa.running == 1, what="a admitted")
-        await asyncio.sleep(0.3)  # polls and messages cannot give it to b
+        await until(lambda: pa.running == 1, "a admitted")
+        admitted = loop.time()
+        # Neither b's polls nor the messages can give it to b.
+        await until(lambda: asked_since(b, admitted), "b asked again")
         assert pb.running == 0
         ph.finish()
-        await until(lambda: pb.running == 1, what="b admitted")
+        await until(lambda: pb.running == 1, "b admitted")
         for m, _ in ms:
             await m.close()
 
@@ -296,26 +286,27 @@ def test_a_release_nobody_waits_for_costs_no_round_trip(redis_server: RedisServe
 
         a, pa = manager(redis_server, "a", 4, lease=30.0)  # renewals every 10 s
         a.start()
-        await until(lambda: a.connected)
+        await until(lambda: a.connected, "a connected")
         pa.arrive(0)  # (the first call of each script after Redis started loads it)
-        await until(lambda: pa.running == 1)
+        await until(lambda: pa.running == 1, "admitted")
         pa.finish()
         a._kick()
-        await until(lambda: a.held == 0)
+        await until(lambda: a.held == 0, "the spare returned")
         base = await calls()
         pa.arrive(0)
-        await until(lambda: pa.running == 1)
+        await until(lambda: pa.running == 1, "admitted again")
         assert await calls() - base == 1
         pa.finish()
-        await asyncio.sleep(0.5)
+        # The subject is a time without calls: two of the manager's polls with the spare held.
+        await asyncio.sleep(2 * POLL_S)
         assert await calls() - base == 1 and a.held == 1  # kept as a spare, no call
         pa.arrive(0)  # the spare serves the next one: no call either
         assert pa.running == 1
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(POLL_S)  # the same: a poll's time without a call
         assert await calls() - base == 1
         pa.finish()
         a._kick()
-        await until(lambda: a.held == 0, what="spare returned by the renewal")
+        await until(lambda: a.held == 0, "spare returned by the renewal")
         assert await calls() - base == 2
         await a.close()
         await r.aclose()
@@ -323,21 +314,26 @@ def test_a_release_nobody_waits_for_costs_no_round_trip(redis_server: RedisServe
     run(main())
 
 
+@pytest.mark.redis  # a server of its own, not the fixture's
 def test_redis_gone_falls_back_to_local_shares_and_rejoins_without_overshoot(
     tmp_path: Any,
 ) -> None:
     """Three replicas under load on a pool of 6. Redis is killed: each holds its leases
     until they expire, then runs on 6 / 3 = 2. Redis comes back empty: they rejoin, and the
     sum of running requests never passes the limit plus the documented slack (each replica's
-    running requests above its share when its leases expired)."""
-    limit = 6
+    running requests above its share when its leases expired). Each stage is watched for a
+    number of the load's admissions, not for a time."""
+    limit, admissions = 6, 40
 
     async def main() -> None:
+        loop = asyncio.get_running_loop()
         with RedisServer(tmp_path) as server:
             ms = [manager(server, n, limit) for n in ("a", "b", "c")]
             pools = [p for _, p in ms]
-            for m, p in ms:
+            for m, _ in ms:
                 m.start()
+            await until(lambda: all(m.connected for m, _ in ms), "all reached Redis")
+            for p in pools:
                 p.arrive(0, 50)
             peak = 0
             stop = False
@@ -351,23 +347,33 @@ def test_redis_gone_falls_back_to_local_shares_and_rejoins_without_overshoot(
                             p.finish()
                             p.arrive(0)
                     peak = max(peak, sum(p.running for p in pools))
-                    await asyncio.sleep(0.01)
+                    await asyncio.sleep(0.01)  # the load's pace (no assertion rests on it)
+
+            async def served(what: str) -> None:
+                """Wait until the load has had ``admissions`` more admissions."""
+                base = sum(len(p.admitted) for p in pools)
+                await until(lambda: sum(len(p.admitted) for p in pools) >= base + admissions, what)
 
             task = asyncio.create_task(load())
-            await asyncio.sleep(1.0)
+            await served("the load runs")
             assert peak <= limit
             slack = sum(max(0, m.held - local_share(limit, m.replicas, m.replica)) for m, _ in ms)
             server.kill()
-            await until(lambda: all(m.mode is Mode.DEGRADED for m, _ in ms), what="all degraded")
-            await until(lambda: all(p.held == 2 for p in pools), within=3, what="local shares")
-            await asyncio.sleep(0.5)
+            await until(lambda: all(m.mode is Mode.DEGRADED for m, _ in ms), "all degraded")
+            await until(
+                lambda: all(m.debug()["phase"] == "local_share" and p.held == 2 for m, p in ms),
+                "local shares",
+            )
+            await served("the load runs on the local shares")
             assert peak <= limit + slack, (peak, slack)
             peak = 0
             server.start()
+            await until(lambda: all(m.mode is Mode.SHARED for m, _ in ms), "rejoined")
             await until(
-                lambda: all(m.mode is Mode.SHARED for m, _ in ms), within=3, what="rejoined"
+                lambda: all(m.known().grace.until <= loop.time() for m, _ in ms),
+                "the rejoin grace over",
             )
-            await asyncio.sleep(1.5)  # the rejoin grace and then plain shared mode
+            await served("the load runs in plain shared mode")
             stop = True
             await task
             assert peak <= limit, peak
@@ -387,14 +393,21 @@ def test_one_leader_publishes_the_limit_and_another_takes_over(
         (a, _), (b, _) = (manager(redis_server, n, 4, adaptive=True) for n in ("a", "b"))
         a.start()
         b.start()
-        await until(lambda: a.connected and b.connected and a.leader == b.leader != "")
+        await until(
+            lambda: a.connected and b.connected and a.leader == b.leader != "", "one leader"
+        )
         leader, follower = (a, b) if a.is_leader else (b, a)
         assert not follower.is_leader
         leader.publish_limit(9)
-        await until(lambda: follower.limit == 9, what="the follower reads the limit")
+        await until(lambda: follower.limit == 9, "the follower reads the limit")
         await leader.close(give_back=False)
-        took = await until(lambda: follower.is_leader, within=3, what="takeover")
-        assert took <= LEASE_S + follower.interval_s + 0.3, took
+        r = aioredis.Redis.from_url(redis_server.url)
+        ttl_ms = await r.pttl(Keys.for_prefix(KEY_PREFIX).leader)
+        await r.aclose()
+        # The leadership ends within the lease, on Redis's clock (-2: gone already); how soon
+        # the other takes it: bench.bounds, leader_takeover.
+        assert ttl_ms != -1 and ttl_ms <= LEASE_S * 1000, ttl_ms
+        await until(lambda: follower.is_leader, "takeover")
         assert follower.limit == 9  # carries on from the limit in force
         await follower.close()
 

@@ -1,4 +1,5 @@
-"""The adaptive pool limit: the control law with plain numbers, and the poller that feeds it."""
+"""The adaptive pool limit: the control law with plain numbers, and the poller that feeds it
+(on a virtual clock, ``testing.clock``: its rounds come at their exact loop times, at once)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from extproc.backend.scrape import Signals
 from extproc.config.policy import AdaptivePolicy
 from extproc.pool.adaptive import AdaptiveLimit, LimitState
 from extproc.pool.poller import Poller
+from testing.clock import run_virtual
 
 
 def run(coro: Awaitable[None]) -> None:
-    asyncio.run(asyncio.wait_for(coro, 10))
+    run_virtual(asyncio.wait_for(coro, 10))
 
 
 def sig(
@@ -234,11 +236,13 @@ class FakeScraper:
     def __init__(self, delay_s: float = 0.0) -> None:
         self.delay_s = delay_s
         self.calls = 0
+        self.started: list[float] = []  # the loop time of each call
         self.in_flight = 0
         self.max_in_flight = 0
 
     async def scrape(self, now: float) -> Signals:
         self.calls += 1
+        self.started.append(round(asyncio.get_running_loop().time(), 9))
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -254,9 +258,12 @@ def test_poller_rounds_survive_exceptions(caplog: pytest.LogCaptureFixture) -> N
     async def main() -> None:
         scraper = FakeScraper()
         updates: list[tuple[int, Signals | None]] = []
+        six = asyncio.Event()
 
         def on_update(limit: int, signals: Signals | None) -> None:
             updates.append((limit, signals))
+            if len(updates) == 6:
+                six.set()
             if len(updates) == 3:
                 raise RuntimeError("callback broke")
 
@@ -267,13 +274,12 @@ def test_poller_rounds_survive_exceptions(caplog: pytest.LogCaptureFixture) -> N
 
         poller = Poller(scraper, limiter(initial=10, interval_s=0.01), on_update, demand)
         poller.start()
-        for _ in range(500):  # bounded: 5 s at most
-            if len(updates) >= 6:
-                break
-            await asyncio.sleep(0.01)
+        await six.wait()
         await poller.stop()
         await poller.stop()  # idempotent
-        assert len(updates) >= 6
+        assert len(updates) == 6
+        # Every interval, whatever broke in the round before.
+        assert scraper.started == [0.0, 0.01, 0.02, 0.03, 0.04, 0.05]
         assert [u[1] is None for u in updates[:4]] == [False, True, False, True]
         # Round 2 had no data (hold); round 3 would have climbed, but demand() broke: no demand.
         assert [u[0] for u in updates[:3]] == [11, 11, 11]
@@ -317,11 +323,13 @@ def test_poller_never_overlaps_scrapes() -> None:
         poller = Poller(scraper, limiter(interval_s=0.01), lambda limit, s: None, lambda: (0, 0))
         poller.start()
         extra = asyncio.ensure_future(poller.poll_once())  # a round from outside waits its turn
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # the scenario: the poller runs for 0.3 s (of the loop's clock)
         await poller.stop()
         await extra
         assert scraper.max_in_flight == 1
-        assert 2 <= scraper.calls <= 8
+        # Back to back, the outside round among them: a late round starts when the last one
+        # ends, none skipped and none caught up.
+        assert scraper.started == [0.0, 0.05, 0.1, 0.15, 0.2, 0.25]
         with pytest.raises(ValueError):
             Poller(scraper, limiter(interval_s=0.0), lambda limit, s: None, lambda: (0, 0))
 

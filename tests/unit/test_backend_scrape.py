@@ -20,6 +20,7 @@ from extproc.backend.scrape import (
     parse_metrics,
 )
 from extproc.config.policy import AdaptivePolicy, BackendPolicy
+from testing.wait import until_async
 
 INF = float("inf")
 # vLLM's bucket bounds (vllm/v1/metrics/loggers.py).
@@ -157,14 +158,23 @@ def vllm_page(*engines: Engine, old_names: bool = False, both_itl: bool = False)
 class MetricsServer:
     """An asyncio HTTP/1.1 server with one page and a way of answering (``mode``):
     'length' (Content-Length), 'chunked', 'eof' (no length, close), 'never' (read the request,
-    answer nothing), 'garbage', 'status' (503)."""
+    answer nothing), 'garbage', 'status' (503). ``events``, shared by several servers, gets
+    ``"asked <port>"`` for each request and, in 'never' mode, ``"gave up <port>"`` when the
+    client closes the connection: the order in which the scraper did things."""
 
-    def __init__(self, page: str = "", mode: str = "length", host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        page: str = "",
+        mode: str = "length",
+        host: str = "127.0.0.1",
+        events: list[str] | None = None,
+    ) -> None:
         self.page = page
         self.mode = mode
         self.host = host
         self.port = 0
         self.requests: list[bytes] = []
+        self.events = events if events is not None else []
         self._held: list[asyncio.StreamWriter] = []
         self._server: asyncio.Server | None = None
 
@@ -187,9 +197,12 @@ class MetricsServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             self.requests.append(await reader.readuntil(b"\r\n\r\n"))
+            self.events.append(f"asked {self.port}")
             body = self.page.encode()
             if self.mode == "never":
                 self._held.append(writer)
+                await reader.read()  # b"" when the client closes
+                self.events.append(f"gave up {self.port}")
                 return
             if self.mode == "garbage":
                 writer.write(b"\x16\x03\x01 not http at all\r\n\r\n")
@@ -441,16 +454,17 @@ def test_failing_endpoints_are_counted_never_raised() -> None:
         refused.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
         refused_port = refused.getsockname()[1]
         big = vllm_page(Engine()) * 20
+        events: list[str] = []
         async with (
-            MetricsServer(page) as good,
-            MetricsServer(page, "never") as silent,
-            MetricsServer(big, "length") as big_length,
-            MetricsServer(big, "chunked") as big_chunked,
-            MetricsServer(big, "eof") as big_eof,
-            MetricsServer(page, "garbage") as garbage,
-            MetricsServer(page, "status") as status,
-            MetricsServer("<html>hello</html>") as html,
-            MetricsServer('vllm:num_requests_running{x="1"} abc\n') as malformed,
+            MetricsServer(page, events=events) as good,
+            MetricsServer(page, "never", events=events) as silent,
+            MetricsServer(big, "length", events=events) as big_length,
+            MetricsServer(big, "chunked", events=events) as big_chunked,
+            MetricsServer(big, "eof", events=events) as big_eof,
+            MetricsServer(page, "garbage", events=events) as garbage,
+            MetricsServer(page, "status", events=events) as status,
+            MetricsServer("<html>hello</html>", events=events) as html,
+            MetricsServer('vllm:num_requests_running{x="1"} abc\n', events=events) as malformed,
         ):
             servers = (good, silent, big_length, big_chunked, big_eof, garbage, status, html)
             resolve = fixed(
@@ -469,13 +483,16 @@ def test_failing_endpoints_are_counted_never_raised() -> None:
                 max_body_bytes=len(big) - 1,
                 resolve=no_such_host,
             )
-            loop = asyncio.get_running_loop()
-            t0 = loop.time()
             s = await scraper.scrape(0.0)
-            took = loop.time() - t0
+            gave_up = f"gave up {silent.port}"
+            await until_async(lambda: gave_up in events, "the silent endpoint's connection closed")
         refused.close()
         assert (s.endpoints_ok, s.endpoints_failed, s.running) == (1, 10, 4)
-        assert took < 1.0  # concurrently, each under the timeout
+        # Concurrently, each under the timeout: every endpoint was asked before the scraper
+        # gave up on the silent one (in turn, those after it would be asked only then).
+        assert sorted(events[: events.index(gave_up)]) == sorted(
+            f"asked {server.port}" for server in (*servers, malformed)
+        )
         errors = "\n".join(s.errors)
         assert len(s.errors) == 8 and s.errors[-1] == "+3 more"  # capped for a log line
         assert "gone.svc: dns: Name or service not known" in errors

@@ -1,5 +1,7 @@
 """PoolControl on a real Gate: the overload monitor reads the protected band, cuts the least
-urgent one, logs each transition once and shows it in the gauges; recovery in steps."""
+urgent one, logs each transition once and shows it in the gauges; recovery in steps. On a
+virtual clock (``testing.clock``): the queue timeouts and the overload tick loop's seconds pass
+at once, and a tick comes at its exact loop time."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import pytest
 
 from extproc.config.policy import policy_from_yaml
 from extproc.ops.metrics import Metrics
-from extproc.pool.control import PoolControl
+from extproc.pool.control import OVERLOAD_TICK_S, PoolControl
 from extproc.pool.gate import Gate, Refused, Slot, Waiter
+from extproc.pool.overload import Overload
+from testing.clock import run_virtual
 
 POLICY = policy_from_yaml(
     """
@@ -76,10 +80,64 @@ def test_overload_cuts_the_least_urgent_band_and_recovers_in_steps(
         await control.stop()
 
     with caplog.at_level(logging.WARNING, logger="extproc.control"):
-        asyncio.run(main())
+        run_virtual(main())
     lines = [r.getMessage() for r in caplog.records if r.name == "extproc.control"]
     assert len(lines) == 4, lines  # overloaded, 50 %, 80 %, normal: one line each
     assert "pool overloaded: least urgent band at 0% of its cap (evictions" in lines[0]
+
+
+def test_the_tick_loop_looks_every_tick_on_the_loops_clock(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``start`` runs ``tick(loop.time())`` every ``OVERLOAD_TICK_S``: the cut comes at the
+    first tick after the evictions and each step at the tick the policy's clocks say; a tick
+    that raises is logged and the next one comes all the same."""
+
+    async def main() -> None:
+        gate = Gate(POLICY)
+        control = PoolControl(gate, Metrics(gate.statistics))
+        control.apply(POLICY)
+        changes: list[tuple[float, str, float]] = []
+        tick = control.tick
+        ticks: list[float] = []
+
+        def recording(now: float) -> Overload | None:
+            now = round(now, 9)  # the clock's sums of float steps
+            ticks.append(now)
+            if len(ticks) == 3:
+                raise RuntimeError("tick broke")
+            verdict = tick(now)
+            if verdict is not None and verdict.changed:
+                changes.append((now, str(verdict.state), verdict.factor))
+            return verdict
+
+        control.tick = recording  # type: ignore[method-assign]
+        held = [gate.enter("batch", 1.0) for _ in range(4)]  # batch borrowed the whole pool
+        control.start()
+        await asyncio.sleep(1.5)  # past the first tick (the first totals); virtual: at once
+        for w in [gate.enter("chat", 0.01) for _ in range(25)]:
+            assert isinstance(w, Waiter)
+            with pytest.raises(Refused):
+                await w.admitted()  # evicted at 1.51
+        await asyncio.sleep(1.0)  # the next tick
+        assert changes == [(2.0, "overloaded", 0.0)]  # the first tick after the evictions
+        for s in held:
+            assert isinstance(s, Slot)
+            s.release()
+        await asyncio.sleep(40.0)  # forty ticks more
+        await control.stop()
+        assert ticks == [OVERLOAD_TICK_S * n for n in range(1, 43)]  # every tick, none missed
+        # Clear from tick 7 (the 5 s window has forgotten the evictions), then a step every
+        # step_hold (10 s).
+        assert changes[1:] == [
+            (17.0, "recovering", 0.5),
+            (27.0, "recovering", 0.8),
+            (37.0, "normal", 1.0),
+        ]
+
+    with caplog.at_level(logging.ERROR, logger="extproc.control"):
+        run_virtual(main())
+    assert [r.getMessage() for r in caplog.records] == ["overload tick failed"]
 
 
 def test_one_band_has_nothing_to_protect() -> None:
@@ -94,7 +152,7 @@ def test_one_band_has_nothing_to_protect() -> None:
         assert control.tick(0.0) is None
         assert control.gauges()["pool_limit"] == 2
 
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_without_a_pool_there_is_nothing_to_control() -> None:
@@ -107,7 +165,7 @@ def test_without_a_pool_there_is_nothing_to_control() -> None:
         assert control.tick(0.0) is None
         assert control.gauges() == {} and control.debug() is None
 
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_latency_objectives_apply_while_a_more_urgent_band_has_requests() -> None:
@@ -137,7 +195,7 @@ def test_latency_objectives_apply_while_a_more_urgent_band_has_requests() -> Non
         control.apply(one)
         assert control._objectives_apply() is True
 
-    asyncio.run(main())
+    run_virtual(main())
 
 
 @pytest.mark.parametrize(
@@ -179,4 +237,4 @@ buckets:
             else:
                 e.cancel()
 
-    asyncio.run(main())
+    run_virtual(main())

@@ -1,4 +1,10 @@
-"""The asyncio shell: futures, the eviction timer and cancellation races."""
+"""The asyncio shell: futures, the eviction timer and cancellation races.
+
+Every test runs on a virtual clock (``testing.clock``): the gate's one timer and the queue
+timeouts fire at their exact loop times without the test waiting for them, so a deadline is
+asserted as the time it fired, not within a margin. A ``sleep(0)`` is one loop turn, where the
+order of events within a turn is the point.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import pytest
 from extproc.config.policy import policy_from_mapping
 from extproc.outcome import Outcome
 from extproc.pool.gate import Gate, Refused, Slot, Waiter, retry_after_s
+from testing.clock import run_virtual
 
 POLICY = policy_from_mapping(
     {
@@ -19,7 +26,7 @@ POLICY = policy_from_mapping(
 
 
 def run(coro: object) -> None:
-    asyncio.run(asyncio.wait_for(coro, 10))  # type: ignore[arg-type]
+    run_virtual(asyncio.wait_for(coro, 10))  # type: ignore[arg-type]
 
 
 def stats(gate: Gate) -> tuple[int, int]:
@@ -45,9 +52,9 @@ def test_eviction_fires_at_the_deadline_while_the_slot_stays_busy() -> None:
         t0 = loop.time()
         with pytest.raises(Refused) as info:
             await waiter.admitted()
-        waited = loop.time() - t0
         assert info.value.outcome is Outcome.EVICTED_TIMEOUT
-        assert 0.19 <= waited < 0.5  # by the timer, not when the holder leaves
+        # By the timer, at the deadline exactly, while the holder still runs.
+        assert loop.time() - t0 == info.value.waited_s == pytest.approx(0.2, abs=1e-9)
         assert info.value.retry_after_s >= 1.0
         assert stats(gate) == (1, 0)
         holder.release()
@@ -97,7 +104,7 @@ def test_cancelled_waiter_leaves_the_queue_at_once() -> None:
         waiter = gate.enter("b", 5)
         assert isinstance(waiter, Waiter)
         task = asyncio.ensure_future(waiter.admitted())
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one loop turn: the task now awaits its future
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -118,7 +125,7 @@ def test_cancel_after_wake_passes_the_slot_on() -> None:
         woken, nxt = gate.enter("b", 5), gate.enter("b", 5)
         assert isinstance(woken, Waiter) and isinstance(nxt, Waiter)
         task = asyncio.ensure_future(woken.admitted())
-        await asyncio.sleep(0)  # the task now awaits its future
+        await asyncio.sleep(0)  # one loop turn: the task now awaits its future
         holder.release()  # the future gets its result...
         task.cancel()  # ...and the task is cancelled before it runs
         with pytest.raises(asyncio.CancelledError):
@@ -148,6 +155,7 @@ def test_cancel_before_awaiting() -> None:
 
 def test_many_waiters_evicted_together_by_one_timer() -> None:
     async def main() -> None:
+        loop = asyncio.get_running_loop()
         policy = policy_from_mapping(
             {
                 "buckets": [
@@ -162,6 +170,8 @@ def test_many_waiters_evicted_together_by_one_timer() -> None:
             *(w.admitted() for w in waiters if isinstance(w, Waiter)), return_exceptions=True
         )
         assert all(isinstance(r, Refused) for r in results)
+        assert {r.waited_s for r in results if isinstance(r, Refused)} == {loop.time()}
+        assert loop.time() == pytest.approx(0.1, abs=1e-9)  # all at the one deadline
         assert gate.statistics()["b"].queued == 0
         assert isinstance(holder, Slot)
         holder.release()
@@ -228,6 +238,7 @@ def test_admitted_unless_leaves_the_queue_when_the_stream_ends_first() -> None:
         gone: asyncio.Future[None] = loop.create_future()
         loop.call_later(0.01, gone.set_result, None)
         assert await waiter.admitted_unless(gone) is None
+        assert loop.time() == pytest.approx(0.01, abs=1e-9)  # when the stream ended
         assert stats(gate) == (1, 0)  # out of the queue at once, the holder untouched
         holder.release()
         assert stats(gate) == (0, 0)
@@ -247,7 +258,7 @@ def test_admitted_unless_returns_the_slot_and_keeps_the_stream_future() -> None:
         slot = await waiter.admitted_unless(gone)
         assert isinstance(slot, Slot) and stats(gate) == (1, 0)
         gone.set_result(None)  # the stream ends later: no longer the waiter's business
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one loop turn: whatever waited on the stream has run
         assert stats(gate) == (1, 0)
         slot.release()
         assert stats(gate) == (0, 0)
@@ -265,6 +276,7 @@ def test_admitted_unless_is_evicted_like_admitted() -> None:
         with pytest.raises(Refused) as info:
             await waiter.admitted_unless(gone)
         assert info.value.outcome is Outcome.EVICTED_TIMEOUT and stats(gate) == (1, 0)
+        assert info.value.waited_s == pytest.approx(0.05, abs=1e-9)
         holder.release()
 
     run(main())

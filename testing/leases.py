@@ -1,0 +1,105 @@
+"""Replicas of a shared pool without a gate: the lease manager's tests against a real
+redis-server (``tests/shared/test_leases.py``) and ``bench.bounds``' leases group.
+
+``replica(url, name, limit)`` is a ``LeaseManager`` (made on the running loop, not started) on
+a :class:`FakePool`, the local side as the gate does it: at most ``held`` running, the most
+urgent band's waiter first, the manager told before a slot is freed and after every change.
+The readers say what happened, for waits (``testing.wait``) instead of sleeps: ``asked_since``
+(an ``ACQUIRE`` sent since then has been answered: the replica had its chance at a lease),
+``leases_in_redis`` (the leases Redis still counts and when each expires, on Redis's clock).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import cast
+
+import redis.asyncio as aioredis
+
+from extproc.config.policy import SharedPolicy
+from extproc.pool.shared import LeaseManager
+from extproc.pool.shared.scripts import Keys
+
+__all__ = ["KEY_PREFIX", "FakePool", "asked_since", "leases_in_redis", "replica"]
+
+KEY_PREFIX = "t"
+
+
+class FakePool:
+    """The local side, as the gate does it (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.held = 0
+        self.pool_limit = 0
+        self.waiting: dict[int, int] = {}
+        self.admitted: list[int] = []  # the band of each admission, in order
+        self.manager: LeaseManager | None = None
+
+    def shared_view(self) -> tuple[int, dict[int, int]]:
+        return self.running, {b: n for b, n in self.waiting.items() if n}
+
+    def set_leases(self, held: int, pool_limit: int) -> None:
+        self.held, self.pool_limit = held, pool_limit
+        self._fill()
+
+    def _fill(self) -> None:
+        while self.running < self.held and any(self.waiting.values()):
+            band = min(b for b, n in self.waiting.items() if n)
+            self.waiting[band] -= 1
+            self.running += 1
+            self.admitted.append(band)
+
+    def arrive(self, band: int = 0, n: int = 1) -> None:
+        self.waiting[band] = self.waiting.get(band, 0) + n
+        self._fill()
+        assert self.manager is not None
+        self.manager.on_change()
+
+    def finish(self) -> None:
+        assert self.manager is not None and self.running > 0
+        self.manager.on_release()
+        self.running -= 1
+        self._fill()
+        self.manager.on_change()
+
+
+def replica(
+    url: str,
+    name: str,
+    limit: int = 4,
+    *,
+    adaptive: bool = False,
+    lease_s: float = 1.0,
+    rand: Callable[[], float] = random.random,
+) -> tuple[LeaseManager, FakePool]:
+    """A manager named ``name`` on a fresh :class:`FakePool`, keys under ``KEY_PREFIX``; its
+    calls' deadline is the longest the policy allows (a quarter of the lease), so that a
+    loaded machine is less often taken for Redis gone."""
+    pool = FakePool()
+    policy = SharedPolicy(redis=url, key_prefix=KEY_PREFIX, lease_s=lease_s, timeout_s=lease_s / 4)
+    m = LeaseManager(pool, policy, limit=limit, adaptive=adaptive, replica=name, rand=rand)
+    pool.manager = m
+    return m, pool
+
+
+def asked_since(m: LeaseManager, t: float) -> bool:
+    """Whether an ``ACQUIRE`` that ``m`` sent at loop time ``t`` or later has been answered."""
+    known = m.known()
+    return known.last_acquire >= t and not known.acquiring
+
+
+async def leases_in_redis(url: str, prefix: str = KEY_PREFIX) -> tuple[int, dict[str, int]]:
+    """(Redis's clock in ms, {lease id: when it expires, in ms}) for the leases Redis counts."""
+    r = aioredis.Redis.from_url(url, decode_responses=True)
+    try:
+        sec, usec = await r.time()
+        now_ms = sec * 1000 + usec // 1000
+        live = await r.zrangebyscore(
+            Keys.for_prefix(prefix).leases, now_ms + 1, "+inf", withscores=True
+        )
+        pairs = cast(list[tuple[str, float]], live)  # withscores: (member, score)
+        return now_ms, {lease: int(expiry) for lease, expiry in pairs}
+    finally:
+        await r.aclose()
