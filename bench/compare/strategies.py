@@ -88,7 +88,9 @@ def sidecar_policy(cap: Capacity, opts: Options) -> str:
     * ``queue_timeout``: interactive ``--interactive-queue-timeout`` (default 1 s: of a 2 s
       TTFT objective, 1 s in the queue and 1 s for the backend's own TTFT, the ``sidecar``
       pool's p90 objective; past it, 429 + Retry-After. The first runs used 1.5 s: measured,
-      1 s gave the pool 15-35 % more SLO goodput at the same good req/s); batch
+      1 s gave the pool 15-35 % more SLO goodput at the same good req/s, ``python -m
+      bench.compare --strategies sidecar --loads 2,4 --live-capacity-s 0`` with each deadline,
+      docs/benchmarks.md); batch
       ``--batch-queue-frac`` x its client timeout (default 80 %: a batch request admitted at its
       deadline still has a fifth of its timeout to run, far more than its p99 service time at C);
     * ``max_queue`` (``--queue-bound``): ``drain`` (default) bounds each queue by what its

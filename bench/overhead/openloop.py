@@ -2,12 +2,12 @@
 
 h2load's --rps sends in bursts (one timer tick per ~10 ms: 5 requests at once at 500 req/s)
 and its timing script drifts (each delay is relative to the previous send), so neither gives
-a fixed rate. The sender here is a small asyncio HTTP/1.1 client: the schedule is fixed up
-front (request i at t0 + i/rate), each request goes out on an idle keep-alive connection at
-its time whatever happened to earlier ones (a new connection is opened if none is idle), and
-latency is measured from the moment the request was written to the moment its last byte was
-read. Its lateness against the schedule (asyncio wakes up with millisecond granularity) and
-its own CPU are reported with every run.
+a fixed rate (both seen by hand; no command here measures them). The sender here is a small
+asyncio HTTP/1.1 client: the schedule is fixed up front (request i at t0 + i/rate), each
+request goes out on an idle keep-alive connection at its time whatever happened to earlier
+ones (a new connection is opened if none is idle), and latency is measured from the moment the
+request was written to the moment its last byte was read. Its lateness against the schedule
+(asyncio wakes up with millisecond granularity) and its own CPU are reported with every run.
 
 A way's server CPU is that of the processes ``ways.metered_of`` names (sidecar+redis: the
 sidecar and the redis-server together); on sidecar+redis the redis-server's script calls are

@@ -1,11 +1,12 @@
 """Large bodies are parsed and classified in a worker process, off the event loop.
 
 Parsing costs CPU in proportion to the number of JSON values, not bytes: a 4 MB body of tiny
-``tools`` objects took 0.55 s of the event loop (measured through Envoy), while every other
-request on the sidecar waited. Python threads would not help: ``json.loads`` and
-``json.dumps`` hold the GIL for long stretches. So a body above ``INLINE_BODY_BYTES`` is
-parsed and classified by ``parse.parse_body`` and ``classify.classify`` in a separate process;
-smaller ones (almost every chat request) stay on the loop, where they cost microseconds.
+``tools`` objects took 0.55 s of the event loop (measured by hand through Envoy, at fad7af2; not
+measured by a command in this repository), while every other request on the sidecar waited.
+Python threads would not help: ``json.loads`` and ``json.dumps`` hold the GIL for long
+stretches. So a body above ``INLINE_BODY_BYTES`` is parsed and classified by
+``parse.parse_body`` and ``classify.classify`` in a separate process; smaller ones (almost every
+chat request) stay on the loop, where they cost microseconds.
 
 Bounds: one worker process (``workers``), at most ``max_pending`` large bodies being parsed or
 waiting for the worker; beyond that a request is refused at once with ``Busy`` (the servicer
@@ -43,7 +44,8 @@ __all__ = ["INLINE_BODY_BYTES", "Busy", "Offload", "Parsed", "parse_and_classify
 log = logging.getLogger("extproc.offload")
 
 # Bodies up to this size are parsed on the event loop: the worst shape of this size (tiny
-# objects) costs about 4 ms there (64 KiB: 7.3 ms, 3.8 MB: 0.51 s, measured on the dev VM);
+# objects) costs about 4 ms there (64 KiB: 7.3 ms, 3.8 MB: 0.51 s, measured by hand on the dev
+# VM; no command in this repository measures it);
 # a typical chat body is a few KB, a 8k-token prompt about 32 KB.
 INLINE_BODY_BYTES = 32 * 1024
 

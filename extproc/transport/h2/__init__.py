@@ -1,15 +1,15 @@
 """A small gRPC server on asyncio: HTTP/2 framing written for the sidecar's two services.
 
-Why not grpc.aio: profiling the sidecar under load (docs/performance.md) put ~85% of its CPU
-in grpc.aio's machinery (the completion-queue poller thread, the hops between it and the
-event loop, per-call objects), not in admission. Envoy is the only client that matters and
-it speaks plain gRPC over HTTP/2 on long-lived connections, one stream per HTTP request. This
-package implements exactly that server side, on the event loop's own transports (uvloop when
-installed), with no threads. ``H2Server`` is its entry point: it serves a table of methods
-(``Method``), each given a ``Call`` to ``await read()`` (a message, or ``EOF`` once the
-client half-closed) and ``await write(msg)``; a method ends its call by returning or by
-raising ``CallAbort`` (a gRPC status); a stream reset by the client, or a connection lost,
-cancels the method's task, as grpc.aio does.
+Why not grpc.aio: profiling the sidecar under load (``python -m bench.overhead --profile`` at
+4bef4fb, on grpc.aio; docs/performance.md) put ~85% of its CPU in grpc.aio's machinery (the
+completion-queue poller thread, the hops between it and the event loop, per-call objects), not
+in admission. Envoy is the only client that matters and it speaks plain gRPC over HTTP/2 on
+long-lived connections, one stream per HTTP request. This package implements exactly that server
+side, on the event loop's own transports (uvloop when installed), with no threads. ``H2Server``
+is its entry point: it serves a table of methods (``Method``), each given a ``Call`` to ``await
+read()`` (a message, or ``EOF`` once the client half-closed) and ``await write(msg)``; a method
+ends its call by returning or by raising ``CallAbort`` (a gRPC status); a stream reset by the
+client, or a connection lost, cancels the method's task, as grpc.aio does.
 
 What it does not do, by design: server push, priorities (ignored), compressed messages
 (refused with UNIMPLEMENTED), HTTP/1.1. Both transports run the same servicer; ``grpc`` (the
