@@ -29,6 +29,7 @@ import os
 import random
 import string
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ from bench.common.table import format_table
 from extproc.config.policy import TokenPolicy
 from extproc.request.classify import token_counter
 
-__all__ = ["ADVERSARIAL", "NATURAL", "Row", "main", "measure"]
+__all__ = ["ADVERSARIAL", "NATURAL", "Row", "cost_us_per_kib", "main", "measure"]
 
 SAFE = 0.9
 ABSURD = 3.0
@@ -157,6 +158,21 @@ def _table(rows: list[Row], target: bool) -> str:
     return format_table(head, out)
 
 
+def cost_us_per_kib(text: str, n: int = 2000) -> float:
+    """The estimate's cost on ``text`` repeated to 16 KiB of UTF-8: the median of ``n`` calls,
+    in microseconds per KiB."""
+    estimate = token_counter(TokenPolicy())
+    long = text * max(1, 16384 // len(text.encode()))
+    kib = len(long.encode()) / 1024
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        estimate((long,))
+        times.append(time.perf_counter_ns() - t0)
+    times.sort()
+    return times[len(times) // 2] / 1000 / kib
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--length", type=int, default=400, help="characters per text, at least")
@@ -166,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(natural, target=True))
     print("\nadversarial strings (no target: only a tokenizer counts them exactly):")
     print(_table(measure(ADVERSARIAL, args.length), target=False))
+    print("\ncost (median of 2,000 calls on 16 KiB; no target):")
+    for name in ("english", "russian", "chinese"):
+        print(f"  {name:8} {cost_us_per_kib(NATURAL[name]):6.2f} us per KiB")
     misses = sum(not SAFE <= r.ratio <= ABSURD for r in natural)
     print(f"\n{len(natural) - misses} PASS, {misses} MISS")
     return 0

@@ -5,7 +5,7 @@ A 3.8 MB body of tiny ``tools`` objects costs about half a second of CPU to pars
 loop, a burst of ten of them stalled every other request for seconds (Envoy answered 504).
 Such bodies are now parsed in a worker process (``extproc/request/offload.py``), at most eight
 at a time (then 429 ``busy``), so honest requests keep their latency (their p99 during the
-burst: ``python -m bench.bounds``, ``worst_bodies_bystanders``).
+burst: ``python -m bench.bounds --only bodies``, ``worst_bodies_bystanders_p99``).
 """
 
 from __future__ import annotations
