@@ -131,8 +131,8 @@ def _text_tokens(text: str, chars_per_token: float) -> float:
     """The fallback's tokens for one text, in C-speed passes with no loop per character: for
     ASCII one ``translate`` that deletes the heavy characters (about 1 us per KiB;
     ``python -m bench.micro.prompt_estimate`` times it); otherwise the UTF-8 bytes classed by
-    one ``translate`` and counted (about 6 us per KiB). A lone surrogate (an escape the JSON allowed) counts as a 3-byte
-    character, as ``surrogatepass`` encodes it."""
+    one ``translate`` and counted (about 6 us per KiB). A lone surrogate (an escape the JSON
+    allowed) counts as a 3-byte character, as ``surrogatepass`` encodes it."""
     if text.isascii():  # O(1) in CPython
         raw = text.encode("ascii")
         heavy = len(raw) - len(raw.translate(None, _HEAVY))
