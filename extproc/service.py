@@ -25,7 +25,9 @@ SEND, request body BUFFERED, nothing of the response; docs/envoy.md):
 Shadow mode (``mode: shadow``): the same decisions are taken and counted, but every request is
 let through unchanged and at once; what enforcement would have done is the request's
 ``shadow_outcome``. A request that would have queued keeps a virtual place in its bucket's
-queue, so would-be evictions and queue-full refusals are counted as under enforcement.
+queue, so would-be evictions and queue-full refusals are counted as under enforcement; a task
+waits on that place, but the stream owns it (``State.waiter``), so it is left in the same
+``finally`` even when the stream ends before the task has run.
 
 The slot is released in one ``finally``, where the request is also counted and logged, once,
 whatever ended the stream. Its ``Outcome`` is assigned by ``RequestRecord.decide`` only.
@@ -310,6 +312,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 self._note_shadow(st.rec, r.outcome, r.code)
             else:
                 if isinstance(entry, Waiter):
+                    # The place is the stream's (``_finish`` leaves it), not the task's: the
+                    # stream may end before the task has run at all.
+                    st.waiter = entry
                     st.shadow_task = asyncio.ensure_future(self._shadow_wait(st, entry))
                 else:
                     st.slot = entry
@@ -414,7 +419,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def _finish(self, st: stream.State) -> None:
         if st.shadow_task is not None and not st.shadow_task.done():
-            st.shadow_task.cancel()  # leaves the virtual queue (Waiter.admitted cleans up)
+            st.shadow_task.cancel()  # (a task cancelled before it ran never cleans up itself)
         if st.slot is not None:
             st.slot.release()
         if st.waiter is not None:
