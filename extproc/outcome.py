@@ -9,7 +9,8 @@ label; nothing else in the package maps an outcome to any of these.
 Errors found in a request are ``RequestError``: each carries its ``Outcome`` (400/415 problems
 are ``REJECTED_INVALID``, an oversize prompt ``REJECTED_TOO_LARGE``) and its own code and
 message; its status comes from the table unless the error names another (415). Queue outcomes
-(full, evicted, a wait too long, shutting down, too many large bodies) are answered by
+(full, evicted, expired at the client's own deadline, a wait too long, shutting down, too many
+large bodies) are answered by
 ``queue_rejection`` from the table's templates.
 Bodies are ``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``.
 """
@@ -40,6 +41,8 @@ class Outcome(StrEnum):
     REJECTED_TOO_LARGE = "rejected_too_large"  # 413: prompt over max_prompt_tokens
     REJECTED_QUEUE_FULL = "rejected_queue_full"  # 429 at once
     EVICTED_TIMEOUT = "evicted_timeout"  # 429 when the queue deadline passed
+    # 429 when the client's own deadline passed, sooner than the queue deadline
+    EXPIRED_CLIENT_DEADLINE = "expired_client_deadline"
     REJECTED_WAIT_TOO_LONG = "rejected_wait_too_long"  # 429 at once: the wait would pass it
     REJECTED_SHUTTING_DOWN = "rejected_shutting_down"  # 503: the sidecar is stopping
     REJECTED_BUSY = "rejected_busy"  # 429: too many large bodies being parsed
@@ -106,6 +109,15 @@ OUTCOMES: dict[Outcome, OutcomeInfo] = {
         "(limit {limit:g}s). Retry after {retry:.0f}s.",
         log_level=_INFO,
         label="evicted_timeout",
+    ),
+    Outcome.EXPIRED_CLIENT_DEADLINE: OutcomeInfo(
+        status=429,
+        error_type=_RATE,
+        code="client_deadline",
+        message="Waited {waited:.1f}s in the {bucket} queue, as long as the request's own "
+        "deadline allowed (limit {limit:g}s). Retry after {retry:.0f}s.",
+        log_level=_INFO,
+        label="expired_client_deadline",
     ),
     Outcome.REJECTED_WAIT_TOO_LONG: OutcomeInfo(
         status=429,

@@ -17,7 +17,8 @@ SEND, request body BUFFERED, nothing of the response; docs/envoy.md):
 3. Admission (``pool.gate``). Admitted at once, or queued: then first send
    ``override_message_timeout`` so Envoy's short message timeout does not fire while we wait,
    and keep reading the stream so that a client who leaves is dropped from the queue at once.
-   Queue full or evicted at the deadline: ImmediateResponse 429 with Retry-After.
+   Queue full, evicted at the deadline, or expired at the client's own sooner one
+   (``extproc.request.deadline``): ImmediateResponse 429 with Retry-After.
 4. Admitted: answer the body message (``request.respond.admitted``).
 5. Hold: keep reading until Envoy ends the stream (it does so when the HTTP stream is done,
    after the last byte of the response) or cancels it (client gone). Then the slot goes back.
@@ -25,7 +26,9 @@ SEND, request body BUFFERED, nothing of the response; docs/envoy.md):
 Shadow mode (``mode: shadow``): the same decisions are taken and counted, but every request is
 let through unchanged and at once; what enforcement would have done is the request's
 ``shadow_outcome``. A request that would have queued keeps a virtual place in its bucket's
-queue, so would-be evictions and queue-full refusals are counted as under enforcement.
+queue, so would-be evictions and queue-full refusals are counted as under enforcement; a task
+waits on that place, but the stream owns it (``State.waiter``), so it is left in the same
+``finally`` even when the stream ends before the task has run.
 
 The slot is released in one ``finally``, where the request is also counted and logged, once,
 whatever ended the stream. Its ``Outcome`` is assigned by ``RequestRecord.decide`` only.
@@ -52,6 +55,7 @@ from extproc.pool.shares import Share, Shares
 from extproc.record import NO_BUCKET, RequestRecord
 from extproc.request import respond
 from extproc.request.classify import Classification, TokenCounter, token_counter
+from extproc.request.deadline import Deadline, deadline_of
 from extproc.request.offload import INLINE_BODY_BYTES, Busy, Offload, Parsed, parse_and_classify
 from extproc.request.parse import Endpoint, check_content_headers, endpoint_for_path
 from extproc.request.routes import Route, RouteCache
@@ -69,6 +73,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._shares = Shares(policy)
         self._routes = RouteCache(on_clear=self._shares.forget_routes)
         self._offload = Offload()
+        self._deadline_logged: set[str] = set()  # deadline headers with a bad value, logged
         self.apply_policy(policy)
 
     def apply_policy(self, policy: Policy) -> None:
@@ -147,7 +152,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         policy, rec = self._policy, st.rec
         shadow = policy.mode is Mode.SHADOW
         route = self._route(msg, policy)
-        st.client_deadline_at = self._client_deadline_at(headers, policy, route)
+        st.deadline = self._deadline(headers, policy, route)
         no_body = msg.request_headers.end_of_stream
         try:
             check_content_headers(headers.get("content-type"), headers.get("content-encoding"))
@@ -241,15 +246,16 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         timeout = cls.queue_timeout_s
         if st.answer_by is not None:  # a slow parse already used some of the wait
             timeout = max(0.0, min(timeout, st.answer_by - now))
-        if st.client_deadline_at is not None:  # nobody waits longer than their client will
-            timeout = max(0.0, min(timeout, st.client_deadline_at - now))
+        own = False  # True: the wait ends at the client's own deadline (expired, not evicted)
+        if st.deadline.at is not None:  # nobody waits longer than their client will
+            timeout, own = st.deadline.cap(timeout, now)
         cost = cls.prompt_tokens + cls.max_tokens
         deadline = now + timeout
         read: asyncio.Future[Any] | None = None
         if share is not None:  # first a place in the route's own share of the bucket
             st.share = share
             got = await self._slot(
-                context, st, lambda: self._shares.enter(share, timeout, size), timeout, read
+                context, st, lambda: self._shares.enter(share, timeout, size, own), timeout, read
             )
             if got is None:
                 return
@@ -258,7 +264,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         got = await self._slot(
             context,
             st,
-            lambda: self._gate.enter(cls.bucket.name, remaining, size, cost),
+            lambda: self._gate.enter(cls.bucket.name, remaining, size, cost, client_deadline=own),
             timeout,
             read,
         )
@@ -310,6 +316,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 self._note_shadow(st.rec, r.outcome, r.code)
             else:
                 if isinstance(entry, Waiter):
+                    # The place is the stream's (``_finish`` leaves it), not the task's: the
+                    # stream may end before the task has run at all.
+                    st.waiter = entry
                     st.shadow_task = asyncio.ensure_future(self._shadow_wait(st, entry))
                 else:
                     st.slot = entry
@@ -376,31 +385,22 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     # --- deadlines -----------------------------------------------------------------------------
 
-    def _client_deadline_at(
-        self, headers: Mapping[str, str], policy: Policy, route: Route
-    ) -> float | None:
-        """When the client stops waiting, if anyone says: the policy's deadline headers
-        (milliseconds left; ``x-envoy-expected-rq-timeout-ms`` from an Envoy in front) and the
-        route's own timeout, the earliest, less the policy's margin. Unreadable values are
-        ignored: a deadline only ever shortens the wait."""
-        cd = policy.client_deadline
-        now = self._loop.time()
-        left: list[float] = []
-        for name in cd.headers:
-            value = headers.get(name)
-            if value is None:
-                continue
-            try:
-                ms = float(value)
-            except ValueError:
-                continue
-            if 0 <= ms < 1e10:  # NaN fails this too
-                left.append(ms / 1000)
-        if route.override is not None and route.override.timeout_s:
-            left.append(route.override.timeout_s)  # 0s is Envoy's "no timeout"
-        if not left:
-            return None
-        return now + min(left) - cd.margin_s
+    def _deadline(self, headers: Mapping[str, str], policy: Policy, route: Route) -> Deadline:
+        """The request's own deadline (``extproc.request.deadline``); an ignored header value
+        is counted, and logged the first time per header name."""
+        timeout = route.override.timeout_s if route.override is not None else None
+        deadline = deadline_of(headers, policy.client_deadline, timeout, self._loop.time())
+        for name, value in deadline.invalid:
+            self._metrics.client_deadline_invalid.inc()
+            if name not in self._deadline_logged:
+                self._deadline_logged.add(name)
+                log.warning(
+                    "deadline header %s: %.64r is not a number of milliseconds >= 0, ignored "
+                    "(counted in llm_extproc_client_deadline_invalid_total; logged once)",
+                    name,
+                    value,
+                )
+        return deadline
 
     # --- route metadata ----------------------------------------------------------------------
 
@@ -414,7 +414,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def _finish(self, st: stream.State) -> None:
         if st.shadow_task is not None and not st.shadow_task.done():
-            st.shadow_task.cancel()  # leaves the virtual queue (Waiter.admitted cleans up)
+            st.shadow_task.cancel()  # (a task cancelled before it ran never cleans up itself)
         if st.slot is not None:
             st.slot.release()
         if st.waiter is not None:

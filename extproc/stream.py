@@ -20,6 +20,7 @@ from extproc.pool.gate import Slot, Waiter
 from extproc.pool.shares import Share
 from extproc.record import RequestRecord
 from extproc.request import respond
+from extproc.request.deadline import NO_DEADLINE
 
 __all__ = ["EOF", "State", "Stream", "headers_of", "hold", "read_body"]
 
@@ -40,7 +41,7 @@ class State:
 
     __slots__ = (
         "answer_by",
-        "client_deadline_at",
+        "deadline",
         "overridden",
         "rec",
         "shadow_task",
@@ -58,8 +59,8 @@ class State:
         self.waiter: Waiter | None = None
         self.overridden = False  # Envoy's message timeout was extended (once per message)
         self.answer_by: float | None = None  # loop time by which Envoy expects our answer
-        # Loop time after which the client (or an Envoy in front, or the route) will not wait.
-        self.client_deadline_at: float | None = None
+        # When the client (or an Envoy in front, or the route) stops waiting.
+        self.deadline = NO_DEADLINE
         self.shadow_task: asyncio.Task[None] | None = None
 
 

@@ -213,6 +213,11 @@ class Metrics:
             "Route metadata overrides refused (the file's policy applied instead).",
             registry=r,
         )
+        self.client_deadline_invalid = Counter(
+            "llm_extproc_client_deadline_invalid",
+            "Deadline headers ignored: not a number of milliseconds >= 0 (negative, NaN, text).",
+            registry=r,
+        )
 
     def declare(self, buckets: Iterable[str]) -> None:
         """Create the outcome and reload series at zero, so that rates and increase() see the

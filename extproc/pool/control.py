@@ -7,7 +7,8 @@
   the latency objectives while ``objectives_apply``.
 - Staged recovery (``pool.overload``): once a second, ``extproc.pool.overload.OverloadMonitor``
   reads the counts of the protected traffic (``demand.protected``: every band but the least
-  urgent) from the gate (admitted, evicted, refused, the p95 of recent waits, the queue) and,
+  urgent) from the gate (admitted, evicted, refused, the p95 of recent waits, the queue; not
+  the requests whose client's own deadline passed: ``client_expired_total``) and,
   when its state or factor changes, gives the factor to ``Gate.set_cut``: while overloaded, the
   least urgent band holds no more than its guaranteed share; when it clears, its cap comes back
   50% -> 80% -> 100%, each step held ``step_hold``. A policy whose buckets share one priority

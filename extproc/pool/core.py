@@ -52,7 +52,8 @@ Rules (the invariants tests check):
 2. Nobody jumps the queue: after every call, no waiter that the rules above would admit is left
    waiting while its pool has room.
 3. A waiter leaves the queue in exactly one way: admitted (hand-over), evicted (``expire`` once
-   its deadline has passed, whatever its place in the queue), or cancelled.
+   its deadline has passed, whatever its place in the queue), or cancelled. One at a deadline of
+   its client's own (``client_deadline``) is counted apart: ``client_expired_total``.
 4. ``running <= limit`` for every pool, except after the limit is lowered, when running
    requests finish and no one new is admitted until ``running`` drops below it. A pool's limit
    may be 0 (``set_pool_limit``: a replica of a shared pool that holds no lease,
@@ -102,8 +103,16 @@ class Admission:
     # --- requests ----------------------------------------------------------------------------
 
     def enqueue(
-        self, bucket: str, now: float, timeout_s: float, held_bytes: int = 0, cost: int = 0
+        self,
+        bucket: str,
+        now: float,
+        timeout_s: float,
+        held_bytes: int = 0,
+        cost: int = 0,
+        client_deadline: bool = False,
     ) -> Decision:
+        """``client_deadline``: ``timeout_s`` is the client's own deadline, sooner than the
+        bucket's queue timeout (rule 3: it expires there rather than being evicted)."""
         b = self._buckets[bucket]
         pool = b.pool
         ticket = Ticket(
@@ -113,6 +122,7 @@ class Admission:
             deadline=now + timeout_s,
             held_bytes=held_bytes,
             cost=cost,
+            client_deadline=client_deadline,
         )
         # Join the queue, then let the rules decide: admitted at once when they pick it now.
         self._where[ticket.id] = b
@@ -183,7 +193,10 @@ class Admission:
                 continue  # admitted or cancelled since: a stale heap entry
             ticket = b.waiting[tid]
             self._drop(b, ticket)
-            b.evicted_total += 1
+            if ticket.client_deadline:
+                b.client_expired_total += 1
+            else:
+                b.evicted_total += 1
             evicted.append(ticket)
             if b.pool.max_tokens is not None:
                 pools.add(b.pool)
@@ -345,22 +358,8 @@ class Admission:
         return len(self._buckets[bucket].waiting)
 
     def drain_estimate_s(self, bucket: str, default_hold_s: float, now: float = 0.0) -> float:
-        """How long a request joining ``bucket`` now would wait.
-
-        Own slots: the queue ahead of it plus itself, times the mean hold, spread over the
-        bucket's slots. Shared pool: the requests ahead of it in its band and above, plus
-        itself, over the measured rate at which the pool frees slots (the same estimate
-        before that rate is known, with the pool's limit as the slots)."""
-        b = self._buckets[bucket]
-        if b.shared:
-            wait = b.predicted_wait_s()
-            if wait is not None:
-                return wait
-            ahead = b.ahead()
-        else:
-            ahead = len(b.waiting)
-        hold = b.mean_hold_s if b.mean_hold_s is not None else default_hold_s
-        return (ahead + 1) * hold / max(1, b.pool.limit)
+        """How long a request joining ``bucket`` now would wait (``BucketState``'s estimate)."""
+        return self._buckets[bucket].drain_estimate_s(default_hold_s)
 
     def __repr__(self) -> str:
         return "<Admission " + ", ".join(repr(s) for s in self.statistics().values()) + ">"

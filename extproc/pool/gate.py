@@ -51,6 +51,7 @@ _REFUSED = {
     Verdict.QUEUE_FULL: Outcome.REJECTED_QUEUE_FULL,
     Verdict.WAIT_TOO_LONG: Outcome.REJECTED_WAIT_TOO_LONG,
 }
+_EXPIRED = {False: Outcome.EVICTED_TIMEOUT, True: Outcome.EXPIRED_CLIENT_DEADLINE}
 
 
 def retry_after_s(estimate_s: float, min_s: float, max_s: float, jitter: float, u: float) -> float:
@@ -328,16 +329,21 @@ class Gate:
         return Refused(Outcome.REJECTED_SHUTTING_DOWN, bucket, self._retry.min_s, 0, 0.0)
 
     def enter(
-        self, bucket: str, timeout_s: float, held_bytes: int = 0, cost: int = 0
+        self,
+        bucket: str,
+        timeout_s: float,
+        held_bytes: int = 0,
+        cost: int = 0,
+        client_deadline: bool = False,
     ) -> Slot | Waiter:
-        """A slot now, a place in the queue, or ``Refused`` (queue full, or the request's
-        ``held_bytes`` would take the bytes held by queued requests past the policy's bound,
-        or its predicted wait is longer than ``timeout_s``). ``cost``: estimated prompt +
-        max_tokens, for the pool's token bound and ``cost`` order."""
+        """A slot now, a place in the queue, or ``Refused`` (queue full, the bytes held by
+        queued requests past the policy's bound, or a predicted wait over ``timeout_s``).
+        ``cost``: estimated prompt + max_tokens (the token bound, the ``cost`` order);
+        ``client_deadline``: ``timeout_s`` is the client's own (``EXPIRED_CLIENT_DEADLINE``)."""
         if self._closed:
             raise self._shutting_down(bucket)
         now = self._loop.time()
-        decision = self._core.enqueue(bucket, now, timeout_s, held_bytes, cost)
+        decision = self._core.enqueue(bucket, now, timeout_s, held_bytes, cost, client_deadline)
         if decision.verdict is Verdict.ADMITTED:
             self._changed()
             return Slot(self, decision.ticket)
@@ -381,11 +387,10 @@ class Gate:
         ra = self._retry
         timeout = self._queue_timeout[bucket]
         # Before any slot was released, assume a slot is held for the queue timeout. Cap the
-        # estimate at the queue timeout: every request now queued leaves within that time
-        # (admitted or evicted), so the queue a client would join has turned over by then.
-        # Without the cap, the estimate counts waiters that will be evicted rather than served,
-        # and under sustained overload sends clients away past their own deadlines
-        # (measured in docs/benchmarks.md).
+        # estimate at the queue timeout: every request now queued leaves within that time (admitted
+        # or evicted), so the queue a client would join has turned over by then. Without the cap,
+        # the estimate counts waiters that will be evicted rather than served, and under sustained
+        # overload sends clients away past their own deadlines (measured in docs/benchmarks.md).
         estimate = min(self._core.drain_estimate_s(bucket, timeout, self._loop.time()), timeout)
         return retry_after_s(estimate, ra.min_s, ra.max_s, ra.jitter, self._rand())
 
@@ -433,7 +438,7 @@ class Gate:
             if fut is not None and not fut.done():
                 fut.set_exception(
                     Refused(
-                        Outcome.EVICTED_TIMEOUT,
+                        _EXPIRED[ticket.client_deadline],
                         ticket.bucket,
                         self._retry_after(ticket.bucket),
                         self._core.queued(ticket.bucket),

@@ -19,7 +19,10 @@ Each tick the caller passes cumulative totals of the protected traffic (admitted
 their deadline, refused at once) and the monitor takes their deltas over a sliding window
 (``window_s``, 30 s): ``eviction_rate = evicted / (admitted + evicted)``, ``refusal_rate =
 refused / (admitted + evicted + refused)``, reported but no trigger: a refusal at once costs the
-client no wait, an eviction cost it its whole deadline.
+client no wait, an eviction cost it its whole deadline. "Evicted" is at the deadline the
+operator set (the bucket's or the route's); a request whose client's own, sooner deadline
+passed (``client_expired_total``) is in none of the counts: a client picks its deadline, and
+short ones must not cut the other bands (nor, as samples, dilute a real eviction rate).
 
 - Breach: ``eviction_rate > tighten_rate`` (0.05), or the p95 queue wait ``>= 0.8 *
   deadline_s`` (the band is about to start evicting).

@@ -40,12 +40,15 @@ class Shares:
     def reconfigure(self, policy: Policy) -> None:
         self._gate.reconfigure(policy)
 
-    def enter(self, share: Share, timeout_s: float, held_bytes: int = 0) -> Slot | Waiter:
-        """A share slot now, a place in the share's queue, or ``Refused``."""
+    def enter(
+        self, share: Share, timeout_s: float, held_bytes: int = 0, client_deadline: bool = False
+    ) -> Slot | Waiter:
+        """A share slot now, a place in the share's queue, or ``Refused`` (``client_deadline``:
+        as ``Gate.enter``)."""
         if share.key not in self._live:
             self._live.add(share.key)
             self._gate.set_limits(share.key, share.capacity, share.max_queue, timeout_s)
-        return self._gate.enter(share.key, timeout_s, held_bytes)
+        return self._gate.enter(share.key, timeout_s, held_bytes, client_deadline=client_deadline)
 
     def forget_routes(self) -> None:
         """The route cache was cleared: every share's route is gone."""

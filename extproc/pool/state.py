@@ -92,6 +92,7 @@ class BucketState:
     __slots__ = (
         "admitted_total",
         "cap",
+        "client_expired_total",
         "evicted_total",
         "heap",
         "max_queue",
@@ -133,6 +134,7 @@ class BucketState:
         self.admitted_total = 0
         self.evicted_total = 0
         self.refused_total = 0
+        self.client_expired_total = 0
         self.waits: deque[float] = deque(maxlen=WAIT_SAMPLES)
 
     @property
@@ -206,6 +208,23 @@ class BucketState:
             ahead -= 1
         return (ahead + 1) / rate
 
+    def drain_estimate_s(self, default_hold_s: float) -> float:
+        """How long a request joining the bucket now would wait.
+
+        Own slots: the queue ahead of it plus itself, times the mean hold, spread over the
+        bucket's slots. Shared pool: the requests ahead of it in its band and above, plus
+        itself, over the measured rate at which the pool frees slots (the same estimate
+        before that rate is known, with the pool's limit as the slots)."""
+        if self.shared:
+            wait = self.predicted_wait_s()
+            if wait is not None:
+                return wait
+            ahead = self.ahead()
+        else:
+            ahead = len(self.waiting)
+        hold = self.mean_hold_s if self.mean_hold_s is not None else default_hold_s
+        return (ahead + 1) * hold / max(1, self.pool.limit)
+
     def stats(self, cut_band: int | None) -> BucketStats:
         """``cut_band``: the band the pool's cut applies to now (``demand.cut_band``)."""
         pool = self.pool
@@ -223,6 +242,7 @@ class BucketState:
             admitted_total=self.admitted_total,
             evicted_total=self.evicted_total,
             refused_total=self.refused_total,
+            client_expired_total=self.client_expired_total,
         )
 
     def compact(self) -> None:

@@ -31,6 +31,9 @@ class Ticket:
     held_bytes: int = 0
     # Estimated prompt tokens + effective max_tokens: what it costs the backend.
     cost: int = 0
+    # Its deadline is its client's own, sooner than its queue timeout: when it passes, the
+    # ticket expires (``client_expired_total``) rather than being evicted.
+    client_deadline: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,10 +59,13 @@ class BucketStats:
     pool: str | None = None  # None: the bucket's own slots
     priority: int = 0
     tokens_in_flight: int = 0
-    # Cumulative counts: admitted, evicted at the deadline, refused at once (full, too long).
+    # Cumulative counts: admitted, evicted at the deadline, refused at once (full, too long),
+    # and expired at a deadline of the client's own, sooner than the queue timeout (apart from
+    # the evictions: the overload monitor does not count them).
     admitted_total: int = 0
     evicted_total: int = 0
     refused_total: int = 0
+    client_expired_total: int = 0
 
     def __repr__(self) -> str:
         return f"{self.name} {self.in_flight}/{self.capacity} +{self.queued} queued"

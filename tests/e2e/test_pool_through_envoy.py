@@ -22,12 +22,14 @@ from testing.harness import (
     debug_queues,
     outcomes,
     running_stack,
+    scrape,
     start_stack,
     until_in_flight,
     until_queued,
     wait_idle,
 )
 from testing.stack import Stack, free_port
+from testing.wait import until, until_async
 from tests.e2e.test_e2e import INTERACTIVE, run
 
 POLICY = """
@@ -162,20 +164,37 @@ def test_the_bucket_priority_is_written_for_vllm(stack: Stack) -> None:
     run(main())
 
 
+async def fill_the_pool(
+    stack: Stack, s: aiohttp.ClientSession, url: str, stream: dict[str, str]
+) -> list[asyncio.Task[Reply]]:
+    """Two batch requests streamed as ``stream`` says, once both hold the pool's slots."""
+    held = [asyncio.ensure_future(post(s, url, chat(stream=True), stream)) for _ in range(2)]
+    await until_in_flight(stack, "batch", 2)
+    return held
+
+
+async def while_the_pool_is_full(stack: Stack, *headers: dict[str, str]) -> list[Reply]:
+    """With the pool's two slots held for ~1.5 s, one batch request per ``headers``, all at
+    once: their replies."""
+    async with aiohttp.ClientSession() as s:
+        url = f"{stack.url}/v1/chat/completions"
+        held = await fill_the_pool(stack, s, url, slow_stream(5, 300))
+        replies = await asyncio.gather(*(post(s, url, chat(), h) for h in headers))
+        assert [(await h).status for h in held] == [200, 200]
+        return list(replies)
+
+
 async def deadline_429(stack: Stack, header: str, value: str) -> tuple[int, float, str]:
     """With the pool full for ~1.5 s, a request stating ``header: value``: its status, time
     taken, and the error message (empty when admitted)."""
-    async with aiohttp.ClientSession() as s:
-        url = f"{stack.url}/v1/chat/completions"
-        held = [
-            asyncio.ensure_future(post(s, url, chat(stream=True), slow_stream(5, 300)))
-            for _ in range(2)
-        ]
-        await until_in_flight(stack, "batch", 2)
-        r = await post(s, url, chat(), {header: value})
-        assert [(await h).status for h in held] == [200, 200]
-        message = r.json()["error"]["message"] if r.status != 200 else ""
-        return r.status, r.elapsed, message
+    (r,) = await while_the_pool_is_full(stack, {header: value})
+    message = r.json()["error"]["message"] if r.status != 200 else ""
+    return r.status, r.elapsed, message
+
+
+def delta(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> Any:
+    """The outcome counts that moved between two ``outcomes`` readings."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
 
 
 def limit_in(message: str) -> float:
@@ -188,10 +207,40 @@ def test_a_stated_client_deadline_caps_the_queue_wait(stack: Stack) -> None:
     """A deadline header the policy names, 1.2 s less the 0.5 s margin: evicted after ~0.7 s
     instead of the bucket's 3 s (not before: how soon after, bench.bounds client_deadline).
     An unreadable value is ignored."""
+    before = outcomes(stack)
     status, elapsed, message = run(deadline_429(stack, "x-request-deadline-ms", "1200"))
     assert status == 429 and elapsed > 0.5, (status, elapsed)
     assert limit_in(message) == pytest.approx(0.7, abs=0.05)
+    # The client's own deadline, sooner than the bucket's: it expired, it was not evicted.
+    assert "as long as the request's own deadline allowed" in message
+    expired = ("batch", "expired_client_deadline")
+    moved = until(lambda: (m := delta(before, outcomes(stack))).get(expired) and m, "counted")
+    assert moved[expired] == 1 and ("batch", "evicted_timeout") not in moved
     assert run(deadline_429(stack, "x-request-deadline-ms", "soon"))[0] == 200
+
+
+def invalid_deadlines(stack: Stack) -> float:
+    return scrape(stack).get(("llm_extproc_client_deadline_invalid_total", ()), 0.0)
+
+
+def test_a_deadline_header_of_0_is_none_and_a_bad_one_is_ignored_and_counted(
+    stack: Stack,
+) -> None:
+    """0 means no deadline (as a route's timeout: 0s, and as Envoy means 0), so the request
+    waits its bucket's queue_timeout, like one with a negative value (ignored, counted) or a
+    huge one (a deadline the queue timeout caps): all three are served once a slot frees."""
+    invalid = invalid_deadlines(stack)
+    replies = run(
+        while_the_pool_is_full(
+            stack,
+            {"x-request-deadline-ms": "0"},
+            {"x-request-deadline-ms": "-5"},
+            {"x-request-deadline-ms": "1e400"},
+        )
+    )
+    assert [r.status for r in replies] == [200, 200, 200], [r.body for r in replies]
+    assert all(int(r.echo["headers"]["x-llm-queue-ms"]) > 500 for r in replies)
+    assert invalid_deadlines(stack) == invalid + 1  # the negative one only
 
 
 def test_envoy_strips_a_client_sent_expected_timeout_header(stack: Stack) -> None:
@@ -202,22 +251,112 @@ def test_envoy_strips_a_client_sent_expected_timeout_header(stack: Stack) -> Non
     assert status == 200 and elapsed > 1.2
 
 
+def test_client_deadlines_that_pass_in_a_protected_band_do_not_cut_the_others(
+    module_tmp: Path,
+) -> None:
+    """Interactive requests (a protected band) whose own deadline (100 ms, less than the
+    bucket's 3 s) passes while batch holds the pool expire with 429 ``client_deadline``: 25 of
+    them, then 20 served. They are not evictions, so the overload monitor sees 0 evictions
+    among 20 and more decisions and keeps batch's capacity (counted as evictions, 25 of 45
+    would cut batch to its guaranteed share: ``overloaded``). Without ``fail_fast``, so that
+    every one of them waits (a predicted wait over 100 ms would refuse it at once)."""
+    policy = POLICY.replace(
+        "pool: {max_concurrency: 2}", "pool: {max_concurrency: 2, fail_fast: false}"
+    )
+    with running_stack(module_tmp / "deadlines", policy) as stack:
+        short_deadlines_do_not_cut(stack)
+
+
+def short_deadlines_do_not_cut(stack: Stack) -> None:
+    short = {**INTERACTIVE, "x-request-deadline-ms": "600"}  # 100 ms after the 500 ms margin
+
+    def overload() -> dict[str, Any]:
+        return debug_queues(stack)["/pool"]["overload"]  # type: ignore[no-any-return]
+
+    async def main() -> list[int]:
+        # The monitor's first tick takes the totals it counts from: wait for it.
+        await until_async(lambda: overload()["reason"], "the first tick", blocking=True)
+        async with aiohttp.ClientSession() as s:
+            url = f"{stack.url}/v1/chat/completions"
+            held = await fill_the_pool(stack, s, url, slow_stream(10, 300))
+            statuses: list[int] = []
+            for wave in (10, 10, 5):  # the interactive queue holds 10
+                replies = await asyncio.gather(*(post(s, url, chat(), short) for _ in range(wave)))
+                statuses += [r.status for r in replies]
+                assert {r.json()["error"]["code"] for r in replies} == {"client_deadline"}
+            assert [(await h).status for h in held] == [200, 200]
+            for _ in range(20):
+                statuses.append((await post(s, url, chat(), INTERACTIVE)).status)
+            # Once a tick has seen 20 decisions of the protected bands (every second).
+            await until_async(
+                lambda: overload()["eviction_rate"] is not None, "a rate", blocking=True
+            )
+            return statuses
+
+    before = outcomes(stack)
+    assert run(main()) == [429] * 25 + [200] * 20
+    o = overload()
+    assert (o["state"], o["factor"], o["eviction_rate"]) == ("normal", 1.0, 0.0), o
+    expired = ("interactive", "expired_client_deadline")
+    moved = until(lambda: (m := delta(before, outcomes(stack))).get(expired) == 25 and m, "25")
+    assert ("interactive", "evicted_timeout") not in moved
+
+
 def trust_localhost(cfg: dict[str, Any]) -> None:
-    """The Envoy in front is trusted: requests from 127.0.0.1 are internal."""
+    """The Envoy in front is trusted: requests from 127.0.0.1 are internal. And two more chat
+    routes, chosen by ``x-test-route``: one with ``timeout: 0s`` (none), one with no
+    ``timeout`` (Envoy's default, 15 s)."""
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     hcm["typed_config"]["use_remote_address"] = True
     hcm["typed_config"]["internal_address_config"] = {
         "cidr_ranges": [{"address_prefix": "127.0.0.1", "prefix_len": 32}]
     }
-
-
-def test_an_expected_timeout_from_a_trusted_envoy_caps_the_queue_wait(module_tmp: Path) -> None:
-    with running_stack(module_tmp / "trusted", POLICY, envoy_patch=trust_localhost) as stack:
-        status, elapsed, message = run(
-            deadline_429(stack, "x-envoy-expected-rq-timeout-ms", "1200")
+    routes = hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    for name, route in (("no-timeout", {"timeout": "0s"}), ("default-timeout", {})):
+        match = {"name": "x-test-route", "string_match": {"exact": name}}
+        routes.insert(
+            0,
+            {
+                "match": {"path": "/v1/chat/completions", "headers": [match]},
+                "route": {"cluster": "backend", **route},
+            },
         )
-        assert status == 429 and elapsed > 0.5, (status, elapsed)
-        assert limit_in(message) == pytest.approx(0.7, abs=0.05)
+
+
+@pytest.fixture(scope="module")
+def trusted(module_tmp: Path) -> Iterator[Stack]:
+    yield from start_stack(module_tmp / "trusted", POLICY, envoy_patch=trust_localhost)
+
+
+def test_an_expected_timeout_from_a_trusted_envoy_caps_the_queue_wait(trusted: Stack) -> None:
+    status, elapsed, message = run(deadline_429(trusted, "x-envoy-expected-rq-timeout-ms", "1200"))
+    assert status == 429 and elapsed > 0.5, (status, elapsed)
+    assert limit_in(message) == pytest.approx(0.7, abs=0.05)
+
+
+def test_envoy_never_sends_an_expected_timeout_of_0(trusted: Stack) -> None:
+    """What Envoy's router writes into x-envoy-expected-rq-timeout-ms upstream (what a sidecar
+    behind this Envoy would read): the route's timeout in ms, Envoy's default 15 s for a route
+    without one, and no header at all for a route with ``timeout: 0s`` (none). So a 0 in the
+    header never comes from an Envoy: the sidecar reads it as Envoy reads a 0 timeout, none.
+    """
+
+    async def main() -> dict[str, str | None]:
+        async with aiohttp.ClientSession() as s:
+            url = f"{trusted.url}/v1/chat/completions"
+            seen: dict[str, str | None] = {}
+            for route in ("shipped", "no-timeout", "default-timeout"):
+                r = await post(s, url, chat(), {"x-test-route": route})
+                assert r.status == 200, r.body
+                seen[route] = r.echo["headers"].get("x-envoy-expected-rq-timeout-ms")
+            return seen
+
+    assert run(main()) == {"shipped": "600000", "no-timeout": None, "default-timeout": "15000"}
+
+
+def test_an_expected_timeout_of_0_from_a_trusted_envoy_is_no_deadline(trusted: Stack) -> None:
+    (r,) = run(while_the_pool_is_full(trusted, {"x-envoy-expected-rq-timeout-ms": "0"}))
+    assert r.status == 200 and int(r.echo["headers"]["x-llm-queue-ms"]) > 500, r.body
 
 
 def test_unreachable_backend_metrics_fall_back_and_never_stop_traffic(

@@ -85,6 +85,28 @@ def test_expire_evicts_all_due_in_deadline_order_across_buckets() -> None:
     assert a.expire(5.0) == [t3]
 
 
+def test_a_client_deadline_that_passes_is_counted_apart_from_evictions() -> None:
+    """A ticket whose deadline is its client's own leaves at it like any other (rule 3), but
+    counts as ``client_expired_total``, not ``evicted_total`` (the overload monitor reads
+    only the evictions)."""
+    a = core(capacity=1)
+    holder = a.enqueue("b", 0.0, 100.0).ticket
+    own = a.enqueue("b", 0.0, 0.5, client_deadline=True).ticket
+    bucket = a.enqueue("b", 0.0, 1.0).ticket
+    assert own.client_deadline and not bucket.client_deadline
+    assert a.expire(0.5) == [own]
+    assert a.expire(1.0) == [bucket]
+    s = a.statistics()["b"]
+    assert (s.evicted_total, s.client_expired_total, s.admitted_total) == (1, 1, 1)
+    # Admitted before it passes: an admission like any other.
+    late = a.enqueue("b", 1.0, 0.5, client_deadline=True).ticket
+    assert a.release(holder.id, 1.2) == [late]
+    assert a.statistics()["b"].admitted_total == 2 and a.ticket(late.id) == late
+    assert a.expire(2.0) == []
+    s = a.statistics()["b"]
+    assert (s.evicted_total, s.client_expired_total) == (1, 1)
+
+
 def test_admitted_waiter_is_not_evicted_later() -> None:
     a = core(capacity=1)
     first = a.enqueue("b", 0.0, 5.0).ticket

@@ -140,6 +140,35 @@ def test_the_tick_loop_looks_every_tick_on_the_loops_clock(
     assert [r.getMessage() for r in caplog.records] == ["overload tick failed"]
 
 
+def test_client_deadlines_that_pass_do_not_trip_the_cut() -> None:
+    """Protected requests whose clients' own deadlines, shorter than the queue timeout, pass
+    while they wait expire (``expired_client_deadline``) and are not evictions: however many,
+    the least urgent band keeps its capacity. The same wait at the bucket's deadline trips it."""
+
+    async def main() -> None:
+        gate = Gate(POLICY)
+        control = PoolControl(gate, Metrics(gate.statistics, lambda: control.gauges()))
+        control.apply(POLICY)
+        held = [gate.enter("batch", 1.0) for _ in range(4)]  # batch borrowed the whole pool
+        assert control.tick(0.0) is not None
+        for _ in range(25):
+            w = gate.enter("chat", 0.01, client_deadline=True)
+            assert isinstance(w, Waiter)
+            with pytest.raises(Refused) as info:
+                await w.admitted()
+            assert str(info.value.outcome) == "expired_client_deadline"
+        verdict = control.tick(1.0)
+        assert verdict is not None and str(verdict.state) == "normal" and not verdict.changed
+        assert verdict.samples == 0 and verdict.eviction_rate is None
+        assert gate.statistics()["chat"].client_expired_total == 25
+        for s in held:
+            assert isinstance(s, Slot)
+            s.release()
+        await control.stop()
+
+    asyncio.run(main())
+
+
 def test_one_band_has_nothing_to_protect() -> None:
     policy = policy_from_yaml(
         "pool: {max_concurrency: 2}\nbuckets: [{name: a, queue_timeout: 1s, max_queue: 5}]"

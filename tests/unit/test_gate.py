@@ -64,6 +64,25 @@ def test_eviction_fires_at_the_deadline_while_the_slot_stays_busy() -> None:
     run(main())
 
 
+def test_a_waiter_at_its_clients_own_deadline_expires_rather_than_being_evicted() -> None:
+    async def main() -> None:
+        gate = Gate(POLICY)
+        holder = gate.enter("b", 0.2)
+        assert isinstance(holder, Slot)
+        own = gate.enter("b", 0.05, client_deadline=True)
+        assert isinstance(own, Waiter)
+        with pytest.raises(Refused) as info:
+            await own.admitted()
+        assert info.value.outcome is Outcome.EXPIRED_CLIENT_DEADLINE
+        assert info.value.code == "client_deadline" and info.value.retry_after_s >= 1.0
+        s = gate.statistics()["b"]
+        assert (s.evicted_total, s.client_expired_total) == (0, 1)
+        holder.release()
+        assert stats(gate) == (0, 0)
+
+    run(main())
+
+
 def test_queue_full_is_refused_at_once() -> None:
     async def main() -> None:
         gate = Gate(POLICY)

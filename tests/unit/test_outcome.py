@@ -24,6 +24,7 @@ def test_refusals_and_evictions_log_at_info_the_rest_at_debug() -> None:
         Outcome.REJECTED_TOO_LARGE,
         Outcome.REJECTED_QUEUE_FULL,
         Outcome.EVICTED_TIMEOUT,
+        Outcome.EXPIRED_CLIENT_DEADLINE,
         Outcome.REJECTED_BUSY,
         Outcome.REJECTED_WAIT_TOO_LONG,
     }
@@ -61,6 +62,7 @@ def test_a_request_error_cannot_claim_a_queue_outcome() -> None:
     [
         (Outcome.REJECTED_QUEUE_FULL, 429, "queue_full"),
         (Outcome.EVICTED_TIMEOUT, 429, "queue_timeout"),
+        (Outcome.EXPIRED_CLIENT_DEADLINE, 429, "client_deadline"),
         (Outcome.REJECTED_SHUTTING_DOWN, 503, "shutting_down"),
         (Outcome.REJECTED_BUSY, 429, "busy"),
     ],

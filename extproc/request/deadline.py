@@ -1,0 +1,107 @@
+"""A request's own deadline: how long its client, or its route, lets it wait.
+
+Read once, at the request headers (``ExtProcService._handle``): the policy's
+``client_deadline.headers`` and the route's ``timeout`` (route metadata, ``RouteOverride``).
+The earliest of them, less ``client_deadline.margin``, caps the request's queue deadline when
+it enters a queue (``Deadline.cap``), so the 429 reaches the client before it gives up.
+
+Rules (``tests/unit/test_deadline.py`` pins each):
+
+1. A header holds the milliseconds left, as Envoy's router writes
+   ``x-envoy-expected-rq-timeout-ms`` (an integer); any number ``float`` reads is taken.
+2. ``0`` means no deadline, in a header as in the route's ``timeout``. That is Envoy's meaning
+   of 0 for every request timeout (a route's ``timeout: 0s``, a client's
+   ``x-envoy-upstream-rq-timeout-ms: 0``), and Envoy never writes 0 into
+   ``x-envoy-expected-rq-timeout-ms``: for a route without a timeout it sends no header at all
+   (pinned through the real Envoy: ``tests/e2e/test_pool_through_envoy.py``), and for a request
+   already out of time it writes 1 (its router's source: "0 would be an infinite timeout").
+3. A negative value, NaN, or anything that is not a number is ignored (that header gives no
+   deadline) and named in ``Deadline.invalid``: the servicer counts each
+   (``llm_extproc_client_deadline_invalid_total``) and logs the first per header name.
+4. A huge value (up to what reads as +inf, e.g. ``1e400``) is a deadline like any other, and
+   like any other it only ever shortens the wait: beyond the queue timeout it changes nothing,
+   the bucket's ``queue_timeout`` applies.
+5. ``stated``: the earliest deadline is a header's (the client's own, or a front proxy's on its
+   behalf), not the route's, which the operator set. A request that waits until a stated
+   deadline sooner than its queue timeout leaves as ``expired_client_deadline``, not as an
+   eviction, so short deadlines of a client's choosing do not look like overload
+   (``extproc.pool.core``, ``extproc.pool.overload``).
+
+Pure: ``now`` comes from the caller. A request that states nothing (the common case) gets the
+shared ``NO_DEADLINE``, without allocating.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from extproc.config.policy import ClientDeadlinePolicy
+
+__all__ = ["NO_DEADLINE", "Deadline", "deadline_of", "header_ms"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Deadline:
+    # Loop time at which the request stops waiting (the earliest deadline less the margin);
+    # None: nobody states one.
+    at: float | None = None
+    # ``at`` is a header's, not the route's timeout (rule 5).
+    stated: bool = False
+    # (header, value) of each header whose value was ignored (rule 3).
+    invalid: tuple[tuple[str, str], ...] = ()
+
+    def cap(self, timeout_s: float, now: float) -> tuple[float, bool]:
+        """``timeout_s`` (a queue timeout) capped by this deadline, and whether the cap is a
+        stated deadline: the client's own, sooner than the queue timeout."""
+        if self.at is None:
+            return timeout_s, False
+        left = max(0.0, self.at - now)
+        if left < timeout_s:
+            return left, self.stated
+        return timeout_s, False
+
+
+NO_DEADLINE = Deadline()
+
+
+def header_ms(value: str) -> float | None:
+    """A header's milliseconds left: None for 0 (no deadline, rule 2); ValueError for a value
+    that is not a number of milliseconds >= 0 (rule 3)."""
+    ms = float(value)
+    if math.isnan(ms) or ms < 0:
+        raise ValueError(f"not a number of milliseconds >= 0: {value!r}")
+    return ms if ms > 0 else None
+
+
+def deadline_of(
+    headers: Mapping[str, str],
+    policy: ClientDeadlinePolicy,
+    route_timeout_s: float | None,
+    now: float,
+) -> Deadline:
+    """The request's deadline from its ``headers`` (the policy's names) and its route's
+    ``timeout`` (None or 0: none)."""
+    left_s: float | None = route_timeout_s or None
+    stated = False
+    invalid: list[tuple[str, str]] | None = None
+    for name in policy.headers:
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            ms = header_ms(value)
+        except ValueError:
+            invalid = invalid or []
+            invalid.append((name, value))
+            continue
+        if ms is not None and (left_s is None or ms / 1000 < left_s):
+            left_s, stated = ms / 1000, True
+    if left_s is None and invalid is None:
+        return NO_DEADLINE
+    return Deadline(
+        at=None if left_s is None else now + left_s - policy.margin_s,
+        stated=stated,
+        invalid=tuple(invalid or ()),
+    )
