@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+
+from extproc.config.urls import http_url
 
 __all__ = ["HEAD_LIMIT", "MAX_BODY_BYTES", "HttpError", "Target", "get"]
 
@@ -40,21 +41,14 @@ class Target:
 
     @classmethod
     def parse(cls, url: str) -> Target:
-        """Raises ValueError for a URL that is not plain ``http://`` with a host, or whose
-        port is not a number in range."""
-        parts = urlsplit(url)
-        if parts.scheme != "http":
-            raise ValueError(f"{url!r}: only http:// URLs can be scraped")
-        host = parts.hostname
-        if not host:
-            raise ValueError(f"{url!r}: no host")
-        port = parts.port or 80  # ValueError for a port that is not a number or out of range
-        path = parts.path or "/"
-        if parts.query:
-            path += "?" + parts.query
-        authority = f"[{host}]" if ":" in host else host
-        if parts.port is not None:
-            authority += f":{port}"
+        """Raises ``UrlError`` (a ValueError) for a URL that is not a plain ``http://`` URL
+        the GET can send (``extproc.config.urls.http_url``: the rules the policy's
+        ``backend.metrics`` is checked by when it loads)."""
+        u = http_url(url)
+        authority = f"[{u.host}]" if ":" in u.host else u.host
+        if u.port is not None:
+            authority += f":{u.port}"
+        path = u.target
         request = (
             f"GET {path} HTTP/1.1\r\n"
             f"Host: {authority}\r\n"
@@ -62,7 +56,7 @@ class Target:
             "User-Agent: llm-extproc\r\n"
             "Connection: close\r\n\r\n"
         ).encode("ascii")
-        return cls(host=host, port=port, path=path, request=request)
+        return cls(host=u.host, port=u.port or 80, path=path, request=request)
 
 
 async def get(
