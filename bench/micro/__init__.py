@@ -8,6 +8,8 @@ its own and printing its figures.
   ``prometheus_client``'s on a vLLM-shaped page;
 - ``python -m bench.micro.prompt_estimate``: the prompt estimate without a tokenizer against
   two real tokenizers, on text of many scripts;
+- ``python -m bench.micro.scrape_bounds``: what one metrics page can cost the event loop at
+  the scraper's bounds (docs/pool.md, "What the scraper trusts");
 - ``python -m bench.micro.redis_rtt``: the shared pool's Redis script calls and the hand-over
   between replicas, against a throwaway redis-server.
 

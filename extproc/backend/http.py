@@ -6,9 +6,15 @@ answer must be a 200 over HTTP/1.x; its body may come with Content-Length, chunk
 EOF.
 
 Bounds: the whole GET runs under ``timeout_s``; the headers and each chunk-size line must fit
-in ``HEAD_LIMIT`` (asyncio's ``StreamReader`` limit); past ``max_body_bytes`` of body the GET
-fails. A GET fails with ``HttpError`` (an answer we cannot use; its text is the short reason)
-or with what the stream raises (``OSError``, ``TimeoutError``, ``asyncio.IncompleteReadError``,
+in ``HEAD_LIMIT`` (asyncio's ``StreamReader`` limit); past ``max_body_bytes`` of body
+(``MAX_BODY_BYTES``, 1 MiB, by default) or ``MAX_CHUNKS`` chunks the GET fails. The chunk
+bound is one of time: a chunk already buffered is read without yielding to the event loop,
+at several microseconds a chunk, so a body of one-byte chunks would hold the loop for as long
+as its buffer lasts; the reader also yields every 64 chunks, so that many GETs reading at once
+share the loop (docs/pool.md, "What the scraper trusts", has the measures).
+
+A GET fails with ``HttpError`` (an answer we cannot use; its text is the short reason) or with
+what the stream raises (``OSError``, ``TimeoutError``, ``asyncio.IncompleteReadError``,
 ``asyncio.LimitOverrunError``); the caller names them.
 """
 
@@ -16,13 +22,18 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
-__all__ = ["HEAD_LIMIT", "MAX_BODY_BYTES", "HttpError", "Target", "get"]
+from extproc.config.urls import http_url
+
+__all__ = ["HEAD_LIMIT", "MAX_BODY_BYTES", "MAX_CHUNKS", "HttpError", "Target", "get"]
 
 HEAD_LIMIT = 64 * 1024
-# A vLLM page is about 100 KB; the bound only stops a runaway answer.
-MAX_BODY_BYTES = 8 * 1024 * 1024
+# vLLM's page is about 40 KB an engine; 1 MiB holds 25 engines.
+MAX_BODY_BYTES = 1024 * 1024
+# A full 1 MiB page in chunks of 1 KiB (servers chunk by 4 KiB or more, Envoy by 16 KiB).
+MAX_CHUNKS = 1024
+# Chunks read between two yields to the event loop.
+_CHUNKS_A_TURN = 64
 
 
 class HttpError(Exception):
@@ -40,21 +51,14 @@ class Target:
 
     @classmethod
     def parse(cls, url: str) -> Target:
-        """Raises ValueError for a URL that is not plain ``http://`` with a host, or whose
-        port is not a number in range."""
-        parts = urlsplit(url)
-        if parts.scheme != "http":
-            raise ValueError(f"{url!r}: only http:// URLs can be scraped")
-        host = parts.hostname
-        if not host:
-            raise ValueError(f"{url!r}: no host")
-        port = parts.port or 80  # ValueError for a port that is not a number or out of range
-        path = parts.path or "/"
-        if parts.query:
-            path += "?" + parts.query
-        authority = f"[{host}]" if ":" in host else host
-        if parts.port is not None:
-            authority += f":{port}"
+        """Raises ``UrlError`` (a ValueError) for a URL that is not a plain ``http://`` URL
+        the GET can send (``extproc.config.urls.http_url``: the rules the policy's
+        ``backend.metrics`` is checked by when it loads)."""
+        u = http_url(url)
+        authority = f"[{u.host}]" if ":" in u.host else u.host
+        if u.port is not None:
+            authority += f":{u.port}"
+        path = u.target
         request = (
             f"GET {path} HTTP/1.1\r\n"
             f"Host: {authority}\r\n"
@@ -62,7 +66,7 @@ class Target:
             "User-Agent: llm-extproc\r\n"
             "Connection: close\r\n\r\n"
         ).encode("ascii")
-        return cls(host=host, port=port, path=path, request=request)
+        return cls(host=u.host, port=u.port or 80, path=path, request=request)
 
 
 async def get(
@@ -118,7 +122,9 @@ async def _get(address: str, port: int, request: bytes, max_body_bytes: int) -> 
 
 async def _read_chunked(reader: asyncio.StreamReader, max_body_bytes: int) -> bytes:
     body = bytearray()
-    while True:
+    for n in range(MAX_CHUNKS + 1):  # the last: the zero-size chunk that ends the body
+        if n % _CHUNKS_A_TURN == _CHUNKS_A_TURN - 1:
+            await asyncio.sleep(0)  # buffered chunks are read without a yield: make one
         line = await reader.readuntil(b"\r\n")
         size_field = line.split(b";", 1)[0].strip()
         try:
@@ -134,3 +140,4 @@ async def _read_chunked(reader: asyncio.StreamReader, max_body_bytes: int) -> by
         body += await reader.readexactly(size)
         if await reader.readexactly(2) != b"\r\n":
             raise HttpError("bad chunk")
+    raise HttpError(f"over {MAX_CHUNKS} chunks")

@@ -6,6 +6,18 @@ A URL names a host, not a pod: a Kubernetes headless Service answers with one A 
 ready pod, so each scrape resolves every host again (``loop.getaddrinfo``) and scrapes every
 address it gets, concurrently, each under ``timeout_s`` (resolution has its own ``timeout_s``).
 A pod that joins is scraped from the next round; one that leaves is simply no longer asked.
+At most ``MAX_ENDPOINTS`` (64) addresses are scraped a round, all URLs together: past it, the
+lowest 64 (address, port) pairs, the same ones each round whatever order the DNS answers in,
+and each of the others counts as failed (``not scraped: over 64 addresses``).
+
+Nothing an endpoint sends is trusted: the GET bounds the body's size and chunks, the reader
+the lines it parses and what the values may be (``http``, ``prometheus``, ``vllm``), so one
+page holds the event loop for a bounded time and a nonsense page fails its endpoint instead of
+moving the limit. Pages are parsed one per iteration of the event loop: the parser holds a
+turn (a lock) from its page into the loop's next iteration, so between two parses the loop
+polls its sockets and runs what became ready (requests, lease renewals), and 64 pages that
+arrive at once hold it for one page at a time, never for 64 back to back. docs/pool.md
+("What the scraper trusts") states each bound and its cost.
 
 One round is four stages, each a module of this package, data flowing one way:
 
@@ -49,6 +61,7 @@ if TYPE_CHECKING:
     from extproc.config.policy import AdaptivePolicy, BackendPolicy
 
 __all__ = [
+    "MAX_ENDPOINTS",
     "EndpointSample",
     "Resolver",
     "Scraper",
@@ -60,8 +73,11 @@ __all__ = [
 # (host, port) -> the (address, port) pairs to scrape.
 Resolver = Callable[[str, int], Awaitable[Sequence[tuple[str, int]]]]
 
-# At most this many error strings in a Signals (a log line, not a report).
+# Addresses scraped in one round, all URLs together (docs/pool.md, "What the scraper trusts").
+MAX_ENDPOINTS = 64
+# At most this many error strings in a Signals (a log line, not a report), each cut at this.
 _MAX_ERRORS = 8
+_MAX_ERROR_CHARS = 120
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,7 +120,7 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, socket.gaierror):
         return f"dns: {exc.strerror or exc}"
     text = str(exc) or type(exc).__name__
-    return text[:80]
+    return text[:_MAX_ERROR_CHARS]
 
 
 class Scraper:
@@ -142,6 +158,7 @@ class Scraper:
         self._resolve: Resolver = resolve or _getaddrinfo
         self._ttft = HistogramWindow(window_s)
         self._itl = HistogramWindow(window_s)
+        self._parse_turn = asyncio.Lock()  # one page parsed per iteration of the event loop
 
     @classmethod
     def from_policy(
@@ -175,8 +192,14 @@ class Scraper:
             for address, port in addresses:
                 endpoints.setdefault(_key(address, port), (address, port, target))
         keys = list(endpoints)
+        unread: dict[str, EndpointSample | str] = {}
+        if len(keys) > MAX_ENDPOINTS:  # the same ones each round, whatever the DNS order
+            keys = sorted(keys, key=lambda k: endpoints[k][:2])
+            note = f"not scraped: over {MAX_ENDPOINTS} addresses"
+            unread = dict.fromkeys(keys[MAX_ENDPOINTS:], note)
+            keys = keys[:MAX_ENDPOINTS]
         results = await asyncio.gather(*(self._scrape_one(*endpoints[k]) for k in keys))
-        return self._fold(now, dict(zip(keys, results, strict=True)), errors)
+        return self._fold(now, dict(zip(keys, results, strict=True)) | unread, errors)
 
     async def _addresses(self, target: Target) -> list[tuple[str, int]] | str:
         try:
@@ -197,7 +220,11 @@ class Scraper:
                 timeout_s=self.timeout_s,
                 max_body_bytes=self.max_body_bytes,
             )
-            sample = parse_metrics(body)
+            async with self._parse_turn:
+                try:
+                    sample = parse_metrics(body)
+                finally:
+                    await asyncio.sleep(0)  # hold the turn into the loop's next iteration
         except Exception as exc:
             return _describe(exc)
         if sample == EndpointSample():

@@ -9,19 +9,32 @@ version exposes both during the rename they carry the same observations, so only
 is read). A histogram is read from its ``_bucket`` samples: upper bound (``le``) -> cumulative
 count, the counts of one bound summed over label sets.
 
-Every value must be finite and not negative, and every bucket must have an ``le``; otherwise
-``parse_metrics`` raises ValueError (as ``prometheus.samples`` does for a malformed line).
+A page is an endpoint's word, checked before it can move the limit; ``parse_metrics`` raises
+ValueError (as ``prometheus.samples`` does for a malformed line, or for a page over
+``prometheus.MAX_LINES`` lines of these families), and the endpoint counts as failed, when:
+
+1. a value is not finite, is negative, or is above ``MAX_VALUE`` (2**53: counts beyond it are
+   no longer whole numbers, and sums of them could overflow to infinity);
+2. a bucket has no ``le``, or one that is not a number >= 0 (``NaN`` would make every
+   quantile NaN, which no objective compares with, and freeze the limit; a negative bound
+   would read as a latency below zero and let it grow);
+3. one series (a label set without its ``le``) gives a bound twice, or its cumulative counts
+   fall as the bound rises;
+4. one histogram has more than ``MAX_BOUNDS`` (64) distinct bounds over its label sets: the
+   windows keep every bound of every endpoint for ``window``. vLLM's have 23 and 20.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from extproc.backend.prometheus import label, samples
+from extproc.backend.prometheus import samples, split_label
 
-__all__ = ["EndpointSample", "parse_metrics"]
+__all__ = ["FAMILIES", "MAX_BOUNDS", "MAX_VALUE", "EndpointSample", "parse_metrics"]
+
+MAX_VALUE = float(2**53)
+MAX_BOUNDS = 64
 
 _WAITING = "vllm:num_requests_waiting"
 _RUNNING = "vllm:num_requests_running"
@@ -30,7 +43,8 @@ _KV_OLD = "vllm:gpu_cache_usage_perc"
 _TTFT = "vllm:time_to_first_token_seconds_bucket"
 _ITL = "vllm:inter_token_latency_seconds_bucket"
 _ITL_OLD = "vllm:time_per_output_token_seconds_bucket"
-_WANTED = frozenset({_WAITING, _RUNNING, _KV, _KV_OLD, _TTFT, _ITL, _ITL_OLD})
+# The families read.
+FAMILIES = frozenset({_WAITING, _RUNNING, _KV, _KV_OLD, _TTFT, _ITL, _ITL_OLD})
 _BUCKETS = frozenset({_TTFT, _ITL, _ITL_OLD})
 
 
@@ -48,28 +62,37 @@ class EndpointSample:
 
 
 def parse_metrics(page: str | bytes) -> EndpointSample:
-    """The families above from a Prometheus text page (bytes are read as UTF-8, undecodable
-    bytes replaced); raises ValueError on a malformed sample of one of them (other lines are
-    not looked at)."""
+    """The families above from a Prometheus text page; raises ValueError by the rules above
+    (lines of other families are not looked at).
+
+    Bytes are read as Latin-1, a character a byte: what is read (names, numbers, the ``le``
+    label) is ASCII, which reads the same in UTF-8, and label values are only compared, so
+    text that is not UTF-8 costs nothing more than a copy (replacing bad bytes would cost
+    a character each and make the page wider)."""
     if isinstance(page, bytes):
-        page = page.decode("utf-8", errors="replace")
+        page = page.decode("latin-1")
     sums: dict[str, float] = {}
     kv: dict[str, float] = {}
-    buckets: dict[str, dict[float, float]] = {}
-    for name, labels, value, line in samples(page, _WANTED):
-        if not math.isfinite(value) or value < 0:
+    series: dict[str, dict[str, dict[float, float]]] = {}  # family -> series -> le -> count
+    for name, labels, value, line in samples(page, FAMILIES):
+        if not 0.0 <= value <= MAX_VALUE:  # NaN fails both
             raise ValueError(f"bad value {line[:60]!r}")
         if name in _BUCKETS:
-            le = label(labels, "le")
+            le, rest = split_label(labels, "le")
             if le is None:
                 raise ValueError(f"bucket without le {line[:60]!r}")
             bound = float(le)
-            hist = buckets.setdefault(name, {})
-            hist[bound] = hist.get(bound, 0.0) + value
+            if not bound >= 0.0:
+                raise ValueError(f"{name}: le={le!r} is not a number >= 0")
+            counts = series.setdefault(name, {}).setdefault(rest, {})
+            if bound in counts:
+                raise ValueError(f"{name}: le={le!r} twice in one series")
+            counts[bound] = value
         elif name in (_KV, _KV_OLD):
             kv[name] = max(kv.get(name, 0.0), value)
         else:
             sums[name] = sums.get(name, 0.0) + value
+    buckets = {name: _histogram(name, of_name.values()) for name, of_name in series.items()}
     return EndpointSample(
         waiting=sums.get(_WAITING),
         running=sums.get(_RUNNING),
@@ -77,3 +100,18 @@ def parse_metrics(page: str | bytes) -> EndpointSample:
         ttft=buckets.get(_TTFT),
         itl=buckets.get(_ITL, buckets.get(_ITL_OLD)),
     )
+
+
+def _histogram(name: str, series: Iterable[dict[float, float]]) -> dict[float, float]:
+    """One family's buckets, the counts of a bound summed over its series (rules 3 and 4)."""
+    hist: dict[float, float] = {}
+    for counts in series:
+        below = 0.0
+        for bound in sorted(counts):
+            if counts[bound] < below:
+                raise ValueError(f"{name}: counts fall to {counts[bound]:g} at le={bound:g}")
+            below = counts[bound]
+            hist[bound] = hist.get(bound, 0.0) + below
+    if len(hist) > MAX_BOUNDS:
+        raise ValueError(f"{name}: {len(hist)} bucket bounds, over {MAX_BOUNDS}")
+    return hist

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.micro import admission_cost, body_parser, redis_rtt
+from bench.micro import admission_cost, body_parser, redis_rtt, scrape_bounds
+from extproc.backend import http, prometheus
 
 
 def test_admission_cost(capsys: pytest.CaptureFixture[str]) -> None:
@@ -29,6 +30,22 @@ def test_body_parser(capsys: pytest.CaptureFixture[str]) -> None:
     body_parser.main(["--n", "20"])
     (head, *rows) = capsys.readouterr().out.splitlines()
     assert head.startswith("body") and "parse/json" in head and len(rows) == len(costs)
+
+
+@pytest.mark.slow  # a round of 64 endpoints of 1 MiB each: seconds
+def test_scrape_bounds(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = scrape_bounds.parse_costs(2)
+    assert [name for name, *_ in rows[:3]] == [f"vLLM, {n} engine(s)" for n in (1, 3, 8)]
+    assert len(rows) == 3 + len(scrape_bounds.worst_pages())
+    for name, size, lines, median, worst in rows:
+        assert size <= http.MAX_BODY_BYTES and lines <= prometheus.MAX_LINES + 1, name
+        assert 0 < median <= worst
+    assert rows[0][2] < rows[1][2] < rows[2][2] < prometheus.MAX_LINES  # vLLM's own within
+    scrape_bounds.main(["--rounds", "2"])
+    out = capsys.readouterr().out
+    assert out.startswith("bounds: body 1,048,576 bytes, 1,024 chunks, 2,048 lines read")
+    assert "GET of 1,024 one-byte chunks: the loop held" in out
+    assert "a round of 64 endpoints, each the long-label page at once: the loop held" in out
 
 
 @pytest.mark.redis  # a throwaway redis-server of its own

@@ -3,9 +3,14 @@ every rule with its message."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from extproc.config.policy import PolicyError, policy_from_yaml
+from extproc.config.policy import Policy, PolicyError, policy_from_yaml
+from extproc.ops.metrics import Metrics
+from extproc.pool.control import PoolControl
+from extproc.pool.gate import Gate
 
 BUCKETS = "\nbuckets: [{name: a, queue_timeout: 1s}]\n"
 
@@ -53,3 +58,55 @@ def test_the_url_forms() -> None:
     for url in ("redis://h", "redis://u:p@h:1/0", "rediss://h:6380", "unix:///run/redis.sock"):
         p = policy_from_yaml(f"pool: {{max_concurrency: 8, shared: {{redis: '{url}'}}}}" + BUCKETS)
         assert p.pool is not None and p.pool.shared is not None
+
+
+def shared_policy(url: str) -> Policy:
+    return policy_from_yaml(f"pool: {{max_concurrency: 8, shared: {{redis: '{url}'}}}}" + BUCKETS)
+
+
+def test_more_of_the_forms_redis_py_reads() -> None:
+    for url in ("redis://h:1/0?password=pw", "redis://[::1]:6379/2", "unix://:pw@/run/r.sock"):
+        p = shared_policy(url)
+        assert p.pool is not None and p.pool.shared is not None
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis://h:abc", "pool.shared.redis: 'redis://h:abc' has port 'abc', not a number in"),
+        ("redis://h:99999/0", "pool.shared.redis: 'redis://h:99999/0' has port '99999', not a"),
+        ("redis://réd:6379", "pool.shared.redis: 'redis://réd:6379' has non-ASCII character"),
+        ("redis://h:1/x", "pool.shared.redis: 'redis://h:1/x' has path '/x'; the path is the"),
+        ("redis://h?socket_timeout=9", "pool.shared.redis: 'redis://h?socket_timeout=9' sets"),
+    ],
+)
+def test_a_redis_url_redis_py_would_refuse_is_refused_at_load(url: str, message: str) -> None:
+    """Each of these loaded before, and in shared mode failed only when the pool first called
+    Redis (ValueError), or was misread (the path as database 0, a timeout overridden)."""
+    with pytest.raises(PolicyError) as info:
+        shared_policy(url)
+    assert str(info.value).startswith("<policy>: " + message)
+
+
+def test_a_password_in_the_query_is_never_printed() -> None:
+    """redis-py reads ``?password=`` as the password: masked in `check`, in the policy's repr
+    (what a log line would print), in a refusal, and in /debug/queues."""
+    p = shared_policy("redis://u:s3cret1@127.0.0.1:9?password=s3cret2&db=1")
+    assert p.pool is not None and p.pool.shared is not None
+    shown = "redis://u:***@127.0.0.1:9?password=***&db=1"
+    assert p.to_dict()["pool"]["shared"]["redis"] == shown
+    assert shown in repr(p) and "s3cret" not in repr(p)
+    with pytest.raises(PolicyError) as info:
+        shared_policy("redis://h:1/x?password=s3cret")
+    assert "s3cret" not in str(info.value) and "password=***" in str(info.value)
+
+    async def debug_queues() -> object:
+        gate = Gate(p)
+        control = PoolControl(gate, Metrics(gate.statistics))
+        control.apply(p)
+        try:
+            return control.debug()["shared"]["redis"]  # type: ignore[index]
+        finally:
+            await control.close()
+
+    assert asyncio.run(debug_queues()) == shown

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
-from extproc.backend.prometheus import label, samples
+from extproc.backend.prometheus import MAX_LINES, label, samples, split_label
 from extproc.backend.vllm import EndpointSample, parse_metrics
 
 INF = float("inf")
@@ -74,6 +75,40 @@ def test_label(labels: str, key: str, value: str | None) -> None:
     assert label(labels, key) == value
 
 
+@pytest.mark.parametrize(
+    ("labels", "value", "rest"),
+    [
+        ('engine="0",model_name="m",le="0.5"', "0.5", 'engine="0",model_name="m",'),
+        ('le="0.5",engine="0"', "0.5", 'engine="0"'),
+        (' engine = "0" , le = "1" ', "1", ' engine = "0" ,'),
+        ('a="x\\",le=\\"9\\"",le="1"', "1", 'a="x\\",le=\\"9\\"",'),  # an escaped le=
+        ('a="1"', None, 'a="1"'),
+        ('garbage le="1"', None, 'garbage le="1"'),  # read up to the first pair that is not one
+    ],
+)
+def test_split_label(labels: str, value: str | None, rest: str) -> None:
+    assert split_label(labels, "le") == (value, rest)
+
+
+@pytest.mark.parametrize(
+    "labels", ["a" * 200_000, 'a="' + "x" * 200_000, "a=" * 100_000, 'a="1",' * 40_000]
+)
+def test_label_text_costs_one_scan(labels: str) -> None:
+    """Linear in the text: searching for a pair at every position took seconds for 16 KB."""
+    t0 = time.perf_counter()
+    assert split_label(labels, "le")[0] is None
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_the_lines_read_are_bounded() -> None:
+    page = "m 1\n" * 10 + "other 1\n" * 100
+    assert len(list(samples(page, ["m"], max_lines=10))) == 10
+    with pytest.raises(ValueError, match="over 9 lines of the families read"):
+        list(samples(page, ["m"], max_lines=9))
+    with pytest.raises(ValueError, match=f"over {MAX_LINES} lines"):  # longer names count
+        list(samples("m_total 1\n" * (MAX_LINES + 1), ["m"]))
+
+
 # --- the vLLM reader ---------------------------------------------------------------------------
 
 TTFT = "vllm:time_to_first_token_seconds_bucket"
@@ -121,6 +156,16 @@ def test_parse_metrics_replaces_bytes_that_are_not_utf8() -> None:
     assert parse_metrics(page) == EndpointSample(waiting=2.0)
 
 
+def test_series_are_told_apart_by_their_labels_without_le() -> None:
+    """Each series is checked on its own (two engines, each monotonic), then summed; bounds
+    that differ between series are not a fall."""
+    page = (
+        f'{TTFT}{{e="0",le="0.1"}} 5\n{TTFT}{{e="0",le="+Inf"}} 5\n'
+        f'{TTFT}{{le="1.0",e="1"}} 3\n{TTFT}{{e="1",le="+Inf"}} 3\n'
+    )
+    assert parse_metrics(page) == EndpointSample(ttft={0.1: 5.0, 1.0: 3.0, INF: 8.0})
+
+
 @pytest.mark.parametrize(
     ("page", "message"),
     [
@@ -131,6 +176,15 @@ def test_parse_metrics_replaces_bytes_that_are_not_utf8() -> None:
         (f'{TTFT}{{le="x"}} 1\n', "could not convert"),
         ("vllm:num_requests_waiting abc\n", "could not convert"),
         ('vllm:num_requests_waiting{engine="0"\n', "bad labels"),
+        ("vllm:num_requests_waiting 1e16\n", "bad value"),  # over 2**53
+        (f'{TTFT}{{le="NaN"}} 1\n', f"{TTFT}: le='NaN' is not a number >= 0"),
+        (f'{TTFT}{{le="-0.5"}} 1\n', f"{TTFT}: le='-0.5' is not a number >= 0"),
+        (f'{TTFT}{{le="1"}} 2\n{TTFT}{{le="1"}} 2\n', f"{TTFT}: le='1' twice in one series"),
+        (
+            f'{TTFT}{{e="0",le="+Inf"}} 1\n{TTFT}{{e="0",le="0.1"}} 2\n',
+            rf"{TTFT}: counts fall to 1 at le=inf",  # in order of the bounds, not the page's
+        ),
+        ("".join(f'{TTFT}{{le="{i}"}} {i}\n' for i in range(65)), "65 bucket bounds, over 64"),
     ],
 )
 def test_parse_metrics_rejects(page: str, message: str) -> None:

@@ -168,10 +168,12 @@ class MetricsServer:
         mode: str = "length",
         host: str = "127.0.0.1",
         events: list[str] | None = None,
+        chunk: int = 1000,
     ) -> None:
         self.page = page
         self.mode = mode
         self.host = host
+        self.chunk = chunk
         self.port = 0
         self.requests: list[bytes] = []
         self.events = events if events is not None else []
@@ -213,8 +215,8 @@ class MetricsServer:
                 writer.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
             elif self.mode == "chunked":
                 writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-                for i in range(0, len(body), 1000):
-                    chunk = body[i : i + 1000]
+                for i in range(0, len(body), self.chunk):
+                    chunk = body[i : i + self.chunk]
                     writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 writer.write(b"0\r\n\r\n")
             elif self.mode == "eof":
@@ -562,5 +564,148 @@ def test_counter_reset_window_expiry_and_gap() -> None:
             assert await at(30.0, {2.5: 500}) == (None, 0)
             q, n = await at(31.0, {2.5: 500, INF: 10})
             assert n == 10 and q == 2560.0  # in +Inf: the largest finite bound
+
+    run(main())
+
+
+# --- a hostile endpoint ------------------------------------------------------------------------
+
+TTFT = "vllm:time_to_first_token_seconds_bucket"
+
+
+def ttft_lines(counts: Sequence[tuple[str, float]], labels: str = 'engine="0"') -> str:
+    """TTFT bucket lines of one series: (le as written, cumulative count)."""
+    return "".join(f'{TTFT}{{{labels},le="{le}"}} {n}\n' for le, n in counts)
+
+
+NONSENSE = [
+    (ttft_lines([("0.1", 5), ("NaN", 7), ("+Inf", 9)]), f"{TTFT}: le='NaN' is not a number >= 0"),
+    (ttft_lines([("-1", 5), ("0.1", 7), ("+Inf", 9)]), f"{TTFT}: le='-1' is not a number >= 0"),
+    (ttft_lines([("-Inf", 0), ("+Inf", 9)]), f"{TTFT}: le='-Inf' is not a number >= 0"),
+    (ttft_lines([("0.1", 5), ("0.5", 3), ("+Inf", 9)]), f"{TTFT}: counts fall to 3 at le=0.5"),
+    (ttft_lines([("0.1", 5), ("+Inf", 9), ("+Inf", 9)]), f"{TTFT}: le='+Inf' twice in one"),
+    (
+        ttft_lines([(f"{i / 100:g}", i) for i in range(1, 66)]),
+        "bucket bounds, over 64",
+    ),  # with the page's 23
+    (ttft_lines([("0.1", 1e300), ("+Inf", 1e300)]), "bad value"),  # over 2**53
+    ('vllm:num_requests_waiting{engine="0"} 1e308\n' * 2, "bad value"),  # summed: +Inf
+    (ttft_lines([("0.1", 1e308), ("+Inf", 1e308)]) * 2, "bad value"),
+]
+
+
+@pytest.mark.parametrize(("page", "error"), NONSENSE)
+def test_nonsense_buckets_fail_their_endpoint_and_leave_the_others_signals(
+    page: str, error: str
+) -> None:
+    """The hostile endpoint counts as failed with a precise error; the windows, quantiles and
+    gauges are the honest endpoint's alone, so nothing the hostile one sends moves the limit
+    (a NaN quantile froze it, a negative bound read as a fast backend and let it grow)."""
+
+    async def main() -> None:
+        good = Engine(waiting=1, ttft={0.1: 100})
+        async with MetricsServer(vllm_page(good)) as honest, MetricsServer("") as hostile:
+            resolve = fixed(("127.0.0.1", honest.port), ("127.0.0.1", hostile.port))
+            scraper = make_scraper(["http://pool.svc:1/metrics"], resolve=resolve)
+            hostile.page = vllm_page(Engine()) + page  # vLLM's families, then the nonsense
+            await scraper.scrape(100.0)
+            good.ttft = {0.1: 100, 0.5: 20}
+            honest.page = vllm_page(good)
+            s = await scraper.scrape(101.0)
+        assert (s.endpoints_ok, s.endpoints_failed) == (1, 1)
+        assert len(s.errors) == 1
+        assert s.errors[0].startswith(f"127.0.0.1:{hostile.port}: ")
+        assert error in s.errors[0], s.errors
+        assert (s.waiting, s.ttft_count) == (1, 20)
+        assert s.ttft_s == pytest.approx(0.25 + 0.25 * 0.9)  # rank 18 of 20 in (0.25, 0.5]
+
+    run(main())
+
+
+def test_addresses_past_the_bound_are_not_scraped_and_count_as_failed() -> None:
+    """One name with more addresses than MAX_ENDPOINTS (64): the 64 lowest are scraped, the
+    same each round whatever the DNS order; the others count as failed, never asked."""
+
+    async def main() -> None:
+        page = vllm_page(Engine(running=1))
+        servers = [MetricsServer(page) for _ in range(70)]
+        for server in servers:
+            await server.__aenter__()
+        try:
+            addresses = [("127.0.0.1", server.port) for server in servers]
+            s = await make_scraper(["http://pool.svc:1/m"], resolve=fixed(*addresses)).scrape(0.0)
+            first = {server.port for server in servers if server.requests}
+            reversed_dns = fixed(*reversed(addresses))
+            again = await make_scraper(["http://pool.svc:1/m"], resolve=reversed_dns).scrape(0.0)
+            second = {server.port for server in servers if len(server.requests) == 2}
+        finally:
+            for server in servers:
+                await server.__aexit__()
+        assert (s.endpoints_ok, s.endpoints_failed, s.running) == (64, 6, 64)
+        assert (again.endpoints_ok, again.endpoints_failed) == (64, 6)
+        assert len(first) == 64 and first == second
+        assert s.errors[0].endswith(": not scraped: over 64 addresses")
+        assert len(s.errors) == 6
+
+    run(main())
+
+
+def big_page(size: int) -> str:
+    """vLLM's page, padded with comments to ``size`` bytes."""
+    page = vllm_page(Engine(running=3))
+    comment = "# HELP padding " + "x" * 80 + "\n"
+    return comment * ((size - len(page)) // len(comment) + 1) + page
+
+
+@pytest.mark.parametrize(
+    ("server", "error"),
+    [
+        (MetricsServer(big_page(2 << 20), "length"), "body over 1048576 bytes"),
+        (MetricsServer(big_page(2 << 20), "eof"), "body over 1048576 bytes"),
+        (MetricsServer(big_page(2 << 20), "chunked", chunk=65536), "body over 1048576 bytes"),
+        (MetricsServer(vllm_page(Engine()), "chunked", chunk=16), "over 1024 chunks"),
+        (
+            MetricsServer('vllm:num_requests_running{engine="%d"} 1\n' * 2049),
+            "over 2048 lines of the families read",
+        ),
+        (
+            MetricsServer(f"{TTFT}{{{'a' * 30000}}} 1\n"),  # quadratic to search: 10+ s
+            "bucket without le",
+        ),
+    ],
+)
+def test_a_page_past_a_bound_fails_its_endpoint_at_once(server: MetricsServer, error: str) -> None:
+    """Pages the old scraper read (up to 8 MiB, any number of chunks and lines: 260 ms of
+    parsing on the event loop for the worst): each bound fails the endpoint, quickly."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        async with server:
+            t0 = loop.time()
+            s = await make_scraper([server.url]).scrape(0.0)
+            took = loop.time() - t0
+        assert (s.endpoints_ok, s.endpoints_failed) == (0, 1)
+        assert len(s.errors) == 1
+        assert s.errors[0].startswith(f"127.0.0.1:{server.port}: {error}"), s.errors
+        assert took < 1.0
+
+    run(main())
+
+
+def test_pages_within_the_bounds_are_read() -> None:
+    """At the bounds, not past them: a 1 MiB page, 1,024 chunks, 2,048 lines, 64 bounds."""
+
+    async def main() -> None:
+        lines = 'vllm:num_requests_running{engine="%d"} 1\n'
+        bounds = ttft_lines([(f"{i / 100:g}", i) for i in range(1, 64)] + [("+Inf", 64)])
+        pages = [
+            (MetricsServer(big_page((1 << 20) - 200)[-(1 << 20) :]), 3),
+            (MetricsServer(vllm_page(Engine(running=2)), "chunked", chunk=64), 2),
+            (MetricsServer("".join(lines % i for i in range(2048 - 64)) + bounds), 2048 - 64),
+        ]
+        for server, running in pages:
+            async with server:
+                s = await make_scraper([server.url]).scrape(0.0)
+            assert (s.endpoints_ok, s.errors, s.running) == (1, (), running)
 
     run(main())

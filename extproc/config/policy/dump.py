@@ -10,8 +10,8 @@ out:
 2. a bucket's pool settings (priority, shares, order) when there is no pool: a file without
    one may not state them;
 3. an SLO quantile whose objective is unset;
-4. a match's headers when it has none (``_SHOWN_AS``, which also keeps the Redis password
-   out).
+4. a match's headers when it has none (``_SHOWN_AS``, which also prints the Redis URL with
+   its passwords masked, ``extproc.config.urls.redact``).
 
 What is printed is itself a policy file that resolves to the same policy
 (tests/unit/test_policy.py, ``test_round_trip_of_check_output``).

@@ -8,11 +8,12 @@ order ``llm-extproc check`` prints them (``extproc.config.policy.dump``).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Final
+
+from extproc.config.urls import redact
 
 __all__ = [
     "RETRY_COUNT_HEADER",
@@ -178,8 +179,16 @@ class SharedPolicy:
 
     @property
     def redis_display(self) -> str:
-        """The URL without its password (for logs, /debug/queues and `check`)."""
-        return re.sub(r"(?<=://)([^:@/]*):[^@/]*@", r"\1:***@", self.redis)
+        """The URL with its passwords masked (``extproc.config.urls.redact``): for logs,
+        /debug/queues and `check`."""
+        return redact(self.redis)
+
+    def __repr__(self) -> str:
+        """The dataclass's repr, the URL as ``redis_display`` (a repr can reach a log)."""
+        shown = {f.name: getattr(self, f.name) for f in fields(self)} | {
+            "redis": self.redis_display
+        }
+        return f"SharedPolicy({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,7 +12,7 @@ backend's metrics). The first problem found is reported, naming the key path and
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,6 +40,7 @@ from extproc.config.policy.model import (
     TokenPolicy,
 )
 from extproc.config.schema import PolicyError, fill
+from extproc.config.urls import UrlError, check_redis_url, http_url
 
 __all__ = [
     "load_policy",
@@ -52,8 +53,6 @@ _T = TypeVar("_T")
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9a-z-]+$")
-_METRICS_URL = re.compile(r"^http://[^/\s:]+(:\d{1,5})?(/\S*)?$")
-_REDIS_URL = re.compile(r"^(rediss?://[^\s/]*(/\d{1,5})?|unix:///\S+)$")
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
 
 
@@ -83,6 +82,14 @@ def _header_name(name: str, where: str) -> str:
     if not _HEADER_NAME.match(name.lower()):
         raise PolicyError(f"{where}: {name!r} is not a valid header name")
     return name.lower()
+
+
+def _url(check: Callable[[str], object], url: str, where: str) -> None:
+    """``check(url)`` (``extproc.config.urls``), its UrlError a PolicyError at ``where``."""
+    try:
+        check(url)
+    except UrlError as e:
+        raise PolicyError(f"{where}: {e}") from None
 
 
 # --- the sections, in the file's order ------------------------------------------------------
@@ -234,10 +241,7 @@ def _match(msg: policy_pb2.Match, where: str) -> MatchRule:
 
 def _backend(msg: policy_pb2.Backend) -> BackendPolicy:
     for i, url in enumerate(msg.metrics):
-        if not _METRICS_URL.match(url):
-            raise PolicyError(
-                f"backend.metrics[{i}]: {url!r} must be http://host[:port][/path] (plain HTTP)"
-            )
+        _url(http_url, url, f"backend.metrics[{i}]")
     timeout = _duration_or(msg, "scrape_timeout", BackendPolicy().scrape_timeout_s)
     if not 0 < timeout <= 10:
         raise PolicyError("backend.scrape_timeout: must be above 0 and at most 10s")
@@ -332,11 +336,7 @@ def _shared(msg: policy_pb2.Shared) -> SharedPolicy:
         timeout_s=_duration_or(msg, "timeout", d.timeout_s),
         replicas=_set_or(msg, "replicas", d.replicas),
     )
-    if not _REDIS_URL.match(shared.redis):
-        raise PolicyError(
-            f"pool.shared.redis: {shared.redis_display!r} must be redis://host[:port][/db], "
-            "rediss://... or unix:///path"
-        )
+    _url(check_redis_url, shared.redis, "pool.shared.redis")
     if not _KEY_PREFIX.match(shared.key_prefix):
         raise PolicyError(
             "pool.shared.key_prefix: 1-100 characters of A-Z, a-z, 0-9, '_', '.', ':' or '-'"
