@@ -6,7 +6,7 @@ for events with bounded waits that are not claims about speed (``testing.wait``)
 each of those things happens is measured here instead, on the same scenario, against the same
 target the test once asserted, with PASS or MISS:
 
-    python -m bench.bounds                  # every bound (about two minutes, ten stacks)
+    python -m bench.bounds                  # every bound (about two minutes, eleven stacks)
     python -m bench.bounds --only queue     # one group (a group's name or a bound's)
     python -m bench.bounds --strict         # exit 1 on a MISS (the default only reports)
 
@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -32,12 +33,15 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.common.stats import percentile
 from bench.common.table import fmt, format_table
+from extproc.transport.h2.frames import PREFACE
 from testing.clients import Reply, SlowClient, chat, honest_load, post, slow_stream
-from testing.envoy import cluster_named, hcm_config, with_route_metadata
+from testing.envoy import cluster_named, hcm_config, render_envoy_config, with_route_metadata
 from testing.harness import (
     gauge,
     holder_and_queue,
@@ -45,7 +49,7 @@ from testing.harness import (
     until_in_flight,
     until_queued,
 )
-from testing.stack import Stack
+from testing.stack import Stack, free_port, running_envoy
 from testing.wait import until_async
 
 __all__ = ["BOUNDS", "Bound", "main"]
@@ -87,6 +91,8 @@ BOUNDS = [
     _b("worst_bodies_bystanders_p99", "bodies", 0.1, "test_large_bodies.py::test_a_burst..."),
     _b("queued_bytes_refusal", "bodies", 1.0, "test_large_bodies.py::test_bytes_held..."),
     _b("slow_uploads_bystanders_p99", "slow", 1.0, "test_slow_clients.py::test_slow_bodies..."),
+    _b("new_call_beside_idle_strangers", "lockout", 0.1, "test_h2_hostile.py::test_idle_str..."),
+    _b("envoy_beside_idle_strangers", "lockout", 0.1, "test_idle_strangers.py::test_envoy_s..."),
 ]
 
 Figures = dict[str, float]
@@ -441,6 +447,55 @@ async def slow_group(stack: Stack) -> Figures:
     return {} if p99 is None else {"slow_uploads_bystanders_p99": p99}
 
 
+# --- lockout: 300 idle handshaken connections on the sidecar's port (test_idle_strangers.py) ---
+
+LOCKOUT_POLICY = "buckets: [{name: all, max_concurrency: 4, queue_timeout: 2s, max_queue: 10}]"
+EMPTY_SETTINGS, SETTINGS_ACK = (
+    bytes.fromhex("000000040000000000"),
+    bytes.fromhex("000000040100000000"),
+)
+
+
+def stranger(port: int) -> socket.socket:
+    """A connection that completes the HTTP/2 handshake, then says nothing."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(PREFACE + EMPTY_SETTINGS + SETTINGS_ACK)
+    got = b""
+    with contextlib.suppress(OSError):  # closed at once: the server refused it
+        while SETTINGS_ACK not in got and (chunk := sock.recv(4096)):  # the server's ACK
+            got += chunk
+    return sock
+
+
+async def lockout_group(stack: Stack) -> Figures:
+    """300 strangers held (the sidecar keeps 256), then a new connection's gRPC call (a
+    health Check on a fresh grpc.aio channel), then a request through an Envoy started now."""
+    out: Figures = {}
+    strangers = [stranger(stack.extproc_port) for _ in range(300)]
+    try:
+        t0 = time.monotonic()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.extproc_port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        out["new_call_beside_idle_strangers"] = time.monotonic() - t0
+        port = free_port()
+        text = render_envoy_config(
+            listener_port=port,
+            backend_port=stack.backend_port,
+            extproc_port=stack.extproc_port,
+            admin_port=free_port(),
+        )
+        with running_envoy(yaml.safe_load(text), stack.log_dir, port):
+            async with aiohttp.ClientSession() as s:
+                r = await post(s, f"http://127.0.0.1:{port}{CHAT}", chat())
+        _status(r, 200, "through the Envoy started after the strangers")
+        out["envoy_beside_idle_strangers"] = r.elapsed
+    finally:
+        for sock in strangers:
+            sock.close()
+    return out
+
+
 # --- running them ------------------------------------------------------------------------------
 
 Group = tuple[str | None, dict[str, Any], Callable[[Stack], Awaitable[Figures]]]
@@ -454,6 +509,7 @@ GROUPS: dict[str, list[Group]] = {
     "timers": [(None, {"envoy_patch": timers}, timers_group)],
     "bodies": [(BODIES_POLICY, {}, bodies_group), (QUEUED_BYTES_POLICY, {}, queued_bytes_group)],
     "slow": [(SLOW_POLICY, {"envoy_patch": scale_down_breakers}, slow_group)],
+    "lockout": [(LOCKOUT_POLICY, {"start_envoy": False}, lockout_group)],
 }
 
 
