@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import selectors
 import socket
 import struct
 import time
@@ -19,11 +20,13 @@ import hpack
 from extproc.transport import h2
 from extproc.transport.h2 import H2Server, Method
 from extproc.transport.h2.frames import (
+    ACK,
     DATA,
     END_HEADERS,
     END_STREAM,
     GOAWAY,
     HEADERS,
+    NO_ERROR,
     PREFACE,
     RST_STREAM,
     SETTINGS,
@@ -193,6 +196,31 @@ class RawPeer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def stranger(port: int) -> RawPeer:
+    """A peer that completes the handshake (preface, SETTINGS, SETTINGS ACK), waits for the
+    server's ACK of its SETTINGS, and then says nothing."""
+    peer = RawPeer(port)
+    peer.send(frame(SETTINGS, ACK, 0))
+    peer.read_until(lambda f: f[0] == SETTINGS and bool(f[1] & ACK))  # False: closed at once
+    return peer
+
+
+DISPLACED = (NO_ERROR, b"too many connections")  # the GOAWAY of a connection displaced
+
+
+def displaced(peer: RawPeer) -> bool:
+    """The peer got the GOAWAY of a connection displaced, and was closed."""
+    return peer.closed_within(2.0) and goaway_of(peer.frames) == DISPLACED
+
+
+def told_nothing(peers: list[RawPeer]) -> bool:
+    """None of the peers has anything to read (no GOAWAY, no close) right now."""
+    with selectors.DefaultSelector() as sel:
+        for p in peers:
+            sel.register(p.sock, selectors.EVENT_READ)
+        return not sel.select(0)
 
 
 class Honest:

@@ -646,6 +646,32 @@ def test_a_connection_with_a_call_is_not_idle() -> None:
     assert not any(f[0] == 7 for f in raw.read())
 
 
+def test_the_use_mark_is_none_with_a_call_open_and_grows_with_streams() -> None:
+    """What ``idle.IdleOrder`` reads to choose the connection a newcomer displaces."""
+    raw = Raw()
+    assert raw.conn.use_mark() == 0
+    opened(raw, 1)
+    assert raw.conn.use_mark() is None
+    raw.send(frame(RST_STREAM, 0, 1, U32.pack(0)))
+    assert raw.conn.use_mark() == 1
+    raw.send(frame(HEADERS, END_HEADERS | END_STREAM, 3, request_block("/t.T/Nothing")))
+    assert raw.conn.use_mark() == 3  # a stream refused is use too
+
+
+def test_a_displaced_connection_gets_the_final_goaway_and_is_closed() -> None:
+    raw = Raw()
+    opened(raw, 1)
+    raw.send(frame(RST_STREAM, 0, 1, U32.pack(0)))
+    raw.read()
+    raw.take_events()
+    raw.conn.displace()
+    assert goaway_of(raw.read()) == (1, NO_ERROR, b"too many connections")
+    assert raw.take_events() == [("close", 0.0)] and raw.counters.displaced == 1
+    raw.conn.displace()  # closed already: nothing more
+    assert raw.read() == [] and raw.take_events() == [] and raw.counters.displaced == 1
+    assert not raw.send(frame(HEADERS, END_HEADERS, 3, SINK)) and raw.take_events() == []
+
+
 @pytest.mark.parametrize("acked", [False, True])
 def test_a_silent_peer_with_calls_is_pinged_then_dropped(acked: bool) -> None:
     raw = Raw(ping_interval=30.0, ping_timeout=20.0)

@@ -49,6 +49,7 @@ from extproc.transport.h2.limits import HEADER_CACHE_BYTES, MAX_HEADER_BLOCK
 from tests.service.h2_peer import (
     Honest,
     RawPeer,
+    displaced,
     frame,
     grpc_msg,
     nothing_held,
@@ -57,6 +58,8 @@ from tests.service.h2_peer import (
     serve,
     settings,
     settle,
+    stranger,
+    told_nothing,
 )
 
 FLOW_CONTROL_ERROR, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 0x3, 0x9, 0xB
@@ -753,13 +756,74 @@ def test_reconnect_storm_is_accepted_within_a_second() -> None:
     serve(t)
 
 
-def test_connections_beyond_the_bound_are_closed_at_once() -> None:
+def test_idle_strangers_give_way_to_an_honest_newcomer() -> None:
+    """Finding: 300 connections that complete the handshake and say nothing kept 256 places
+    (max_connections), and every new connection was closed at once, for as long as
+    idle_timeout (10 min): Envoy was locked out. Now each newcomer at the limit displaces the
+    oldest of them (GOAWAY NO_ERROR, then the close), and an honest client's call is answered.
+    (How fast, with the 300 held: bench.bounds, group lockout.)"""
+
     async def t(server: H2Server, port: int) -> None:
-        peers = [RawPeer(port) for _ in range(8)]
-        closed = [await asyncio.to_thread(p.closed_within, 0.2) for p in peers]
-        assert closed == [False] * 5 + [True] * 3
-        assert server.statistics().connections == 5
-        assert server.statistics().refused_connections == 3
+        strangers = await asyncio.to_thread(lambda: [stranger(port) for _ in range(300)])
+        limit = server.limits.max_connections
+        assert limit == 256
+        assert server.statistics().connections == limit
+        honest = await Honest.connect(port)
+        try:
+            for _ in range(3):
+                await honest.exchange()
+        finally:
+            honest.close()
+        s = server.statistics()
+        assert (s.displaced_connections, s.refused_connections) == (300 - limit + 1, 0)
+        gone = 300 - limit + 1
+        assert await asyncio.to_thread(lambda: all(displaced(p) for p in strangers[:gone]))
+        assert told_nothing(strangers[gone:])
+        for p in strangers:
+            p.close()
+        assert await settle(server, lambda s: s.statistics().connections == 0)
+
+    serve(t)
+
+
+def test_a_connection_with_open_calls_is_never_displaced() -> None:
+    """Envoy's connection with calls open is never the one closed to make room, however old;
+    an honest connection that was used (its call done) gives way only after every
+    connection that never opened a stream, and those go oldest first."""
+
+    async def t(server: H2Server, port: int) -> None:
+        envoy = await asyncio.to_thread(stranger, port)
+        envoy.send(b"".join(frame(HEADERS, END_HEADERS, sid, SINK) for sid in range(1, 21, 2)))
+        assert await settle(server, lambda s: s.statistics().calls == 10)
+        used = await Honest.connect(port)
+        await used.exchange()
+        strangers = await asyncio.to_thread(lambda: [stranger(port) for _ in range(9)])
+        # 5 places: envoy, used and three strangers; the other six displaced, oldest first.
+        s = server.statistics()
+        assert (s.connections, s.calls, s.displaced_connections) == (5, 10, 6)
+        assert await asyncio.to_thread(lambda: all(displaced(p) for p in strangers[:6]))
+        assert told_nothing([envoy, *strangers[6:]])
+        await used.exchange()
+        more = await asyncio.to_thread(lambda: [stranger(port) for _ in range(4)])
+        assert await asyncio.to_thread(lambda: all(displaced(p) for p in strangers[6:] + more[:1]))
+        assert told_nothing([envoy, *more[1:]])
+        await used.exchange()  # still served
+        assert server.statistics().calls == 10
+        used.close()
+
+    serve(t, max_connections=5)
+
+
+def test_a_newcomer_is_refused_only_when_every_connection_has_a_call() -> None:
+    async def t(server: H2Server, port: int) -> None:
+        busy = [RawPeer(port) for _ in range(5)]
+        for p in busy:
+            p.send(frame(HEADERS, END_HEADERS, 1, SINK))
+        assert await settle(server, lambda s: s.statistics().calls == 5)
+        late = [RawPeer(port) for _ in range(3)]
+        assert [await asyncio.to_thread(p.closed_within, 0.5) for p in late] == [True] * 3
+        s = server.statistics()
+        assert (s.connections, s.refused_connections, s.displaced_connections) == (5, 3, 0)
 
     serve(t, max_connections=5)
 

@@ -28,6 +28,7 @@ machine that does no I/O, and a thin shell that does):
   layers: the calls, the windows and the output; connection-wide frames, rate limits and
   time; the bytes cut into frames and the frames of streams. Bytes in (``receive_data``,
   with the time), frames out and events as calls on its host, in the order they happen.
+* ``idle``: which connection a newcomer displaces at ``max_connections`` (``IdleOrder``).
 * ``server``: the asyncio shell: ``H2Server`` (listeners, the tick, stop) and one
   ``ServerProtocol`` per connection, the host: it feeds its ``Connection``, writes what it is
   given, owns the timers and runs each call's method as a task.
@@ -59,7 +60,9 @@ them, with the reasons for their values, in docs/transport.md):
   for the next turn of the event loop, so other connections are served in between.
 * Time and connections: the handshake, idle connections and silent peers have timeouts;
   TCP keepalive finds peers that vanished without a FIN; at most ``max_connections``
-  connections and ``max_streams`` open calls per connection (REFUSED_STREAM above).
+  connections (a newcomer beyond it displaces one without an open call, least recently used,
+  so silent strangers cannot keep Envoy out: ``idle``) and ``max_streams`` open calls per
+  connection (REFUSED_STREAM above).
 * Nothing the peer sent is echoed: errors carry fixed messages, a ``grpc-message`` is at most
   ``MAX_GRPC_MESSAGE`` bytes, GOAWAY debug data is a fixed short string per error (the detail
   goes to our log), and no frame we send exceeds the peer's SETTINGS_MAX_FRAME_SIZE.

@@ -16,6 +16,10 @@ timer), ``tick(now)`` at most a second apart. A connection with no open call for
 that streams on their way are still served, and the final one ``IDLE_DRAIN_S`` later, once no
 call is open, then the close. While calls are open and the peer has been silent for
 ``ping_interval`` we PING it, and drop the connection after ``ping_timeout`` without the ACK.
+
+At ``max_connections`` the server displaces a connection without an open call to take a
+newcomer (``idle.IdleOrder`` chooses it from ``use_mark``): ``displace`` sends the final
+GOAWAY (NO_ERROR, naming the last stream served) and closes.
 """
 
 from __future__ import annotations
@@ -233,6 +237,20 @@ class Control(Flow):
         elif self.calls and now - self._heard_at >= limits.ping_interval:
             self._ping_sent_at = now
             self._write(frame(PING, 0, 0, KEEPALIVE_PING))
+
+    def use_mark(self) -> int | None:
+        """None while a call is open; else the highest stream the peer opened (0: none), which
+        grows with use. ``idle.IdleOrder`` reads it."""
+        return None if self.calls else self._last_id
+
+    def displace(self) -> None:
+        """A newcomer takes this connection's place (it has no open call): the final GOAWAY,
+        NO_ERROR, then the close."""
+        if self.closed:
+            return
+        self.counters.displaced += 1
+        self._goaway(NO_ERROR, "too many connections")
+        self._close()
 
     def shutdown(self) -> None:
         """The server stops: GOAWAY, new streams refused, open ones finish."""

@@ -98,6 +98,7 @@ class Counters:
 
     __slots__ = (
         "calm",
+        "displaced",
         "protocol_errors",
         "refused_connections",
         "refused_streams",
@@ -107,6 +108,7 @@ class Counters:
 
     def __init__(self) -> None:
         self.refused_connections = 0
+        self.displaced = 0  # connections closed to make room for a new one
         self.refused_streams = 0
         self.calm = 0
         self.protocol_errors = 0

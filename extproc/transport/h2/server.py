@@ -1,7 +1,9 @@
 """The asyncio shell around the sans-IO connection: sockets, timers and the methods' tasks.
 
-``H2Server`` listens (TCP or Unix, TLS optional), accepts at most ``max_connections``, ticks
-every connection at most a second apart, and stops in two steps (GOAWAY, then after a grace
+``H2Server`` listens (TCP or Unix, TLS optional), holds at most ``max_connections`` (at the
+limit a newcomer displaces the connection ``idle.IdleOrder`` picks: one without an open call,
+least recently used; it is refused only when every connection has a call open), ticks every
+connection at most a second apart, and stops in two steps (GOAWAY, then after a grace
 every call cancelled). ``ServerProtocol`` is one accepted connection: an ``asyncio.Protocol``
 that only does I/O. It feeds what it reads to its ``connection.Connection`` with the loop's
 time, writes what the connection wants sent (one ``write`` per batch of frames read, one per
@@ -31,6 +33,7 @@ from extproc.transport.h2.call import Call, CallAbort, Method, StatusCode
 from extproc.transport.h2.connection import Connection
 from extproc.transport.h2.flow import Counters
 from extproc.transport.h2.headers import OK_TRAILERS, status_block
+from extproc.transport.h2.idle import IdleOrder
 from extproc.transport.h2.limits import (
     BACKLOG,
     CLOSE_GRACE_S,
@@ -61,7 +64,8 @@ class H2Stats:
     queued_out_bytes: int  # answer bytes waiting for the peer's flow-control window
     write_buffer_bytes: int  # bytes the transports hold because the peer has not read them
     header_cache_bytes: int
-    refused_connections: int
+    refused_connections: int  # every connection had a call open
+    displaced_connections: int  # closed (GOAWAY) to make room for a new one
     refused_streams: int
     calm: int  # connections ended with ENHANCE_YOUR_CALM
     protocol_errors: int  # connections ended with another error
@@ -92,11 +96,15 @@ class ServerProtocol(asyncio.Protocol):
         server = self.server
         limits = server.limits
         if len(server.connections) >= limits.max_connections:
-            server.counters.refused_connections += 1
-            self.connection.closed = True
-            transport.close()
-            return
+            victim = server.idle.victim()
+            if victim is None:  # every connection has a call open
+                server.counters.refused_connections += 1
+                self.connection.closed = True
+                transport.close()
+                return
+            victim.displace()
         server.connections.add(self)
+        server.idle.update(self)
         _keepalive(transport)
         with contextlib.suppress(AttributeError, ValueError):
             transport.set_write_buffer_limits(high=WRITE_HIGH, low=WRITE_LOW)  # type: ignore[attr-defined]
@@ -135,6 +143,7 @@ class ServerProtocol(asyncio.Protocol):
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
         self.server.connections.discard(self)
+        self.server.idle.discard(self)
         self.connection.lost()
         self.server.call_ended()
 
@@ -190,6 +199,15 @@ class ServerProtocol(asyncio.Protocol):
         self._handshake_timer = None
         self.connection.handshake_expired()
 
+    def displace(self) -> None:
+        """A newcomer takes our place: GOAWAY and close; a peer that has not read what we
+        sent before is dropped at once, so its socket does not outlive its place."""
+        self.server.connections.discard(self)
+        self.connection.displace()
+        transport = self.transport
+        if transport is not None and not self._lost and transport.get_write_buffer_size():
+            self.abort()
+
     def stop_calls(self) -> None:
         """The server's grace is over: cancel every call, close next turn."""
         self.connection.cancel_calls()
@@ -227,6 +245,10 @@ class ServerProtocol(asyncio.Protocol):
             self.loop.call_later(CLOSE_GRACE_S, self.abort)
 
 
+def _use_mark(p: ServerProtocol) -> int | None:
+    return p.connection.use_mark()
+
+
 def _keepalive(transport: asyncio.BaseTransport) -> None:
     """TCP keepalive on an accepted TCP socket (not a Unix one): a peer that vanished without
     a FIN (a node lost, a cable pulled) is noticed, and its calls end."""
@@ -252,7 +274,8 @@ class H2Server:
 
     ``max_message``: the largest gRPC message accepted (RESOURCE_EXHAUSTED above); a stream may
     send one message beyond what its method read. ``max_streams``: open calls per connection
-    (announced, REFUSED_STREAM above). ``max_connections``: more are closed at once.
+    (announced, REFUSED_STREAM above). ``max_connections``: a newcomer beyond it displaces
+    a connection without an open call (GOAWAY), or is closed at once if there is none.
     ``connection_window``: request bytes a connection may have buffered (default 4 messages).
     ``send_queue``: answer bytes a connection may hold for a peer that does not take them
     (window closed, or not reading; default 4 messages). ``handshake_timeout``: for the
@@ -270,6 +293,8 @@ class H2Server:
         self.limits = limits = H2Limits.resolve(max_message=max_message, **options)
         self.counters = Counters()
         self.connections: set[ServerProtocol] = set()
+        # Those without an open call, in the order a newcomer at the limit displaces them.
+        self.idle: IdleOrder[ServerProtocol] = IdleOrder(_use_mark)
         self._servers: list[asyncio.Server] = []
         self._stopped = asyncio.Event()
         self._stopping = False
@@ -304,6 +329,7 @@ class H2Server:
             write_buffer_bytes=write_buffer,
             header_cache_bytes=sum(conn.header_cache_bytes for conn in conns),
             refused_connections=c.refused_connections,
+            displaced_connections=c.displaced,
             refused_streams=c.refused_streams,
             calm=c.calm,
             protocol_errors=c.protocol_errors,
@@ -313,8 +339,10 @@ class H2Server:
 
     def _tick(self) -> None:
         now = self.loop.time()
+        idle = self.idle
         for p in list(self.connections):
             p.connection.tick(now)
+            idle.update(p)
         self._ticker = self.loop.call_later(self._tick_s, self._tick)
 
     def _start_ticking(self) -> None:

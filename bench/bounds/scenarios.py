@@ -1,102 +1,38 @@
-"""How fast: the latency bounds of the end-to-end and shared-pool tests, timed on the tests'
-own scenarios.
-
-The tests assert what happens (refused with 429 ``queue_full`` while the queue was full,
-evicted at its deadline and not before, the honest client served during the flood) and wait
-for events with bounded waits that are not claims about speed (``testing.wait``). How fast
-each of those things happens is measured here instead, on the same scenario, against the same
-target the test once asserted, with PASS or MISS:
-
-    python -m bench.bounds                  # every bound (about two minutes, ten stacks)
-    python -m bench.bounds --only queue     # one group (a group's name or a bound's)
-    python -m bench.bounds --strict         # exit 1 on a MISS (the default only reports)
-
-Each row: the bound, the figure in seconds, the target, PASS / MISS (``n/a`` when the scenario
-did not produce the figure, with the reason), and the test whose scenario it times. Figures
-taken by polling the sidecar's metrics (a slot freed, a leaver dropped) include up to one scrape
-(about 10 ms). The leases group runs no stack: lease managers on ``testing.leases``' fake local
-pool and a redis-server of its own. On two shared cores a MISS can be the machine:
-rerun before believing it.
-"""
+"""The scenarios ``bench.bounds`` times, one group of the end-to-end or shared-pool tests
+each: each takes its running stack (or, for a group without a stack, a folder) and returns the
+figures, in seconds, of the bounds its group holds (``bench.bounds.BOUNDS``)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import signal
-import sys
-import tempfile
+import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.common.stats import percentile
-from bench.common.table import fmt, format_table
+from extproc.transport.h2.frames import PREFACE
 from testing.clients import Reply, SlowClient, chat, honest_load, post, slow_stream
-from testing.envoy import cluster_named, hcm_config, with_route_metadata
+from testing.envoy import cluster_named, hcm_config, render_envoy_config, with_route_metadata
 from testing.harness import (
     gauge,
     holder_and_queue,
-    running_stack,
     until_in_flight,
     until_queued,
 )
 from testing.leases import leases_in_redis, replica
 from testing.redis import RedisServer
-from testing.stack import Stack
+from testing.stack import Stack, free_port, running_envoy
 from testing.wait import until_async
-
-__all__ = ["BOUNDS", "Bound", "main"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Bound:
-    name: str
-    group: str  # the scenario (one stack) that produces it
-    target_s: float
-    test: str  # the test whose scenario this is, and which keeps the functional fact
-
-
-def _b(name: str, group: str, target_s: float, test: str) -> Bound:
-    return Bound(name=name, group=group, target_s=target_s, test=test)
-
-
-E2E, POOL, RELOAD = "test_e2e.py", "test_pool_through_envoy.py", "test_reload.py"
-LEASES = "test_leases.py"
-BOUNDS = [
-    _b("slot_freed_after_stream", "queue", 0.5, f"{E2E}::test_slot_is_held_through_sse..."),
-    _b("queue_timeout_eviction", "queue", 2.5, f"{E2E}::test_queue_timeout_evicts_with_429..."),
-    _b("queue_full_refusal", "queue", 0.5, f"{E2E}::test_full_queue_rejects_at_once"),
-    _b("leaver_dropped", "queue", 0.5, f"{E2E}::test_client_leaving_the_queue_frees_its_place"),
-    _b("stayer_moves_up", "queue", 1.4, f"{E2E}::test_client_leaving_the_queue_frees_its_place"),
-    _b("client_deadline", "pool", 1.3, f"{POOL}::test_a_stated_client_deadline_caps..."),
-    _b("wait_too_long_refusal", "pool", 0.3, f"{POOL}::test_a_wait_that_cannot_fit..."),
-    _b("route_share_eviction", "reload", 1.2, f"{RELOAD}::test_route_metadata_sets..."),
-    _b("other_route_during_share", "reload", 1.0, f"{RELOAD}::test_route_metadata_sets..."),
-    _b("free_share_slot", "reload", 1.0, f"{RELOAD}::test_route_metadata_sets..."),
-    _b("sigterm_refuses_queued", "shutdown", 1.0, "test_failure.py::test_sigterm_drains..."),
-    _b("sigterm_exit", "shutdown", 5.0, "test_failure.py::test_sigterm_drains..."),
-    _b("sidecar_restart_recovery", "restart", 2.0, "test_faults.py::test_sidecar_killed..."),
-    _b("stalled_upload_bystanders", "stall", 3.0, "test_corpus.py::test_stalled_chunked..."),
-    _b("message_timeout_504", "timers", 5.0, "test_envoy_answers.py::test_a_sidecar_that..."),
-    _b("backend_timeout_504", "timers", 3.0, "test_envoy_answers.py::test_envoys_own..."),
-    _b("request_timeout_408", "timers", 3.5, "test_envoy_answers.py::test_envoys_own..."),
-    _b("request_headers_timeout_408", "timers", 2.5, "test_envoy_answers.py::test_envoys_own..."),
-    _b("route_timeout_stream_cut", "timers", 3.6, f"{POOL}::test_the_route_timeout_does_not..."),
-    _b("worst_bodies_bystanders_p99", "bodies", 0.1, "test_large_bodies.py::test_a_burst..."),
-    _b("queued_bytes_refusal", "bodies", 1.0, "test_large_bodies.py::test_bytes_held..."),
-    _b("slow_uploads_bystanders_p99", "slow", 1.0, "test_slow_clients.py::test_slow_bodies..."),
-    _b("dead_replica_leases_gone", "leases", 1.3, f"{LEASES}::test_a_dead_replicas_leases..."),
-    _b("dead_replica_takeover", "leases", 1.3, f"{LEASES}::test_a_dead_replicas_leases..."),
-    _b("leader_takeover", "leases", 1.63, f"{LEASES}::test_one_leader_publishes..."),
-]
 
 Figures = dict[str, float]
 Held = tuple[asyncio.Future[Reply], list[asyncio.Future[Reply]]]  # holder_and_queue's
@@ -491,83 +427,50 @@ async def leases_group(tmp: Path) -> Figures:
     return out
 
 
-# --- running them ------------------------------------------------------------------------------
+# --- lockout: 300 idle handshaken connections on the sidecar's port (test_idle_strangers.py) ---
 
-# A group: its scenarios, each (policy, running_stack's keywords, the scenario on that stack);
-# or, for a group without a stack, one scenario that gets a folder.
-Group = tuple[str | None, dict[str, Any], Callable[[Stack], Awaitable[Figures]]]
-GROUPS: dict[str, list[Group] | Callable[[Path], Awaitable[Figures]]] = {
-    "queue": [(QUEUE_POLICY, {}, queue_group)],
-    "pool": [(POOL_POLICY, {}, pool_group)],
-    "reload": [(RELOAD_POLICY, {"rds": True}, reload_group)],
-    "shutdown": [(ONE_SLOT, {}, shutdown_group)],
-    "restart": [(FAULTS_POLICY, {}, restart_group)],
-    "stall": [(None, {}, stall_group)],
-    "timers": [(None, {"envoy_patch": timers}, timers_group)],
-    "bodies": [(BODIES_POLICY, {}, bodies_group), (QUEUED_BYTES_POLICY, {}, queued_bytes_group)],
-    "slow": [(SLOW_POLICY, {"envoy_patch": scale_down_breakers}, slow_group)],
-    "leases": leases_group,  # no stack
-}
+LOCKOUT_POLICY = "buckets: [{name: all, max_concurrency: 4, queue_timeout: 2s, max_queue: 10}]"
+EMPTY_SETTINGS, SETTINGS_ACK = (
+    bytes.fromhex("000000040000000000"),
+    bytes.fromhex("000000040100000000"),
+)
 
 
-def run_group(name: str, tmp: Path) -> tuple[Figures, str]:
-    """The group's figures, and why some are missing ("" when none is)."""
-    figures: Figures = {}
-    group = GROUPS[name]
+def stranger(port: int) -> socket.socket:
+    """A connection that completes the HTTP/2 handshake, then says nothing."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(PREFACE + EMPTY_SETTINGS + SETTINGS_ACK)
+    got = b""
+    with contextlib.suppress(OSError):  # closed at once: the server refused it
+        while SETTINGS_ACK not in got and (chunk := sock.recv(4096)):  # the server's ACK
+            got += chunk
+    return sock
+
+
+async def lockout_group(stack: Stack) -> Figures:
+    """300 strangers held (the sidecar keeps 256), then a new connection's gRPC call (a
+    health Check on a fresh grpc.aio channel), then a request through an Envoy started now."""
+    out: Figures = {}
+    strangers = [stranger(stack.extproc_port) for _ in range(300)]
     try:
-        if callable(group):  # no stack: the scenario gets a folder of its own
-            return asyncio.run(asyncio.wait_for(group(tmp / name), 120)), ""
-        for i, (policy, kwargs, scenario) in enumerate(group):
-            with running_stack(tmp / f"{name}-{i}", policy, **kwargs) as stack:
-                figures |= asyncio.run(asyncio.wait_for(scenario(stack), 120))
-    except Exception as e:  # a scenario that breaks is reported, the others still run
-        return figures, f"{type(e).__name__}: {e}"[:200]
-    return figures, ""
-
-
-def report(figures: Figures, reasons: dict[str, str]) -> tuple[str, int]:
-    """The table, and how many bounds were missed."""
-    rows, missed = [], 0
-    for b in BOUNDS:
-        if b.group not in reasons:
-            continue
-        got = figures.get(b.name)
-        verdict = "n/a" if got is None else "PASS" if got < b.target_s else "MISS"
-        missed += verdict == "MISS"
-        note = b.test if got is not None else reasons[b.group] or "not measured"
-        rows.append([b.name, fmt(got, 3), f"< {b.target_s:g}", verdict, note])
-    return format_table(["bound", "seconds", "target", "verdict", "test"], rows), missed
-
-
-@contextlib.contextmanager
-def _tmp() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="bench-bounds-") as d:
-        yield Path(d)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.bounds", description=__doc__.split("\n")[0])
-    ap.add_argument("--only", default="", help="groups or bounds, comma-separated")
-    ap.add_argument("--strict", action="store_true", help="exit 1 when a bound is missed")
-    args = ap.parse_args(argv)
-    wanted = {w for w in args.only.split(",") if w}
-    unknown = wanted - set(GROUPS) - {b.name for b in BOUNDS}
-    if unknown:
-        ap.error(f"unknown: {', '.join(sorted(unknown))}")
-    groups = [g for g in GROUPS if not wanted or g in wanted or any(
-        b.group == g and b.name in wanted for b in BOUNDS)]  # fmt: skip
-    figures: Figures = {}
-    reasons: dict[str, str] = {}
-    with _tmp() as tmp:
-        for name in groups:
-            print(f"{name} ...", file=sys.stderr, flush=True)
-            got, reasons[name] = run_group(name, tmp)
-            figures |= got
-    table, missed = report(figures, reasons)
-    print(table)
-    print(f"\n{missed} missed" if missed else "\nevery bound met")
-    return 1 if args.strict and missed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        t0 = time.monotonic()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.extproc_port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        out["new_call_beside_idle_strangers"] = time.monotonic() - t0
+        port = free_port()
+        text = render_envoy_config(
+            listener_port=port,
+            backend_port=stack.backend_port,
+            extproc_port=stack.extproc_port,
+            admin_port=free_port(),
+        )
+        with running_envoy(yaml.safe_load(text), stack.log_dir, port):
+            async with aiohttp.ClientSession() as s:
+                r = await post(s, f"http://127.0.0.1:{port}{CHAT}", chat())
+        _status(r, 200, "through the Envoy started after the strangers")
+        out["envoy_beside_idle_strangers"] = r.elapsed
+    finally:
+        for sock in strangers:
+            sock.close()
+    return out

@@ -1,0 +1,7 @@
+"""``python -m bench.bounds``."""
+
+import sys
+
+from bench.bounds import main
+
+sys.exit(main())
