@@ -24,6 +24,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from extproc.ops.loops import LOOPS
 from extproc.outcome import OUTCOMES
 from extproc.pool.adaptive import AdaptiveSnapshot
 from extproc.pool.lease_adapter import SharedSnapshot
@@ -155,6 +156,15 @@ class Metrics:
             ["call"],
             registry=r,
         )
+        self.loop_errors = Counter(
+            "llm_extproc_loop_errors",
+            "Rounds of a background loop that raised (the loop goes on), or a loop that ended, "
+            "by loop.",
+            ["loop"],
+            registry=r,
+        )
+        for loop in LOOPS:
+            self.loop_errors.labels(loop)
         self.requests = Counter(
             "llm_extproc_requests",
             "LLM requests finished, by bucket and outcome.",

@@ -28,7 +28,8 @@ from the limit in force.
 
 Every task started here has an owner: the overload tick and the poller's own task are awaited
 by ``stop``, a poller stopped on a reload or a change of leader is awaited there too, and a
-lease manager left behind by a reload is closed before ``close`` returns.
+lease manager left behind by a reload is closed before ``close`` returns. The loops run under
+guards (``extproc.ops.loops``), counted in ``llm_extproc_loop_errors_total{loop}``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from extproc.config.policy import (
     PoolPolicy,
     SharedPolicy,
 )
+from extproc.ops.loops import Guard
 from extproc.ops.metrics import Metrics
 from extproc.pool import demand
 from extproc.pool.adaptive import AdaptiveLimit
@@ -121,7 +123,8 @@ class PoolControl:
             self._shared.start()
         if self._poller is not None:
             self._poller.start()
-        self._task = asyncio.get_running_loop().create_task(self._tick_loop(), name="overload")
+        guard = Guard("overload", log, self._loop_error)
+        self._task = guard.start(self._tick_round, OVERLOAD_TICK_S, first_s=OVERLOAD_TICK_S)
 
     async def stop(self) -> None:
         """Stop the controllers. A shared pool's leases stay held (and renewed) until
@@ -143,6 +146,9 @@ class PoolControl:
             await manager.close()
         if self._closing:
             await asyncio.wait(self._closing)
+
+    def _loop_error(self, loop: str) -> None:
+        self._metrics.loop_errors.labels(loop).inc()
 
     def _spawn(self, coro: Coroutine[Any, Any, None], owner: set[asyncio.Task[None]]) -> None:
         """Run ``coro`` as a task kept in ``owner`` until it ends (awaited by stop or close)."""
@@ -225,7 +231,14 @@ class PoolControl:
             self._shared.publish_limit(limit.limit)
         else:
             self._gate.set_pool_limit(limit.limit)
-        return Poller(scraper, limit, self._on_limit, self._demand, self._objectives_apply)
+        return Poller(
+            scraper,
+            limit,
+            self._on_limit,
+            self._demand,
+            self._objectives_apply,
+            on_loop_error=self._loop_error,
+        )
 
     def _demand(self) -> tuple[int, int]:
         """(in flight, waiting) for the adaptive limit: ``demand.limit_demand`` for a pool of
@@ -268,14 +281,9 @@ class PoolControl:
 
     # --- overload ----------------------------------------------------------------------------
 
-    async def _tick_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(OVERLOAD_TICK_S)
-            try:
-                self.tick(loop.time())
-            except Exception:
-                log.exception("overload tick failed")
+    async def _tick_round(self) -> None:
+        """One round of the overload loop (its guard logs and counts a failure)."""
+        self.tick(asyncio.get_running_loop().time())
 
     def tick(self, now: float) -> Overload | None:
         """One look at the protected bands; apply the factor when it changes."""
