@@ -152,7 +152,9 @@ class Metrics:
         )
         self.shared_redis_errors = Counter(
             "llm_extproc_shared_redis_errors",
-            "Redis calls of the shared pool that failed or timed out, by call.",
+            "Errors of the shared pool's Redis side, by call: acquire, return, renew (failed, "
+            "timed out, or a reply refused), events (the subscription lost, or a message "
+            "refused), demand (another replica's demand table refused, counted as none).",
             ["call"],
             registry=r,
         )
