@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2
 
 from extproc.config.policy import Policy, load_policy, policy_from_yaml
 from extproc.contract import EXT_PROC_SERVICE
+from extproc.ops.loops import Guard
 from extproc.ops.metrics import Metrics, serve_metrics
 from extproc.pool.control import PoolControl
 from extproc.pool.gate import Gate
@@ -67,6 +68,7 @@ class Sidecar:
         self.policy_path = Path(policy_path) if policy_path is not None else None
         self.watch_interval_s = watch_interval_s
         self._watch_task: asyncio.Task[None] | None = None
+        self._watched: tuple[int, int, int] | None = None  # the policy file as last seen
         self.service: ExtProcService | None = None
         self.listen = listen
         self.metrics_listen = metrics_listen
@@ -105,7 +107,10 @@ class Sidecar:
             self._metrics_server = await serve_metrics(host, mport, metrics, self.debug_queues)
             self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
         if self.policy_path is not None and self.watch_interval_s > 0:
-            self._watch_task = asyncio.ensure_future(self._watch())
+            self._watched = self._file_state()
+            guard = Guard("policy-watch", log, lambda loop: metrics.loop_errors.labels(loop).inc())
+            every = self.watch_interval_s
+            self._watch_task = guard.start(self._watch, every, first_s=every)
         log.info(
             "serving ext_proc on %s (%s), metrics on %s; mode %s; buckets: %s",
             self.listen,
@@ -147,16 +152,14 @@ class Sidecar:
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     async def _watch(self) -> None:
-        """Poll the policy file (an atomic `mv` over it changes its inode; an edit in place
-        its mtime or size). Polling needs no extra dependency and sees Kubernetes ConfigMap
-        symlink swaps too."""
-        last = self._file_state()
-        while True:
-            await asyncio.sleep(self.watch_interval_s)
-            now = self._file_state()
-            if now is not None and now != last:
-                self.reload()
-            last = now
+        """One look at the policy file, every ``watch_interval_s`` (an atomic `mv` over it
+        changes its inode; an edit in place its mtime or size): one reload per change.
+        Polling needs no extra dependency and sees Kubernetes ConfigMap symlink swaps too. A
+        look that raises is the loop's guard's (``extproc.ops.loops``)."""
+        now, last = self._file_state(), self._watched
+        self._watched = now
+        if now is not None and now != last:
+            self.reload()
 
     def debug_queues(self) -> dict[str, object]:
         """Each bucket, each live route share and the shared pool, as JSON."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 
@@ -73,13 +73,17 @@ def replica(
     adaptive: bool = False,
     lease_s: float = 1.0,
     rand: Callable[[], float] = random.random,
+    **options: Any,
 ) -> tuple[LeaseManager, FakePool]:
     """A manager named ``name`` on a fresh :class:`FakePool`, keys under ``KEY_PREFIX``; its
     calls' deadline is the longest the policy allows (a quarter of the lease), so that a
-    loaded machine is less often taken for Redis gone."""
+    loaded machine is less often taken for Redis gone. ``options``: the manager's other
+    arguments (``on_error``, ``bounds``...)."""
     pool = FakePool()
     policy = SharedPolicy(redis=url, key_prefix=KEY_PREFIX, lease_s=lease_s, timeout_s=lease_s / 4)
-    m = LeaseManager(pool, policy, limit=limit, adaptive=adaptive, replica=name, rand=rand)
+    m = LeaseManager(
+        pool, policy, limit=limit, adaptive=adaptive, replica=name, rand=rand, **options
+    )
     pool.manager = m
     return m, pool
 

@@ -24,6 +24,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from extproc.ops.loops import LOOPS
 from extproc.outcome import OUTCOMES
 from extproc.pool.adaptive import AdaptiveSnapshot
 from extproc.pool.lease_adapter import SharedSnapshot
@@ -151,10 +152,21 @@ class Metrics:
         )
         self.shared_redis_errors = Counter(
             "llm_extproc_shared_redis_errors",
-            "Redis calls of the shared pool that failed or timed out, by call.",
+            "Errors of the shared pool's Redis side, by call: acquire, return, renew (failed, "
+            "timed out, or a reply refused), events (the subscription lost, or a message "
+            "refused), demand (another replica's demand table refused, counted as none).",
             ["call"],
             registry=r,
         )
+        self.loop_errors = Counter(
+            "llm_extproc_loop_errors",
+            "Rounds of a background loop that raised (the loop goes on), or a loop that ended, "
+            "by loop.",
+            ["loop"],
+            registry=r,
+        )
+        for loop in LOOPS:
+            self.loop_errors.labels(loop)
         self.requests = Counter(
             "llm_extproc_requests",
             "LLM requests finished, by bucket and outcome.",

@@ -18,7 +18,12 @@
   holds. With an adaptive pool, only the replica that holds the leadership (elected in Redis)
   runs the poller, on the whole pool's demand (``demand.shared_limit_demand``), and publishes
   the limit through the manager; the others read it from Redis. A replica that gains the
-  leadership starts its poller from the limit in force; one that loses it stops its own.
+  leadership starts its poller from the limit in force; one that loses it stops its own. A
+  degraded replica (Redis unreachable, or a URL that cannot be used) hears no leader, so it
+  runs a poller of its own, on its demand standing for each replica's, and its local share is
+  of the limit that poller finds: the limit keeps following the backend; shared again, it
+  stops that poller unless it leads. A limit read from Redis is clamped to the policy's
+  (``limit_bounds``).
 
 Each transition is one log line (``extproc.control``). The gauges (``gauges``, read by the
 metrics collector at scrape time) and the pool's entry of /debug/queues (``debug``) render the
@@ -29,7 +34,8 @@ from the limit in force.
 
 Every task started here has an owner: the overload tick and the poller's own task are awaited
 by ``stop``, a poller stopped on a reload or a change of leader is awaited there too, and a
-lease manager left behind by a reload is closed before ``close`` returns.
+lease manager left behind by a reload is closed before ``close`` returns. The loops run under
+guards (``extproc.ops.loops``), counted in ``llm_extproc_loop_errors_total{loop}``.
 """
 
 from __future__ import annotations
@@ -49,14 +55,15 @@ from extproc.config.policy import (
     PoolPolicy,
     SharedPolicy,
 )
+from extproc.ops.loops import Guard
 from extproc.ops.metrics import Metrics
 from extproc.pool import demand
 from extproc.pool.adaptive import AdaptiveLimit
 from extproc.pool.gate import POOL, Gate
-from extproc.pool.lease_adapter import LeaseAdapter, SharedSnapshot, starting_limit
+from extproc.pool.lease_adapter import LeaseAdapter, SharedSnapshot, limit_bounds, starting_limit
 from extproc.pool.overload import Overload, OverloadMonitor, OverloadSnapshot
 from extproc.pool.poller import BackendSnapshot, Poller
-from extproc.pool.shared import LeaseManager
+from extproc.pool.shared import LeaseManager, Mode
 from extproc.pool.values import PoolStats
 from extproc.pool.view import render_debug, render_gauges
 
@@ -122,7 +129,8 @@ class PoolControl:
             self._shared.start()
         if self._poller is not None:
             self._poller.start()
-        self._task = asyncio.get_running_loop().create_task(self._tick_loop(), name="overload")
+        guard = Guard("overload", log, self._loop_error)
+        self._task = guard.start(self._tick_round, OVERLOAD_TICK_S, first_s=OVERLOAD_TICK_S)
 
     async def stop(self) -> None:
         """Stop the controllers. A shared pool's leases stay held (and renewed) until
@@ -144,6 +152,9 @@ class PoolControl:
             await manager.close()
         if self._closing:
             await asyncio.wait(self._closing)
+
+    def _loop_error(self, loop: str) -> None:
+        self._metrics.loop_errors.labels(loop).inc()
 
     def _spawn(self, coro: Coroutine[Any, Any, None], owner: set[asyncio.Task[None]]) -> None:
         """Run ``coro`` as a task kept in ``owner`` until it ends (awaited by stop or close)."""
@@ -168,7 +179,7 @@ class PoolControl:
             if shared is None or pool is None:
                 return
             metrics = self._metrics
-            for call in ("acquire", "return", "renew"):
+            for call in ("acquire", "return", "renew", "events", "demand"):
                 metrics.shared_redis_errors.labels(call)
             self._leases = LeaseAdapter(self._gate)
             self._shared = LeaseManager(
@@ -176,9 +187,11 @@ class PoolControl:
                 shared,
                 limit=starting_limit(pool),
                 adaptive=pool.adaptive is not None,
-                on_degraded=metrics.shared_degraded.inc,
+                bounds=limit_bounds(pool),
+                on_mode=self._on_mode,
                 on_error=lambda call: metrics.shared_redis_errors.labels(call).inc(),
                 on_leader=self._on_leader,
+                on_loop_error=self._loop_error,
             )
             self._leases.attach(self._shared, self._shared.limit)
             if self._started:
@@ -186,12 +199,31 @@ class PoolControl:
             return
         assert self._shared is not None and pool is not None
         self._shared.adaptive = pool.adaptive is not None
+        self._shared.adaptive_bounds = limit_bounds(pool)
         self._shared.set_static_limit(starting_limit(pool))
 
     def _leads(self) -> bool:
-        """Whether this replica runs the adaptive poller: always, unless the pool is shared
-        and another replica leads."""
-        return self._shared is None or self._shared.is_leader
+        """Whether this replica runs the adaptive poller: always, unless the pool is shared,
+        in shared mode, and another replica leads."""
+        s = self._shared
+        return s is None or s.is_leader or s.mode is Mode.DEGRADED
+
+    def _on_mode(self, mode: Mode) -> None:
+        """The lease manager went degraded or shared again: who runs the poller follows."""
+        if mode is Mode.DEGRADED:
+            self._metrics.shared_degraded.inc()
+        policy = self._policy
+        pool = policy.pool if policy is not None else None
+        if policy is None or pool is None or pool.adaptive is None:
+            return
+        if self._leads() and self._poller is None:
+            log.warning("shared pool degraded: this replica computes the adaptive limit itself")
+            self._poller = self._make_poller(pool.adaptive, policy.backend, pool.max_concurrency)
+            if self._started:
+                self._poller.start()
+        elif not self._leads() and self._poller is not None:
+            log.warning("shared pool: shared again, the leader computes the adaptive limit")
+            self._stop_poller()
 
     def _on_leader(self, leads: bool) -> None:
         policy = self._policy
@@ -226,7 +258,14 @@ class PoolControl:
             self._shared.publish_limit(limit.limit)
         else:
             self._gate.set_pool_limit(limit.limit)
-        return Poller(scraper, limit, self._on_limit, self._demand, self._objectives_apply)
+        return Poller(
+            scraper,
+            limit,
+            self._on_limit,
+            self._demand,
+            self._objectives_apply,
+            on_loop_error=self._loop_error,
+        )
 
     def _demand(self) -> tuple[int, int]:
         """(in flight, waiting) for the adaptive limit: ``demand.limit_demand`` for a pool of
@@ -269,14 +308,9 @@ class PoolControl:
 
     # --- overload ----------------------------------------------------------------------------
 
-    async def _tick_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(OVERLOAD_TICK_S)
-            try:
-                self.tick(loop.time())
-            except Exception:
-                log.exception("overload tick failed")
+    async def _tick_round(self) -> None:
+        """One round of the overload loop (its guard logs and counts a failure)."""
+        self.tick(asyncio.get_running_loop().time())
 
     def tick(self, now: float) -> Overload | None:
         """One look at the protected bands; apply the factor when it changes."""

@@ -33,13 +33,21 @@ from extproc.pool.gate import POOL, Gate
 from extproc.pool.shared import LeaseManager, Mode
 from extproc.pool.view import gauge
 
-__all__ = ["LeaseAdapter", "LeaseHooks", "SharedSnapshot", "starting_limit"]
+__all__ = ["LeaseAdapter", "LeaseHooks", "SharedSnapshot", "limit_bounds", "starting_limit"]
 
 
 def starting_limit(pool: PoolPolicy) -> int:
     """Where the pool's limit starts on this replica: the adaptive limit's ``initial`` (until a
     leader publishes one), or the static limit."""
     return pool.adaptive.initial if pool.adaptive is not None else pool.max_concurrency
+
+
+def limit_bounds(pool: PoolPolicy) -> tuple[int, int]:
+    """What this replica accepts as the shared pool's limit, read from Redis: an adaptive
+    pool's ``min`` and ``max``, a static pool's ``max_concurrency`` alone."""
+    if pool.adaptive is not None:
+        return pool.adaptive.min_limit, pool.adaptive.max_limit
+    return pool.max_concurrency, pool.max_concurrency
 
 
 class LeaseHooks(Protocol):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from extproc.backend.scrape import Signals
+from extproc.ops.loops import Guard
 from extproc.pool.adaptive import AdaptiveLimit, LimitState
 from extproc.pool.view import gauge
 
@@ -95,7 +96,9 @@ class Poller:
     Rounds run one after another in one task, so there is never more than one scrape in flight;
     a round that takes longer than the interval delays the next one rather than overlapping it.
     An exception in a round (scrape, ``demand``, ``on_update``) is logged and the loop goes on: a
-    scrape that raised counts as no data, so the limit degrades to holding and fallback.
+    scrape that raised counts as no data, so the limit degrades to holding and fallback. Any
+    other exception of a round is the loop's guard's (``extproc.ops.loops``: logged, counted
+    by ``on_loop_error``, the next round after a backoff).
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class Poller:
         on_update: Callable[[int, Signals | None], None],
         demand: Callable[[], tuple[int, int]],
         objectives: Callable[[], bool] | None = None,
+        on_loop_error: Callable[[str], None] | None = None,
     ) -> None:
         """``demand()`` returns our (in_flight, waiting) for the pool, read at each round;
         ``objectives()`` whether the latency objectives apply this round (default: always)."""
@@ -118,6 +122,8 @@ class Poller:
         self._demand = demand
         self._objectives = objectives
         self._task: asyncio.Task[None] | None = None
+        self._guard = Guard("backend-poller", log, on_loop_error)
+        self._next_at: float | None = None  # when the next round is due (None: now)
         self._lock = asyncio.Lock()
         self._errors: tuple[str, ...] = ()  # the last round's endpoint errors, logged on change
         self.rounds = 0
@@ -125,7 +131,8 @@ class Poller:
     def start(self) -> None:
         if self._task is not None:
             raise RuntimeError("poller already started")
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="backend-poller")
+        self._next_at = None
+        self._task = self._guard.start(self._round, self.interval_s)
 
     async def stop(self) -> None:
         task, self._task = self._task, None
@@ -167,15 +174,15 @@ class Poller:
                 log.exception("backend on_update callback failed")
             return limit
 
-    async def _run(self) -> None:
+    async def _round(self) -> float:
+        """One round of the loop; the pause until the next one is due. The rounds keep to
+        a grid of intervals from the first one (or the one after a round that raised)."""
         loop = asyncio.get_running_loop()
-        next_at = loop.time()
-        while True:
-            await self.poll_once()
-            next_at += self.interval_s
-            now = loop.time()
-            next_at = max(next_at, now)  # late: start the next round now, do not catch up
-            await asyncio.sleep(next_at - now)
+        due, self._next_at = (loop.time() if self._next_at is None else self._next_at), None
+        await self.poll_once()
+        now = loop.time()
+        self._next_at = max(due + self.interval_s, now)  # late: now, do not catch up
+        return self._next_at - now
 
     def _log_round(self, before: tuple[int, LimitState], signals: Signals | None) -> None:
         a = self.adaptive

@@ -334,3 +334,43 @@ def test_poller_never_overlaps_scrapes() -> None:
             Poller(scraper, limiter(interval_s=0.0), lambda limit, s: None, lambda: (0, 0))
 
     run(main())
+
+
+def test_poller_goes_on_after_a_round_that_raised_outside_its_callbacks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The adaptive limit's own update raising (not one of the callbacks the round guards one
+    by one) ended the poller's task; under its guard (``extproc.ops.loops``) it is logged with
+    its traceback and the next round comes an interval later."""
+
+    class Steady:
+        async def scrape(self, now: float) -> Signals:
+            return sig(now)
+
+    async def main() -> None:
+        a = limiter(interval_s=0.5)
+        update, calls = a.update, []
+        three = asyncio.Event()
+
+        def updating(now: float, *args: object, **kw: object) -> int:
+            calls.append(round(now, 9))
+            if len(calls) == 3:
+                three.set()
+            if len(calls) == 1:
+                raise ZeroDivisionError("update broke")
+            return update(now, *args, **kw)  # type: ignore[arg-type]
+
+        a.update = updating  # type: ignore[method-assign]
+        poller = Poller(Steady(), a, lambda limit, s: None, lambda: (0, 0))
+        poller.start()
+        await three.wait()
+        await poller.stop()
+        assert calls == [0.0, 0.5, 1.0] and poller.rounds == 2
+
+    with caplog.at_level(logging.ERROR, logger="extproc.backend"):
+        run(main())
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "backend-poller: a round failed (1 in a row); the loop goes on in 0.50 s"
+    )
+    assert record.exc_info is not None

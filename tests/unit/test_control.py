@@ -91,11 +91,14 @@ def test_the_tick_loop_looks_every_tick_on_the_loops_clock(
 ) -> None:
     """``start`` runs ``tick(loop.time())`` every ``OVERLOAD_TICK_S``: the cut comes at the
     first tick after the evictions and each step at the tick the policy's clocks say; a tick
-    that raises is logged and the next one comes all the same."""
+    that raises is logged, counted (``llm_extproc_loop_errors_total{loop="overload"}``) and
+    the next one comes all the same."""
+    metrics: list[Metrics] = []
 
     async def main() -> None:
         gate = Gate(POLICY)
-        control = PoolControl(gate, Metrics(gate.statistics))
+        metrics.append(Metrics(gate.statistics))
+        control = PoolControl(gate, metrics[0])
         control.apply(POLICY)
         changes: list[tuple[float, str, float]] = []
         tick = control.tick
@@ -137,7 +140,14 @@ def test_the_tick_loop_looks_every_tick_on_the_loops_clock(
 
     with caplog.at_level(logging.ERROR, logger="extproc.control"):
         run_virtual(main())
-    assert [r.getMessage() for r in caplog.records] == ["overload tick failed"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "overload: a round failed (1 in a row); the loop goes on in 1.00 s"
+    ]
+    assert caplog.records[0].exc_info is not None  # with its traceback
+    errors = metrics[0].registry.get_sample_value(
+        "llm_extproc_loop_errors_total", {"loop": "overload"}
+    )
+    assert errors == 1
 
 
 def test_client_deadlines_that_pass_do_not_trip_the_cut() -> None:

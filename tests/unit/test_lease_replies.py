@@ -3,6 +3,7 @@ replica knows (``extproc.pool.shared.ledger``). No Redis, no event loop."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -15,36 +16,49 @@ from extproc.pool.shared.replies import DemandChanged, Freed, ReplyError
 
 
 def test_replies_decode_as_redis_py_reads_them() -> None:
-    assert replies.acquired([2, 5, 8, [b"a", b"0:1,5:2", b"c", b""]]) == replies.Acquired(
+    reply = [2, 5, 8, [b"a", b"0:1,5:2", b"c", b""]]
+    assert replies.acquired(reply, asked=2) == replies.Acquired(
         granted=2, count=5, limit=8, others={"a": {0: 1, 5: 2}}
     )
-    assert replies.returned([1, 4, 8]) == replies.Returned(given=1, count=4, limit=8)
+    assert replies.returned([1, 4, 8], sent=1) == replies.Returned(given=1, count=4, limit=8)
     reply = [3, 8, b"a", [b"b:7"], 1, [b"c", b"a"], []]
-    assert replies.renewed(reply) == replies.Renewed(
+    assert replies.renewed(reply, renewing=1, claiming=1) == replies.Renewed(
         count=3, limit=8, leader="a", lost=("b:7",), claimed=1, live=("c", "a"), others={}
     )
+
+
+def _returned(reply: object) -> object:
+    return replies.returned(reply, sent=1)
+
+
+def _acquired(reply: object) -> object:
+    return replies.acquired(reply, asked=1)
+
+
+def _renewed(reply: object) -> object:
+    return replies.renewed(reply, renewing=2, claiming=0)
 
 
 @pytest.mark.parametrize(
     ("decode", "reply", "error"),
     [
-        (replies.returned, None, "RETURN reply: expected a list, got NoneType"),
+        (_returned, None, "RETURN reply: expected a list, got NoneType"),
         (
-            replies.returned,
+            _returned,
             [1, 2],
             r"RETURN reply: expected 3 items \(given, count, limit\), got 2",
         ),
-        (replies.returned, [1, b"x", 3], "RETURN reply: count should be an integer, got b'x'"),
-        (replies.returned, [1, True, 3], "RETURN reply: count should be an integer, got True"),
-        (replies.acquired, [1, 2, 3, [b"a"]], "ACQUIRE reply: others' demand has an odd length 1"),
-        (replies.acquired, [1, 2, 3, b"a"], "ACQUIRE reply: others' demand should be a list"),
+        (_returned, [1, b"x", 3], "RETURN reply: count should be an integer, got b'x'"),
+        (_returned, [1, True, 3], "RETURN reply: count should be an integer, got True"),
+        (_acquired, [1, 2, 3, [b"a"]], "ACQUIRE reply: others' demand has an odd length 1"),
+        (_acquired, [1, 2, 3, b"a"], "ACQUIRE reply: others' demand should be a list"),
         (
-            replies.renewed,
+            _renewed,
             [3, 8, None, [], 0, [], []],
             "RENEW reply: leader should be a string, got None",
         ),
         (
-            replies.renewed,
+            _renewed,
             [3, 8, b"", [b"x", 7], 0, [], []],
             r"RENEW reply: lost\[1\] should be a string, got 7",
         ),
@@ -72,6 +86,105 @@ def test_events(text: bytes | str, event: object) -> None:
     assert replies.event(text) == event
 
 
+# --- untrusted input: what Redis (anyone who can write the pool's keys) may hold -------------
+
+HUGE = b"9" * 5000  # more digits than int() reads (4,300)
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        (
+            b"demand a 0:" + HUGE,
+            "a demand message from 'a' refused: a table of 5002 bytes (at most 4096)",
+        ),
+        (
+            b"demand a 0:" + b"9" * 19,
+            "a demand message from 'a' refused: the item '0:9999999999999999999' has a number "
+            "of more than 18 digits",
+        ),
+        (
+            b"demand a 0:1,x:2",
+            "a demand message from 'a' refused: the item 'x:2' is not band:count",
+        ),
+        (
+            "demand a 0:\u0663".encode(),
+            "a demand message from 'a' refused: the item '0:\u0663' is not",
+        ),
+        (
+            b"demand a 0:\xff",
+            "a message not UTF-8 (invalid start byte at byte 11): b'demand a 0:\\xff'",
+        ),
+        (b"demand a " + b"0:1," * 3000, "a message of 12009 bytes (at most 8192)"),
+        (b"freed " + b"a" * 9000, "a message of 9006 bytes (at most 8192)"),
+    ],
+)
+def test_a_hostile_event_is_refused_with_the_reason(text: bytes, why: str) -> None:
+    """A count of 5,000 digits made ``int()`` raise and ended the listener; a non-UTF-8 message
+    the same; a message of any size was read whole."""
+    event = replies.event(text)
+    assert isinstance(event, replies.Refused), event
+    assert event.why.startswith(why)
+
+
+def test_a_hostile_demand_table_in_a_reply_counts_as_none_and_is_reported() -> None:
+    flat = [b"evil", b"0:" + HUGE, b"odd", b"0:1,,", b"b", b"0:2"]
+    reply = replies.renewed([3, 8, b"", [], 0, [b"b"], flat], renewing=0, claiming=0)
+    assert reply.others == {"b": {0: 2}}
+    assert reply.refused == (
+        "RENEW reply: the demand of 'evil' refused (as none): a table of 5002 bytes (at most 4096)",
+        "RENEW reply: the demand of 'odd' refused (as none): the item '' is not band:count",
+    )
+
+
+@pytest.mark.parametrize(
+    ("decode", "reply", "error"),
+    [
+        (
+            _returned,
+            [1, HUGE, 8],
+            r"RETURN reply: count should be an integer, got b'9{24}'\.\.\. \(5000 bytes\)",
+        ),
+        (_returned, [1, -1, 8], "RETURN reply: count should be at least 0, got -1"),
+        (_returned, [1, 2, b"-4"], "RETURN reply: limit should be at least 0, got -4"),
+        (_returned, [2, 2, 8], "RETURN reply: given should be between 0 and 1, got 2"),
+        (_acquired, [3, 5, 8, []], "ACQUIRE reply: granted should be between 0 and 1, got 3"),
+        (
+            _renewed,
+            [3, 8, b"\xff", [], 0, [], []],
+            r"RENEW reply: leader is not UTF-8 \(invalid start byte at byte 0\)",
+        ),
+        (_renewed, [3, 8, b"x" * 600, [], 0, [], []], "RENEW reply: leader is longer than 512"),
+        (_renewed, [3, 8, b"", [b"a:1"] * 3, 0, [], []], r"RENEW reply: lost has 3 items \(at"),
+        (_renewed, [3, 8, b"", [], 1, [], []], "RENEW reply: claimed should be between 0 and 0"),
+        (_renewed, [3, 8, b"", [], 0, [b"r"] * 1025, []], r"live has 1025 items \(at most 1024"),
+        (_renewed, [3, 8, b"", [], 0, [], [b"r", b""] * 1025], "has 1025 entries"),
+        (_renewed, [3, 8, b"", [], 0, [], [b"r", 7]], "the demand of 'r' should be a string"),
+    ],
+)
+def test_a_reply_no_script_returns_is_refused(
+    decode: Callable[[object], object], reply: object, error: str
+) -> None:
+    with pytest.raises(ReplyError, match=error):
+        decode(reply)
+
+
+def test_a_limit_read_from_redis_is_clamped_to_the_replicas_bounds() -> None:
+    """A static pool's limit is its own; an adaptive pool's stays within its ``min`` and
+    ``max``; every call tells the scripts so (ARGV 3), and they clamp it the same way."""
+    static = ledger(8)
+    assert static.limit_arg == "8:8:8"
+    for limit in (10**12, 0, 9):
+        static.returned(replies.Returned(given=0, count=0, limit=limit))
+        assert static.known().limit == 8
+    policy = SharedPolicy(redis="redis://x", lease_s=3.0)
+    adaptive = Checked(policy, "me", limit=5, adaptive=True, bounds=(2, 16))
+    for limit, clamped in ((10**12, 16), (0, 2), (7, 7)):
+        adaptive.returned(replies.Returned(given=0, count=0, limit=limit))
+        assert adaptive.known().limit == clamped
+    assert adaptive.limit_arg == "7:2:16"
+
+
 class Checked(Ledger):
     """A ledger whose ``known`` is checked against a view made afresh on every read: a
     method that changes a field of the view without saying so fails here."""
@@ -82,9 +195,9 @@ class Checked(Ledger):
         return known
 
 
-def ledger(limit: int = 8) -> Checked:
+def ledger(limit: int = 8, adaptive: bool = False) -> Checked:
     policy = SharedPolicy(redis="redis://x", lease_s=3.0, replicas=2)
-    book = Checked(policy, "me", limit=limit, adaptive=False)
+    book = Checked(policy, "me", limit=limit, adaptive=adaptive)
     book.known()
     return book
 
@@ -101,7 +214,7 @@ def test_ids_go_back_newest_first_and_failed_ones_stay_doubtful() -> None:
 
 
 def test_an_acquire_keeps_the_granted_ids_and_publishes_the_rest() -> None:
-    book = ledger()
+    book = ledger(9)
     ids = book.new_ids(4)
     others = {"a": {0: 2}}
     book.acquired(ids, {0: 1, 5: 3}, replies.Acquired(granted=2, count=7, limit=9, others=others))
@@ -122,7 +235,7 @@ def test_an_acquire_keeps_the_granted_ids_and_publishes_the_rest() -> None:
 
 
 def test_a_renewal_drops_lost_ids_keeps_claims_and_rejoins() -> None:
-    book = ledger()
+    book = ledger(adaptive=True)  # (a leader's limit: 9, raised)
     held = book.new_ids(2)
     book.acquired(held, {0: 2}, replies.Acquired(granted=2, count=2, limit=8, others={}))
     book.degrade(10.0)
@@ -153,3 +266,22 @@ def test_leaving_forgets_every_id_held_or_doubtful() -> None:
     assert book.known().count == 1  # held for another replica: still counted
     book.gave_back(["me:1"], None)
     assert book.known().count == 0
+
+
+def test_refusals_are_all_counted_and_each_reason_logged_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    counted: list[str] = []
+    now = [0.0]
+    refusals = replies.Refusals(logging.getLogger("test.refusals"), counted.append, lambda: now[0])
+    with caplog.at_level(logging.ERROR, logger="test.refusals"):
+        for _ in range(3):
+            refusals("demand", ("the same entry",))
+        refusals("events", tuple(f"message {i}" for i in range(100)))
+        now[0] = 60.0
+        refusals("demand", ("the same entry",))
+    assert counted == ["demand"] * 3 + ["events"] * 100 + ["demand"]
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged[0] == "shared pool: refused from Redis: the same entry"
+    assert logged[60] == "shared pool: more input refused this minute: counted only"
+    assert len(logged) == 62 and logged[61] == logged[0]  # a new minute

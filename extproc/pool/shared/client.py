@@ -2,13 +2,18 @@
 deadline, the events channel.
 
 Every call passes the ARGV each script starts with (the replica's id, the lease in ms, the
-replica's own limit, the events channel: ``extproc.pool.shared.scripts``), runs under
-``pool.shared.timeout`` and returns the reply decoded (``extproc.pool.shared.replies``). A call
-that fails (a Redis error, a socket error, the deadline) raises ``CallFailed``, which names
-the script; a reply of another shape raises ``ReplyError``. The first call of a script after
-Redis started also loads it (NOSCRIPT, two more round trips, once). A pooled connection
-found broken is retried once, at once (a Redis that restarted fails the first use of every
-old connection); a timeout never is, so the deadline holds.
+replica's own limit and its bounds, the events channel: ``extproc.pool.shared.scripts``), runs
+under ``pool.shared.timeout`` and returns the reply decoded (``extproc.pool.shared.replies``).
+A call that fails (a Redis error, a socket error, the deadline, a reply that no script of ours
+returns) raises ``CallFailed``, which names the script. The first call of a script after Redis
+started also loads it (NOSCRIPT, two more round trips, once). A pooled connection found broken
+is retried once, at once (a Redis that restarted fails the first use of every old connection);
+a timeout never is, so the deadline holds.
+
+A URL redis-py cannot use (a port that is not a number or out of range, a malformed address:
+what policy validation should have refused) does not stop the client from being made: it is
+``unusable`` (the reason, for the log), and every call and subscription fails at once with
+that reason, as if Redis could not be reached.
 
 Pub/sub has a connection of its own, without a socket timeout (it waits for messages as
 long as it likes).
@@ -18,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -33,9 +39,15 @@ from extproc.pool.shared.scripts import ACQUIRE, RENEW, RETURN, Keys, encode_dem
 
 __all__ = ["CallFailed", "PoolClient"]
 
+_R = TypeVar("_R")
+_NOWHERE = "/nonexistent/llm-extproc-unusable-redis-url"
+
+log = logging.getLogger("extproc.shared")
+
 
 class CallFailed(Exception):
-    """Script ``call`` (``acquire``, ``return``, ``renew``) failed with ``cause``."""
+    """Script ``call`` (``acquire``, ``return``, ``renew``) or the subscription (``events``)
+    failed with ``cause``."""
 
     def __init__(self, call: str, cause: BaseException) -> None:
         super().__init__(f"{call}: {type(cause).__name__}: {cause}")
@@ -55,31 +67,44 @@ class PoolClient:
             "retry_on_timeout": False,
             "client_name": f"llm-extproc:{replica}",
         }
-        self._redis = aioredis.Redis.from_url(policy.redis, socket_timeout=t, **common)
-        self._sub = aioredis.Redis.from_url(policy.redis, **common)
+        self.unusable: ValueError | None = None
+        try:
+            self._redis = aioredis.Redis.from_url(policy.redis, socket_timeout=t, **common)
+            self._sub = aioredis.Redis.from_url(policy.redis, **common)
+        except ValueError as e:  # redis-py's own check of the URL
+            self.unusable = e
+            log.error(
+                "shared pool: pool.shared.redis %s cannot be used (%s): degraded on a local "
+                "share until a policy names one that can be",
+                policy.redis_display,
+                e,
+            )
+            # Never used (every call and subscription fails first); were it, no server there.
+            self._redis = self._sub = aioredis.Redis(unix_socket_path=_NOWHERE)
         self._acquire = self._redis.register_script(ACQUIRE)
         self._return = self._redis.register_script(RETURN)
         self._renew = self._redis.register_script(RENEW)
 
     async def acquire(
-        self, ask: Mapping[int, int], ids: Sequence[str], *, limit: int
+        self, ask: Mapping[int, int], ids: Sequence[str], *, limit: str
     ) -> replies.Acquired:
-        """Ask for ``ask`` (per band) with one candidate id per waiter."""
+        """Ask for ``ask`` (per band) with one candidate id per waiter. ``limit``, in every
+        call: ``scripts.encode_limit``."""
         raw = await self._call("acquire", self._acquire, limit, [encode_demand(ask)], ids)
-        return replies.acquired(raw)
+        return self._decode("acquire", replies.acquired, raw, asked=len(ids))
 
     async def give_back(
-        self, ids: Sequence[str], *, to: str, hold_ms: int, limit: int
+        self, ids: Sequence[str], *, to: str, hold_ms: int, limit: str
     ) -> replies.Returned:
         """Give ``ids`` back, kept for replica ``to`` ('' anyone) for ``hold_ms``."""
         raw = await self._call("return", self._return, limit, ["-", to, hold_ms], ids)
-        return replies.returned(raw)
+        return self._decode("return", replies.returned, raw, sent=len(ids))
 
-    async def write_demand(self, demand: Mapping[int, int], *, limit: int) -> None:
+    async def write_demand(self, demand: Mapping[int, int], *, limit: str) -> None:
         """Write this replica's demand, giving nothing back (the reply is not read)."""
         await self._call("return", self._return, limit, [encode_demand(demand), "", 0], [])
 
-    async def leave(self, ids: Sequence[str], *, limit: int) -> None:
+    async def leave(self, ids: Sequence[str], *, limit: str) -> None:
         """Give ``ids`` back and leave the pool: demand, entry and leadership."""
         await self._call("return", self._return, limit, ["bye", "", 0], ids)
 
@@ -92,7 +117,7 @@ class PoolClient:
         renew: Sequence[str],
         back: Sequence[str],
         claim: Sequence[str],
-        limit: int,
+        limit: str,
     ) -> replies.Renewed:
         """Renew ``renew``, give ``back`` back, claim ``claim`` while there is room, write
         ``demand``; ``volunteer``: lead if nobody does; ``publish``: the limit, if leading."""
@@ -105,26 +130,26 @@ class PoolClient:
             len(claim),
         ]
         raw = await self._call("renew", self._renew, limit, fields, [*renew, *back, *claim])
-        return replies.renewed(raw)
+        return self._decode("renew", replies.renewed, raw, renewing=len(renew), claiming=len(claim))
 
-    async def listen(self, on_message: Callable[[bytes], None], pause_s: float) -> None:
-        """Hand every message of the events channel to ``on_message``, for ever; after an
-        error, subscribe again ``pause_s`` later."""
-        while True:
-            pubsub = self._sub.pubsub()
-            try:
-                async with asyncio.timeout(self._policy.timeout_s):
-                    await pubsub.subscribe(self.keys.channel)
-                while True:
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    if msg is not None and msg.get("type") == "message":
-                        on_message(msg["data"])
-            except (RedisError, OSError, TimeoutError):
-                pass  # polling carries on; renewals tell whether Redis is back
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-            await asyncio.sleep(pause_s)
+    async def listen(self, on_message: Callable[[bytes], None]) -> None:
+        """One subscription to the events channel: every message to ``on_message`` until the
+        connection fails, which raises ``CallFailed`` ("events")."""
+        if self.unusable is not None:
+            raise CallFailed("events", self.unusable)
+        pubsub = self._sub.pubsub()
+        try:
+            async with asyncio.timeout(self._policy.timeout_s):
+                await pubsub.subscribe(self.keys.channel)
+            while True:
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if msg is not None and msg.get("type") == "message":
+                    on_message(msg["data"])  # what it raises is the listener's guard's
+        except (RedisError, OSError, TimeoutError) as e:
+            raise CallFailed("events", e) from e
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def aclose(self) -> None:
         for client in (self._redis, self._sub):
@@ -132,12 +157,21 @@ class PoolClient:
                 await client.aclose()
 
     async def _call(
-        self, call: str, script: Any, limit: int, fields: Sequence[Any], ids: Sequence[str]
+        self, call: str, script: Any, limit: str, fields: Sequence[Any], ids: Sequence[str]
     ) -> Any:
+        if self.unusable is not None:
+            raise CallFailed(call, self.unusable)
         policy = self._policy
         args = [self._replica, int(policy.lease_s * 1000), limit, self.keys.channel, *fields]
         try:
             async with asyncio.timeout(policy.timeout_s):
                 return await script(keys=self.keys.all, args=[*args, *ids])
         except (RedisError, OSError, TimeoutError) as e:
+            raise CallFailed(call, e) from e
+
+    @staticmethod
+    def _decode(call: str, decode: Callable[..., _R], raw: object, **sent: int) -> _R:
+        try:
+            return decode(raw, **sent)
+        except replies.ReplyError as e:
             raise CallFailed(call, e) from e

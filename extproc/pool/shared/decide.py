@@ -55,7 +55,9 @@ Rules (each a function here, each with its table in ``tests/unit/test_lease_deci
    (phase ``LOCAL_SHARE``).
 8. **Local share** (``share``, ``local_share``): ``limit // live`` plus one for the first
    ``limit % live`` live replicas by id, so the shares add up to the limit; a replica that
-   never reached Redis takes ``limit // pool.shared.replicas``, at least 1.
+   never reached Redis takes ``limit // pool.shared.replicas``, at least 1. ``limit`` is the
+   pool's as last heard; degraded, an adaptive pool's is what the replica's own controller
+   finds (``extproc.pool.control``).
 9. **Rejoin** (``rejoin``): the first successful renewal while degraded ends degraded mode.
    For one lease after it, the replica acquires no more than ``max(held, share)``, the share
    as computed from the replicas seen before the outage (a restarted Redis knows only those

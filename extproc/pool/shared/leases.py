@@ -27,16 +27,26 @@ with the next renewal); every script reads it from Redis, so nobody acquires abo
 limit. If the leader dies, another replica takes over within the lease from the limit in
 force; ``on_leader`` hears of every change.
 
-Redis unreachable: a failed call (error or timeout) makes the replica **degraded** (logged
-once, counted in ``degraded_transitions``, ``on_degraded``, /debug/queues); the ids that call
-carried may be held and go back with the next renewal. Renewals go on every interval as
-probes; the first that succeeds rejoins (``decide`` rules 5 and 9). Whatever running
+Redis unreachable: a failed call (error, timeout, a reply refused, a URL redis-py cannot use)
+makes the replica **degraded** (logged once, counted in ``degraded_transitions``, every
+failure counted by ``on_error``, ``on_mode``, /debug/queues); the ids that call carried may
+be held and go back with the next renewal. Renewals go on every interval as probes; the
+first that succeeds rejoins (``decide`` rules 5 and 9, ``on_mode`` again). Whatever running
 requests the pool had no room for stay uncovered, and since the local limit is the leases
-held, the replica admits nobody until its running requests fit in them.
+held, the replica admits nobody until its running requests fit in them. Degraded, the limit
+its local share is of is the last heard, or what its own adaptive controller finds
+(``publish_limit``: the controller runs on a degraded replica too, ``extproc.pool.control``).
 
-Tasks: the ticker and the listener are kept and cancelled by ``close``; every call runs in a
-task kept until it ends (an error other than a failed call is logged then). ``close`` waits
-for the calls up to the timeout, cancels what is left, then gives every lease back.
+Untrusted input (``extproc.pool.shared.replies``): a message of the events channel or
+another replica's demand table that is refused is logged (``replies.Refusals``) and counted
+(``on_error("events")``, ``on_error("demand")``); the message is dropped, the table counts as
+no demand.
+
+Tasks: the ticker and the listener run under guards (``extproc.ops.loops``: a failed round
+is logged and counted, ``on_loop_error``, and the loop goes on) and are cancelled by
+``close``; every call runs in a task kept until it ends (an error other than a failed call
+is logged then). ``close`` waits for the calls up to the timeout, cancels what is left, then
+gives every lease back.
 """
 
 from __future__ import annotations
@@ -49,13 +59,14 @@ import random
 import secrets
 import socket
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from extproc.config.policy import SharedPolicy
+from extproc.ops.loops import Guard
 from extproc.pool.shared import decide, replies
 from extproc.pool.shared.client import CallFailed, PoolClient
 from extproc.pool.shared.decide import POLL_S, Acquire, GiveBack, Mode, PublishDemand
-from extproc.pool.shared.ledger import Ledger
+from extproc.pool.shared.ledger import UNBOUNDED, Ledger, LocalPool
 
 __all__ = ["HANDOFF_S", "POLL_S", "TICK_S", "LeaseManager", "LocalPool", "Mode"]
 
@@ -67,18 +78,6 @@ _T = TypeVar("_T")
 TICK_S = 0.05
 # A lease given back for one replica waits this long for it, then is free for anyone.
 HANDOFF_S = 3 * POLL_S
-
-
-class LocalPool(Protocol):
-    """The local side (``extproc.pool.lease_adapter.LeaseAdapter``)."""
-
-    def shared_view(self) -> tuple[int, dict[int, int]]:
-        """(requests holding a slot, {band: waiters that one more lease each would let in})."""
-        ...
-
-    def set_leases(self, held: int, pool_limit: int) -> None:
-        """Admit at most ``held`` at once; shares are fractions of ``pool_limit``."""
-        ...
 
 
 class _Unreachable(Exception):
@@ -93,25 +92,32 @@ class LeaseManager(Ledger):
         *,
         limit: int,
         adaptive: bool = False,
+        bounds: tuple[int, int] = UNBOUNDED,
         replica: str | None = None,
         rand: Callable[[], float] = random.random,
-        on_degraded: Callable[[], None] | None = None,
+        on_mode: Callable[[Mode], None] | None = None,
         on_error: Callable[[str], None] | None = None,
         on_leader: Callable[[bool], None] | None = None,
+        on_loop_error: Callable[[str], None] | None = None,
     ) -> None:
         """``limit``: the policy's (a static pool) or the one to fall back to (adaptive: the
-        leader's limit is used while one publishes). ``adaptive``: this replica would lead.
-        Made on the event loop it runs on."""
+        leader's limit is used while one publishes). ``adaptive``: this replica would lead;
+        ``bounds``: then its policy's ``min`` and ``max``. Made on the event loop it runs on."""
         me = replica or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        super().__init__(policy, me, limit=limit, adaptive=adaptive)
+        super().__init__(policy, me, limit=limit, adaptive=adaptive, bounds=bounds)
         self._loop = asyncio.get_running_loop()
-        self._client = PoolClient(policy, me)
+        self._client = PoolClient(policy, me)  # (logs a URL it cannot use)
         self.keys = self._client.keys
         self._pool = pool
         self._rand = rand
-        self._on_degraded = on_degraded
+        self._on_mode = on_mode
         self._on_error = on_error
         self._on_leader = on_leader
+        self._guards = (
+            Guard("shared-pool", log, on_loop_error),
+            Guard("shared-pool-events", log, on_loop_error),
+        )
+        self._refused = replies.Refusals(log, on_error)
         self._leader_limit: int | None = None  # what we publish while we lead
         self._applied: tuple[int, int] | None = None  # (local limit, pool limit) as set
         # The calls in flight (acquiring and updating are the ledger's) and the clocks.
@@ -133,9 +139,9 @@ class LeaseManager(Ledger):
 
     def start(self) -> None:
         self._apply()
-        self._runner = self._loop.create_task(self._run(), name="shared-pool")
-        listen = self._client.listen(self._on_message, self.interval_s)
-        self._listener = self._loop.create_task(listen, name="shared-pool-events")
+        ticker, listener = self._guards
+        self._runner = ticker.start(self._tick, TICK_S)
+        self._listener = listener.start(self._listen, self.interval_s)
 
     async def close(self, give_back: bool = True) -> None:
         """Stop; give every lease back and leave the pool (when Redis answers). Without
@@ -157,7 +163,7 @@ class LeaseManager(Ledger):
         ids = self.take_all()
         if give_back:
             with contextlib.suppress(_Unreachable):
-                await self._call(self._client.leave(ids, limit=self.own_limit))
+                await self._call(self._client.leave(ids, limit=self.limit_arg))
         await self._client.aclose()
 
     def set_static_limit(self, limit: int) -> None:
@@ -167,9 +173,14 @@ class LeaseManager(Ledger):
 
     def publish_limit(self, limit: int) -> None:
         """The leader's adaptive controller found a limit: published with the next renewal,
-        which goes out now."""
+        which goes out now. Degraded, it is the limit the local share is of, and goes out
+        with the next probe (every interval)."""
         self._leader_limit = limit
-        self._kick()
+        if self.mode is Mode.SHARED:
+            self._kick()
+        elif self.clamped(limit) != self.limit:
+            self.computed_limit(limit)
+            self._apply()
 
     # --- what the gate tells us (synchronous, no I/O) -----------------------------------------
 
@@ -199,8 +210,13 @@ class LeaseManager(Ledger):
     # --- views -------------------------------------------------------------------------------
 
     def pool_demand(self) -> tuple[int, int]:
-        """(leases held in the pool, waiters of every replica) for the adaptive limit."""
-        _, mine = self._pool.shared_view()
+        """(leases held in the pool, waiters of every replica) for the adaptive limit.
+        Degraded, this replica's running requests and waiters stand for each live replica's
+        (they run their shares too): the pool's count as last heard is out of date."""
+        running, mine = self._pool.shared_view()
+        if self.mode is Mode.DEGRADED:
+            n = max(1, len(self.replicas)) if self.connected else self.policy.replicas
+            return running * n, sum(mine.values()) * n
         return self.count, sum(mine.values()) + sum(self.known().theirs.values())
 
     def local_share(self) -> int:
@@ -212,33 +228,7 @@ class LeaseManager(Ledger):
 
     def debug(self) -> dict[str, Any]:
         running, demand = self._pool.shared_view()
-        now = self._loop.time()
-        phase = decide.phase(self.known(), now)
-        return {
-            "state": str(self.mode),
-            "phase": None if phase is None else str(phase),
-            "redis": self.policy.redis_display,
-            "key_prefix": self.policy.key_prefix,
-            "lease_s": self.policy.lease_s,
-            "replica": self.replica,
-            "leader": self.leader or None,
-            "is_leader": self.is_leader,
-            "held": self.held,
-            "running": running,
-            "local_limit": self.local_limit(),
-            "local_share": self.local_share(),
-            "pool_limit": self.limit,
-            "pool_held": self.count,
-            "replicas": len(self.replicas),
-            "demand": {str(b): n for b, n in sorted(demand.items())},
-            "others_demand": {
-                r: {str(b): n for b, n in sorted(d.items())} for r, d in self._others.items() if d
-            },
-            "degraded_for_s": None if self.degraded_since is None else now - self.degraded_since,
-            "degraded_transitions": self.degraded_transitions,
-            "rejoin_grace_s": max(0.0, self._grace.until - now),
-            "last_error": self.last_error,
-        }
+        return self.debug_view(self._loop.time(), running, demand)
 
     def __repr__(self) -> str:
         return f"<LeaseManager {self.replica} {self.mode} {self.held}/{self.limit}>"
@@ -311,7 +301,7 @@ class LeaseManager(Ledger):
         self.changed()
         ids = self.new_ids(sum(ask.values()))
         try:
-            reply = await self._call(self._client.acquire(ask, ids, limit=self.own_limit))
+            reply = await self._call(self._client.acquire(ask, ids, limit=self.limit_arg))
         except _Unreachable:
             self.doubt(ids)
             return
@@ -319,6 +309,7 @@ class LeaseManager(Ledger):
             self._acquiring = False
             self.changed()
         self.acquired(ids, ask, reply)
+        self._refused("demand", reply.refused)
         self._apply()
         rewake, self._rewake = self._rewake, False
         self._pump(force=rewake)
@@ -327,7 +318,7 @@ class LeaseManager(Ledger):
         hold_ms = int(HANDOFF_S * 1000)
         try:
             reply = await self._call(
-                self._client.give_back(ids, to=to, hold_ms=hold_ms, limit=self.own_limit)
+                self._client.give_back(ids, to=to, hold_ms=hold_ms, limit=self.limit_arg)
             )
         except _Unreachable:
             self.doubt(ids)
@@ -340,7 +331,7 @@ class LeaseManager(Ledger):
         try:
             running, demand = self._pool.shared_view()
             unmet = decide.unmet(held=len(self._ids), running=running, demand=demand)
-            await self._call(self._client.write_demand(unmet, limit=self.own_limit))
+            await self._call(self._client.write_demand(unmet, limit=self.limit_arg))
             self.wrote_demand(unmet)
         except _Unreachable:
             pass
@@ -365,7 +356,7 @@ class LeaseManager(Ledger):
             renew=list(self._ids),
             back=[*back, *doubtful],
             claim=claim,
-            limit=self.own_limit,
+            limit=self.limit_arg,
         )
         try:
             reply = await self._call(call)
@@ -377,6 +368,7 @@ class LeaseManager(Ledger):
         share = self.local_share()  # from the replicas seen before: a restarted Redis knows
         # only those that rejoined already
         after = self.renewed(sent, claim, plan.unmet, reply)
+        self._refused("demand", reply.refused)
         if self.mode is Mode.DEGRADED:
             self._rejoin(running, after.uncovered, share)
         self._apply()
@@ -394,8 +386,8 @@ class LeaseManager(Ledger):
             return
         now = self._loop.time()
         self.degrade(now)
-        if self._on_degraded is not None:
-            self._on_degraded()
+        if self._on_mode is not None:
+            self._on_mode(Mode.DEGRADED)
         log.warning(
             "shared pool degraded, Redis unreachable (%s): holding %d lease(s) for %.1f s, "
             "then a local share of %d of the limit %d (%d live replicas)",
@@ -417,23 +409,36 @@ class LeaseManager(Ledger):
             running,
             f", {uncovered} not covered (no new admissions until they end)" if uncovered else "",
         )
+        if self._on_mode is not None:
+            self._on_mode(Mode.SHARED)
 
     # --- internals: the clock and the events -------------------------------------------------
 
-    async def _run(self) -> None:
-        while True:
-            now = self._loop.time()
-            if not self._renewing and now >= self._next_renew:
-                self._next_renew = now + self.interval_s
-                self._spawn(self._renew(), "renew")
-            if self.mode is Mode.DEGRADED:
-                self._apply()  # holding -> local share when our leases expire
-            elif not self._acquiring and now - self._last_acquire >= POLL_S:
-                self._pump()
-            await asyncio.sleep(TICK_S)
+    async def _tick(self) -> None:
+        """One round of the ticker (every ``TICK_S``)."""
+        now = self._loop.time()
+        if not self._renewing and now >= self._next_renew:
+            self._next_renew = now + self.interval_s
+            self._spawn(self._renew(), "renew")
+        if self.mode is Mode.DEGRADED:
+            self._apply()  # holding -> local share when our leases expire
+        elif not self._acquiring and now - self._last_acquire >= POLL_S:
+            self._pump()
+
+    async def _listen(self) -> None:
+        """One subscription of the listener, until its connection fails (then again an
+        interval later: polling carries on, renewals tell whether Redis is back)."""
+        try:
+            await self._client.listen(self._on_message)
+        except CallFailed as e:
+            if self._on_error is not None:
+                self._on_error(e.call)
 
     def _on_message(self, data: str | bytes) -> None:
         event = replies.event(data)
+        if isinstance(event, replies.Refused):
+            self._refused("events", (event.why,))
+            return
         if event is None or event.replica == self.replica or self.mode is not Mode.SHARED:
             return
         if isinstance(event, replies.Freed):

@@ -6,7 +6,9 @@ A ``Ledger`` holds
   ``<replica>:<n>``, ``n`` counting up from 1;
 - the *doubtful* ids: those a failed call carried, which Redis may or may not hold; they go
   back with the next renewal;
-- the pool as the last reply or message told it: its limit, the leases held by everyone,
+- the pool as the last reply or message told it: its limit (clamped to the replica's
+  ``bounds``: an adaptive pool's ``min`` and ``max``, a static pool's own limit; the scripts
+  clamp a published limit the same way), the leases held by everyone,
   the live replicas, the leader, the others' demand (replaced on every update, never changed
   in place, so a ``View`` made from them stays as it was), and our demand as our last call
   wrote it;
@@ -28,14 +30,32 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from extproc.config.policy import SharedPolicy
 from extproc.pool.shared import decide, replies
 from extproc.pool.shared.decide import NO_GRACE, Mode, View
+from extproc.pool.shared.scripts import encode_limit
 
-__all__ = ["Ledger", "Renewed"]
+__all__ = ["UNBOUNDED", "Ledger", "LocalPool", "Renewed"]
 
 Demand = Mapping[int, int]
+
+# The bounds of an adaptive pool whose policy gave none (a test's manager).
+UNBOUNDED = (1, 2**31 - 1)
+
+
+class LocalPool(Protocol):
+    """The local side that the lease manager drives
+    (``extproc.pool.lease_adapter.LeaseAdapter``)."""
+
+    def shared_view(self) -> tuple[int, dict[int, int]]:
+        """(requests holding a slot, {band: waiters that one more lease each would let in})."""
+        ...
+
+    def set_leases(self, held: int, pool_limit: int) -> None:
+        """Admit at most ``held`` at once; shares are fractions of ``pool_limit``."""
+        ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,11 +68,21 @@ class Renewed:
 
 
 class Ledger:
-    def __init__(self, policy: SharedPolicy, replica: str, *, limit: int, adaptive: bool) -> None:
+    def __init__(
+        self,
+        policy: SharedPolicy,
+        replica: str,
+        *,
+        limit: int,
+        adaptive: bool,
+        bounds: tuple[int, int] = UNBOUNDED,
+    ) -> None:
+        """``bounds``: an adaptive pool's (its policy's ``min`` and ``max``)."""
         self.policy = policy
         self.replica = replica
         self.static_limit = limit
         self.adaptive = adaptive
+        self.adaptive_bounds = bounds
         # The pool as last heard: its limit, leases held by everyone, live replicas, leader.
         self.limit = limit
         self.count = 0
@@ -88,6 +118,21 @@ class Ledger:
     def own_limit(self) -> int:
         """The limit each call passes, which the scripts use while no leader publishes one."""
         return self.static_limit if not self.adaptive else self.limit
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """What a limit read from Redis is clamped to: an adaptive pool's bounds, a static
+        pool's own limit."""
+        return self.adaptive_bounds if self.adaptive else (self.static_limit, self.static_limit)
+
+    @property
+    def limit_arg(self) -> str:
+        """ARGV 3 of every call: the own limit and the bounds (``scripts.encode_limit``)."""
+        return encode_limit(self.own_limit, *self.bounds)
+
+    def clamped(self, limit: int) -> int:
+        least, most = self.bounds
+        return min(most, max(least, limit))
 
     # --- what the decisions read --------------------------------------------------------------
 
@@ -159,7 +204,13 @@ class Ledger:
 
     def _heard_pool(self, count: int, limit: int) -> None:
         """A reply's count and limit (every script answers both)."""
-        self.count, self.limit = count, limit
+        self.count, self.limit = count, self.clamped(limit)
+        self.changed()
+
+    def computed_limit(self, limit: int) -> None:
+        """Degraded, the limit this replica's own adaptive controller found: its local share
+        is of that one (in shared mode, the leader's published limit comes back in replies)."""
+        self.limit = self.clamped(limit)
         self.changed()
 
     def heard_others(self, others: Mapping[str, Demand]) -> None:
@@ -205,7 +256,7 @@ class Ledger:
             self._ids.pop(lease, None)
         for lease in claim[: reply.claimed]:
             self._ids[lease] = None
-        was_leader, raised = self.is_leader, reply.limit > self.limit
+        was_leader, raised = self.is_leader, self.clamped(reply.limit) > self.limit
         self._heard_pool(reply.count, reply.limit)
         self.leader = reply.leader
         self.replicas = sorted(reply.live)
@@ -237,3 +288,35 @@ class Ledger:
         self._grace = decide.rejoin(now, self.policy.lease_s, self.held, share_before)
         self.changed()
         return now - since
+
+    # --- views ---------------------------------------------------------------------------------
+
+    def debug_view(self, now: float, running: int, demand: Demand) -> dict[str, Any]:
+        """/debug/queues' entry, at ``now``, with the local pool's ``running`` and ``demand``."""
+        known = self.known()
+        phase = decide.phase(known, now)
+        return {
+            "state": str(self.mode),
+            "phase": None if phase is None else str(phase),
+            "redis": self.policy.redis_display,
+            "key_prefix": self.policy.key_prefix,
+            "lease_s": self.policy.lease_s,
+            "replica": self.replica,
+            "leader": self.leader or None,
+            "is_leader": self.is_leader,
+            "held": self.held,
+            "running": running,
+            "local_limit": decide.local_limit(known, now=now, held=self.held),
+            "local_share": decide.share(known),
+            "pool_limit": self.limit,
+            "pool_held": self.count,
+            "replicas": len(self.replicas),
+            "demand": {str(b): n for b, n in sorted(demand.items())},
+            "others_demand": {
+                r: {str(b): n for b, n in sorted(d.items())} for r, d in self._others.items() if d
+            },
+            "degraded_for_s": None if self.degraded_since is None else now - self.degraded_since,
+            "degraded_transitions": self.degraded_transitions,
+            "rejoin_grace_s": max(0.0, self._grace.until - now),
+            "last_error": self.last_error,
+        }

@@ -13,7 +13,9 @@ in one slot, which a script needs):
   hold none. Removed with the replica's entry when it expires.
 - ``{prefix}:leader``: the replica that computes the adaptive limit (``SET NX PX lease``).
 - ``{prefix}:limit``: the limit the leader publishes (``PX 3 x lease``); absent (a static pool,
-  or no leader for that long), each caller's own limit applies (ARGV).
+  or no leader for that long) or not a number, each caller's own limit applies (ARGV); each
+  caller clamps it to its own bounds (ARGV: a static pool's are its own limit, so it ignores
+  the key).
 - ``{prefix}:handoff``: hash, replica id -> ``n:expiry``: slots given back *for* that replica,
   reserved for its next ``ACQUIRE`` until the (short) expiry, then free for anyone. They count
   as taken. Without it, a freed slot would go to whichever replica's ``ACQUIRE`` arrives first,
@@ -41,7 +43,28 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ACQUIRE", "RENEW", "RETURN", "Keys", "decode_demand", "encode_demand"]
+__all__ = [
+    "ACQUIRE",
+    "MAX_DIGITS",
+    "MAX_TABLE_BYTES",
+    "RENEW",
+    "RETURN",
+    "DemandError",
+    "Keys",
+    "decode_demand",
+    "encode_demand",
+    "encode_limit",
+    "show",
+]
+
+# A band or a count written as text has at most this many digits (int64's range; ``int``
+# never reads more), and a demand table at most this many bytes (some 300 bands).
+MAX_DIGITS = 18
+MAX_TABLE_BYTES = 4096
+
+
+class DemandError(ValueError):
+    """A demand table that no replica writes (``decode_demand`` says what is wrong)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,18 +102,55 @@ def encode_demand(demand: Mapping[int, int]) -> str:
 
 
 def decode_demand(text: str | bytes) -> dict[int, int]:
+    """``band:count,...`` -> {band: waiters} ('' none; zero counts left out, a band twice
+    summed). Raises ``DemandError`` for a table no replica writes: longer than
+    ``MAX_TABLE_BYTES``, not UTF-8, an item that is not ``band:count`` in ASCII digits, or a
+    number of more than ``MAX_DIGITS`` digits (checked before ``int`` reads it). The cost is
+    linear in the table, and the table is at most ``MAX_TABLE_BYTES``."""
+    if len(text) > MAX_TABLE_BYTES:
+        raise DemandError(f"a table of {len(text)} bytes (at most {MAX_TABLE_BYTES})")
     if isinstance(text, bytes):
-        text = text.decode()
+        try:
+            text = text.decode()
+        except UnicodeDecodeError as e:
+            raise DemandError(f"not UTF-8 ({e.reason} at byte {e.start})") from None
     out: dict[int, int] = {}
+    if not text:
+        return out
     for item in text.split(","):
         band, sep, n = item.partition(":")
-        if sep and band.isdigit() and n.isdigit() and int(n) > 0:
+        if not (sep and _digits(band) and _digits(n)):
+            raise DemandError(f"the item {show(item)} is not band:count")
+        if len(band) > MAX_DIGITS or len(n) > MAX_DIGITS:
+            raise DemandError(
+                f"the item {show(item)} has a number of more than {MAX_DIGITS} digits"
+            )
+        if int(n) > 0:
             out[int(band)] = out.get(int(band), 0) + int(n)
     return out
 
 
+def encode_limit(own: int, least: int, most: int) -> str:
+    """ARGV 3 of every script: the caller's limit (used while no leader publishes one) and the
+    bounds a published limit is clamped to (its policy's)."""
+    return f"{own}:{least}:{most}"
+
+
+def show(value: str | bytes, keep: int = 24) -> str:
+    """``value`` for an error message: its start, and its length when cut."""
+    if len(value) <= keep:
+        return repr(value)
+    unit = "bytes" if isinstance(value, bytes) else "characters"
+    return f"{value[:keep]!r}... ({len(value)} {unit})"
+
+
+def _digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
 # ARGV common to every script: 1 replica id, 2 lease (ms), 3 the caller's limit (used when
-# no leader publishes one), 4 the events channel.
+# no leader publishes one), alone or as ``limit:least:most`` (``encode_limit``: a published
+# limit is clamped to least..most, one that is not a number ignored), 4 the events channel.
 _PRELUDE = """
 if redis.replicate_commands then redis.replicate_commands() end
 local me, lease_ms, channel = ARGV[1], tonumber(ARGV[2]), ARGV[4]
@@ -101,13 +161,22 @@ local dead = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
 for _, r in ipairs(dead) do redis.call('HDEL', KEYS[3], r) end
 if #dead > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now) end
 redis.call('ZADD', KEYS[2], now + lease_ms, me)
-local limit = tonumber(redis.call('GET', KEYS[5]) or ARGV[3])
--- Slots handed to a replica: reserved (they count as taken) until their expiry.
+local own, least, most = string.match(ARGV[3], '^(%d+):(%d+):(%d+)$')
+if own then
+  own, least, most = tonumber(own), tonumber(least), tonumber(most)
+else
+  own, least, most = tonumber(ARGV[3]), 0, math.huge
+end
+local limit = tonumber(redis.call('GET', KEYS[5]) or '')
+if limit == nil or limit ~= limit then limit = own end
+limit = math.floor(math.min(most, math.max(least, limit)))
+-- Slots handed to a replica: reserved (they count as taken) until their expiry; an entry no
+-- replica writes is dropped.
 local handoffs, reserved = {}, 0
 local ho = redis.call('HGETALL', KEYS[6])
 for i = 1, #ho, 2 do
-  local n, exp = string.match(ho[i + 1], '(%d+):(%d+)')
-  if tonumber(exp) <= now then
+  local n, exp = string.match(ho[i + 1], '^(%d+):(%d+)$')
+  if not n or #n > MAX_DIGITS or #exp > MAX_DIGITS or tonumber(exp) <= now then
     redis.call('HDEL', KEYS[6], ho[i])
   else
     handoffs[ho[i]] = tonumber(n)
@@ -117,8 +186,10 @@ end
 
 local function parse(s, into)
   for b, c in string.gmatch(s, '(%d+):(%d+)') do
-    b = tonumber(b)
-    into[b] = (into[b] or 0) + tonumber(c)
+    if #b <= MAX_DIGITS and #c <= MAX_DIGITS then
+      b = tonumber(b)
+      into[b] = (into[b] or 0) + tonumber(c)
+    end
   end
   return into
 end
@@ -166,7 +237,7 @@ local function others_wait()
   if redis.call('HEXISTS', KEYS[3], me) == 1 then n = n - 1 end
   return n > 0
 end
-"""
+""".replace("MAX_DIGITS", str(MAX_DIGITS))  # (Lua has no constants of ours)
 
 # ACQUIRE: ARGV 5 the caller's ask (``band:count,...``), 6.. candidate lease ids, as many as
 # the ask's total. Grants the first ``granted`` ids. Returns {granted, count, limit, others'
