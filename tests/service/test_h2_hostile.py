@@ -14,6 +14,7 @@ is back to 0 in flight and 0 queued. docs/transport.md lists which test pins whi
 from __future__ import annotations
 
 import asyncio
+import logging
 import selectors
 import socket
 import struct
@@ -1015,3 +1016,30 @@ def test_silent_peer_gives_its_slot_back(monkeypatch: pytest.MonkeyPatch) -> Non
         peer.close()
 
     with_sidecar(t)
+
+
+def test_a_connection_whose_tick_raises_is_closed_and_the_others_keep_their_timers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server's one ticker runs every connection's timers; a bug in one connection's tick
+    used to end the ticker, and with it every idle, handshake and keepalive timeout. Now that
+    connection is closed (logged) and the next connection still times out when idle."""
+
+    async def t(server: H2Server, port: int) -> None:
+        broken = RawPeer(port)
+        assert await settle(server, lambda s: s.statistics().connections == 1)
+        (bad,) = server.connections
+
+        def raise_(now: float) -> None:
+            raise RuntimeError("a bug in one connection's timers")
+
+        bad.connection.tick = raise_  # type: ignore[method-assign]
+        idle = RawPeer(port)
+        assert await asyncio.to_thread(broken.closed_within, 3.0)
+        assert await asyncio.to_thread(idle.closed_within, 3.0)  # its idle timeout still fires
+        goaway = h2_goaway(idle.frames)
+        assert goaway is not None and goaway[1] == NO_ERROR
+
+    with caplog.at_level(logging.ERROR, logger="extproc.h2"):
+        serve(t, idle_timeout=0.3)
+    assert any("tick failed" in r.getMessage() for r in caplog.records)

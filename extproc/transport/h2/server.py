@@ -338,12 +338,20 @@ class H2Server:
         )
 
     def _tick(self) -> None:
+        """Every connection's timers. A connection whose tick raises is closed (a bug there
+        must not stop the handshake, idle and keepalive timers of every other connection)."""
         now = self.loop.time()
         idle = self.idle
-        for p in list(self.connections):
-            p.connection.tick(now)
-            idle.update(p)
-        self._ticker = self.loop.call_later(self._tick_s, self._tick)
+        try:
+            for p in list(self.connections):
+                try:
+                    p.connection.tick(now)
+                    idle.update(p)
+                except Exception:
+                    log.exception("h2 connection tick failed; closing that connection")
+                    p.abort()
+        finally:
+            self._ticker = self.loop.call_later(self._tick_s, self._tick)
 
     def _start_ticking(self) -> None:
         if self._ticker is None:
