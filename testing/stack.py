@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -47,9 +48,44 @@ __all__ = [
 ]
 
 
+def _ephemeral_start() -> int:
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range is 32768-60999
+
+
+_LOW_PORT = 10000
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on, for a server started later.
+
+    Taken from below the kernel's ephemeral range: a port from ``bind(0)`` is an ephemeral one,
+    and any outgoing connection in the meantime (Envoy dialing a sidecar that is not up yet) may
+    take it as its source port, so the server's bind fails with EADDRINUSE (seen in CI on
+    tests/e2e/test_failure.py::test_sidecar_comes_back). A port is handed out once per process.
+    """
+    top = _ephemeral_start()
+    if top - _LOW_PORT < 1000:  # an unusual range: fall back to the kernel's choice
+        return _bound_port(0)
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(_LOW_PORT, top)
+        if port in _handed_out:
+            continue
+        with contextlib.suppress(OSError):
+            _bound_port(port)
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free port found in {_LOW_PORT}-{top - 1} on 127.0.0.1")
+
+
+def _bound_port(port: int) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("127.0.0.1", port))
         return int(s.getsockname()[1])
 
 
