@@ -1,6 +1,6 @@
 """What the h2 transport costs per ext_proc call, in process: a repeatable measure for a change.
 
-``python tests/service/h2_cost.py [-n CALLS] [--mode sidecar|echo] [--loop uvloop|asyncio]``
+``python tests/service/h2_cost.py [-n CALLS] [--mode sidecar|echo] [--redis URL] [--loop KIND]``
 pushes CALLS complete ext_proc calls through an ``H2Server``, as Envoy sends them: HEADERS and
 a DATA frame with the request_headers message, then (answered) the request_body message,
 then (answered) an empty DATA frame with END_STREAM, Envoy's half-close once the HTTP stream
@@ -10,7 +10,8 @@ from the server's own ``listen`` (``loop.create_server`` is replaced to catch it
 so the script runs against any version of the transport that has ``H2Server``: run it from
 another checkout with ``PYTHONPATH`` pointing there to compare. ``sidecar`` runs the whole
 sidecar (``extproc.app.Sidecar``, two big buckets: every request admitted at once); ``echo``
-an echo method, the transport alone. It prints the CPU time per call.
+an echo method, the transport alone; ``--redis`` shares the sidecar's pool through that Redis
+(``SHARED_POLICY``). It prints the CPU time per call.
 
 On a shared machine, CPU time is noisy; instruction counts are not. Two runs under callgrind
 with different CALLS cancel the start-up (imports) out::
@@ -45,6 +46,17 @@ buckets:
   - {name: interactive, match: {headers: {x-llm-class: interactive}}, max_concurrency: 4096,
      queue_timeout: 5s, max_queue: 4096}
   - {name: batch, max_concurrency: 4096, queue_timeout: 120s, max_queue: 4096}
+"""
+# ``--redis URL``: the same two buckets as the bands of one static pool shared through Redis
+# (one replica: after the first leases, a freed lease stays as a spare and is reused without a
+# round trip, so this measures the shared pool's request path).
+SHARED_POLICY = """\
+limits: {max_prompt_tokens: 32768, default_max_tokens: 256, max_output_tokens: 1024}
+pool: {max_concurrency: 8192, shared: {redis: "REDIS", key_prefix: h2cost}}
+buckets:
+  - {name: interactive, match: {headers: {x-llm-class: interactive}}, priority: 0,
+     queue_timeout: 5s, max_queue: 4096}
+  - {name: batch, priority: 10, queue_timeout: 120s, max_queue: 4096}
 """
 CONTENT = "Can I move my flight from the 14th to the 16th without paying the fare again? " * 4
 BODY = json.dumps(
@@ -182,14 +194,15 @@ class Answers:
         self.pos = pos
 
 
-async def serve(mode: str) -> Callable[[float], Awaitable[None]]:
+async def serve(mode: str, redis: str | None) -> Callable[[float], Awaitable[None]]:
     """Start the server (``listen`` caught); returns its stop."""
     if mode == "sidecar":
         from extproc.app import Sidecar
         from extproc.config.policy import policy_from_yaml
 
+        text = POLICY if redis is None else SHARED_POLICY.replace("REDIS", redis)
         sidecar = Sidecar(
-            policy_from_yaml(POLICY), listen="127.0.0.1:0", metrics_listen=None, transport="h2"
+            policy_from_yaml(text), listen="127.0.0.1:0", metrics_listen=None, transport="h2"
         )
         await sidecar.start()
         return sidecar.stop
@@ -206,7 +219,7 @@ async def serve(mode: str) -> Callable[[float], Awaitable[None]]:
     return server.stop
 
 
-async def main(calls: int, wave: int, warm: int, mode: str) -> float:
+async def main(calls: int, wave: int, warm: int, mode: str, redis: str | None) -> float:
     """CPU seconds per call, after ``warm`` calls."""
     loop = asyncio.get_running_loop()
     factories: list[Callable[[], asyncio.Protocol]] = []
@@ -216,7 +229,7 @@ async def main(calls: int, wave: int, warm: int, mode: str) -> float:
         return FakeServer()
 
     loop.create_server = create_server  # type: ignore[method-assign,assignment]
-    stop = await serve(mode)
+    stop = await serve(mode, redis)
     protocol = factories[0]()
     transport = FakeTransport()
     protocol.connection_made(transport)  # type: ignore[arg-type]
@@ -282,10 +295,12 @@ if __name__ == "__main__":
     parser.add_argument("--wave", type=int, default=32, help="streams open at once")
     parser.add_argument("--warm", type=int, default=500, help="calls before measuring")
     parser.add_argument("--mode", choices=["sidecar", "echo"], default="sidecar")
+    parser.add_argument("--redis", help="sidecar mode: share the pool through this Redis URL")
     parser.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     args = parser.parse_args()
     loop = _loop(args.loop)
     asyncio.set_event_loop(loop)
-    per_call = loop.run_until_complete(main(args.n, args.wave, args.warm, args.mode))
+    per_call = loop.run_until_complete(main(args.n, args.wave, args.warm, args.mode, args.redis))
     tree = extproc.__file__.rsplit("/extproc/", 1)[0]
-    print(f"{tree}: {args.mode} on {args.loop}, {args.n} calls: {per_call * 1e6:.1f} us CPU/call")
+    mode = args.mode if args.redis is None else f"{args.mode} (shared)"
+    print(f"{tree}: {mode} on {args.loop}, {args.n} calls: {per_call * 1e6:.1f} us CPU/call")
