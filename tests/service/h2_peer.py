@@ -289,13 +289,16 @@ class Honest:
                 raise AssertionError("the server closed the honest connection")
             self._rest += chunk
 
-    async def keep_going(self, until: Awaitable[Any], minimum_s: float = 0.5) -> Any:
-        """Exchanges, paced a little, until ``until`` is done and ``minimum_s`` has passed;
-        returns what ``until`` returned."""
+    async def keep_going(
+        self, until: Awaitable[Any], minimum_s: float = 0.5, minimum_n: int = 20
+    ) -> Any:
+        """Exchanges, paced a little, until ``until`` is done, ``minimum_s`` has passed and
+        ``minimum_n`` exchanges are done (on a loaded machine an attack may end within a few
+        exchanges); returns what ``until`` returned."""
         task = asyncio.ensure_future(until)
         end = time.perf_counter() + minimum_s
         for _ in range(20_000):
-            if task.done() and time.perf_counter() >= end:
+            if task.done() and time.perf_counter() >= end and len(self.latencies) >= minimum_n:
                 break
             await self.exchange()
             await asyncio.sleep(0.002)
