@@ -107,7 +107,9 @@ class LeaseAdapter:
         would let in}): a waiter held back by its bucket's cap or the overload cut is no
         demand for a lease."""
         pool = self._gate.pool_statistics().get(POOL)
-        return lease_demand(pool, self._gate.statistics(), self._caps)
+        # Every release asks: the buckets' statistics only when someone waits.
+        stats = self._gate.statistics() if pool is not None and pool.queued else {}
+        return lease_demand(pool, stats, self._caps)
 
     # --- LimitOwner: what the gate calls ------------------------------------------------------
 
