@@ -128,6 +128,11 @@ _WAITING_ELSEWHERE = {"a": {0: 2}}
         ({"mode": Mode.DEGRADED, "held": 2, "running": 2}, 0.0, None),
         ({"held": 0, "running": 1}, 0.0, None),
         ({"held": 3, "running": 2, "others": _WAITING_ELSEWHERE}, 0.0, None),
+        # More run here than the leases held (a rejoin): the request that ends held none;
+        # handing a lease on, even to a more urgent replica or with the pool above its limit,
+        # would keep the over-admission from draining.
+        ({"held": 3, "running": 5, "demand": {5: 1}, "others": _WAITING_ELSEWHERE}, 0.0, None),
+        ({"held": 3, "running": 4, "count": 11}, 0.0, None),
         # The pool above its limit: back for anyone, whoever waits.
         ({"held": 2, "running": 2, "count": 11, "demand": {0: 5}}, 0.9, GiveBack(n=1, to=None)),
         # Someone more urgent elsewhere: back for them.

@@ -36,7 +36,9 @@ Rules (each a function here, each with its table in ``tests/unit/test_lease_deci
    that band's waiters, so replicas in one band are served in proportion to their waiters
    (keeping every lease while a local queue lasts would freeze the split forever). Otherwise
    the lease stays and the local core hands the slot on: no round trip. A request that ends
-   while a spare is held only makes another spare (rule 2 and rule 5 deal with spares).
+   while a spare is held only makes another spare (rule 2 and rule 5 deal with spares); one
+   that ends while more run here than the leases held (after a rejoin) gives nothing back
+   and lets nobody in: the over-admission drains, one request at a time.
 4. **Recipient** (``recipient``): a lease given back while others wait is *for* one replica
    of the others' most urgent band, drawn in proportion to its waiters there; Redis keeps it
    for that replica for ``HANDOFF_S`` and tells it (``freed``). Given back for anyone, it
@@ -300,8 +302,11 @@ def recipient(others: Mapping[str, Demand], u: float) -> str | None:
 def on_release(
     v: View, *, held: int, running: int, demand: Demand, u_back: float, u_whom: float
 ) -> GiveBack | None:
-    """A local slot is about to be freed (rule 3): None keeps its lease here."""
-    if v.mode is not Mode.SHARED or held == 0 or running < held:
+    """A local slot is about to be freed (rule 3): None keeps its lease here. While more
+    run here than the leases held (``running > held``: requests the pool had no room for at
+    a rejoin), the request that ends is counted as one of those: its slot held no lease, and
+    handing one on would keep the over-admission from draining."""
+    if v.mode is not Mode.SHARED or held == 0 or running != held:
         return None
     if v.count > v.limit:
         return GiveBack(n=1, to=None)
