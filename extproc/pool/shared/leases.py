@@ -37,10 +37,11 @@ held, the replica admits nobody until its running requests fit in them. Degraded
 its local share is of is the last heard, or what its own adaptive controller finds
 (``publish_limit``: the controller runs on a degraded replica too, ``extproc.pool.control``).
 
-Untrusted input (``extproc.pool.shared.replies``): a message of the events channel or
-another replica's demand table that is refused is logged (``replies.Refusals``) and counted
-(``on_error("events")``, ``on_error("demand")``); the message is dropped, the table counts as
-no demand.
+Untrusted input (``extproc.pool.shared.replies``): what is refused is logged and counted
+(``on_error("events")``, ``on_error("demand")``), a message dropped, a table taken as none.
+
+The pool's epoch (``scripts``): a reply of a new epoch (the state in Redis lost or reset)
+makes a renewal go out at once, which re-registers every lease held and claims the rest.
 
 Tasks: the ticker and the listener run under guards (``extproc.ops.loops``: a failed round
 is logged and counted, ``on_loop_error``, and the loop goes on) and are cancelled by
@@ -78,6 +79,12 @@ _T = TypeVar("_T")
 TICK_S = 0.05
 # A lease given back for one replica waits this long for it, then is free for anyone.
 HANDOFF_S = 3 * POLL_S
+
+
+_RESET = (
+    "shared pool: its state in Redis was lost or reset (epoch %s): re-registering %d lease(s); "
+    "nobody acquires until the live replicas have, or for one lease"
+)
 
 
 class _Unreachable(Exception):
@@ -308,7 +315,8 @@ class LeaseManager(Ledger):
         finally:
             self._acquiring = False
             self.changed()
-        self.acquired(ids, ask, reply)
+        if self.acquired(ids, ask, reply):
+            self._reset()
         self._refused("demand", reply.refused)
         self._apply()
         rewake, self._rewake = self._rewake, False
@@ -323,7 +331,8 @@ class LeaseManager(Ledger):
         except _Unreachable:
             self.doubt(ids)
             return
-        self.returned(reply)
+        if self.returned(reply):
+            self._reset()
 
     async def _update_demand(self) -> None:
         self._updating = True
@@ -356,6 +365,7 @@ class LeaseManager(Ledger):
             renew=list(self._ids),
             back=[*back, *doubtful],
             claim=claim,
+            known=self.replicas,
             limit=self.limit_arg,
         )
         try:
@@ -368,6 +378,8 @@ class LeaseManager(Ledger):
         share = self.local_share()  # from the replicas seen before: a restarted Redis knows
         # only those that rejoined already
         after = self.renewed(sent, claim, plan.unmet, reply)
+        if after.reset:
+            self._reset()  # (re-registered already: one more renewal)
         self._refused("demand", reply.refused)
         if self.mode is Mode.DEGRADED:
             self._rejoin(running, after.uncovered, share)
@@ -375,6 +387,11 @@ class LeaseManager(Ledger):
         if after.leader_changed and self._on_leader is not None:
             self._on_leader(self.is_leader)
         self._pump(force=after.raised)
+
+    def _reset(self) -> None:
+        """The pool's state in Redis was lost or reset: re-register what runs here now."""
+        log.warning(_RESET, self.epoch, self.held)
+        self._kick()
 
     # --- internals: degraded mode ------------------------------------------------------------
 

@@ -13,7 +13,10 @@ A ``Ledger`` holds
   in place, so a ``View`` made from them stays as it was), and our demand as our last call
   wrote it;
 - its mode and clocks: degraded since when, until when Redis counts our leases, the grace
-  after a rejoin.
+  after a rejoin;
+- the pool's epoch as last heard, and whether its fence stands (``scripts``): a reply of
+  another epoch than the one heard before says the pool's state in Redis was lost or reset,
+  and the replica re-registers what it runs with a renewal at once.
 
 Its methods apply one decoded reply (``extproc.pool.shared.replies``) or one change of mode, with
 the time passed in, and say what the caller must act on. ``known`` is what the decisions
@@ -62,9 +65,10 @@ class LocalPool(Protocol):
 class Renewed:
     """What a renewal's answer changed that the caller acts on."""
 
-    raised: bool  # the limit went up: look at the demand at once
+    raised: bool  # the limit went up, or the fence ended: look at the demand at once
     leader_changed: bool  # we gained or lost the leadership
     uncovered: int  # running requests that hold no lease (ids lost, claims refused)
+    reset: bool = False  # the pool's state was lost or reset since the last reply
 
 
 class Ledger:
@@ -100,6 +104,8 @@ class Ledger:
         self.last_error: str | None = None
         self._valid_until = -math.inf  # our leases live in Redis at least until then
         self._grace = NO_GRACE
+        self.epoch: int | None = None  # the pool's epoch in Redis, as last heard
+        self.fenced = False  # its fence stands: nobody acquires
         # The calls in flight, which the shell sets (then calls ``changed``).
         self._acquiring = False
         self._updating = False
@@ -207,6 +213,13 @@ class Ledger:
         self.count, self.limit = count, self.clamped(limit)
         self.changed()
 
+    def _heard_epoch(self, epoch: int, fenced: bool) -> bool:
+        """A reply's epoch and fence; True when the pool's state was lost or reset since the
+        last reply (a first reply is no reset)."""
+        reset = self.epoch is not None and epoch != self.epoch
+        self.epoch, self.fenced = epoch, fenced
+        return reset
+
     def computed_limit(self, limit: int) -> None:
         """Degraded, the limit this replica's own adaptive controller found: its local share
         is of that one (in shared mode, the leader's published limit comes back in replies)."""
@@ -232,17 +245,21 @@ class Ledger:
             self.count -= len(ids)
             self.changed()
 
-    def acquired(self, ids: Sequence[str], ask: Demand, reply: replies.Acquired) -> None:
-        """An ``ACQUIRE`` for ``ask`` with ``ids`` answered."""
+    def acquired(self, ids: Sequence[str], ask: Demand, reply: replies.Acquired) -> bool:
+        """An ``ACQUIRE`` for ``ask`` with ``ids`` answered; True when the pool was reset
+        (re-register now)."""
         for lease in ids[: reply.granted]:
             self._ids[lease] = None
         self._heard_pool(reply.count, reply.limit)
         self.heard_others(reply.others)
         self._published = decide.minus(ask, reply.granted)
         self.changed()
+        return self._heard_epoch(reply.epoch, reply.fenced)
 
-    def returned(self, reply: replies.Returned) -> None:
+    def returned(self, reply: replies.Returned) -> bool:
+        """A ``RETURN`` answered; True when the pool was reset (re-register now)."""
         self._heard_pool(reply.count, reply.limit)
+        return self._heard_epoch(reply.epoch, reply.fenced)
 
     def wrote_demand(self, demand: Demand) -> None:
         self._published = demand
@@ -257,6 +274,8 @@ class Ledger:
         for lease in claim[: reply.claimed]:
             self._ids[lease] = None
         was_leader, raised = self.is_leader, self.clamped(reply.limit) > self.limit
+        raised |= self.fenced and not reply.fenced
+        reset = self._heard_epoch(reply.epoch, reply.fenced)
         self._heard_pool(reply.count, reply.limit)
         self.leader = reply.leader
         self.replicas = sorted(reply.live)
@@ -269,6 +288,7 @@ class Ledger:
             raised=raised,
             leader_changed=self.is_leader != was_leader,
             uncovered=len(reply.lost) + len(claim) - reply.claimed,
+            reset=reset,
         )
 
     # --- mode ----------------------------------------------------------------------------------
@@ -318,5 +338,7 @@ class Ledger:
             "degraded_for_s": None if self.degraded_since is None else now - self.degraded_since,
             "degraded_transitions": self.degraded_transitions,
             "rejoin_grace_s": max(0.0, self._grace.until - now),
+            "epoch": self.epoch,
+            "fenced": self.fenced,
             "last_error": self.last_error,
         }
