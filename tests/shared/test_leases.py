@@ -19,6 +19,7 @@ from extproc.pool.shared.decide import POLL_S, local_share
 from extproc.pool.shared.scripts import ACQUIRE, RENEW, RETURN, Keys, decode_demand, encode_demand
 from testing.leases import KEY_PREFIX, FakePool, asked_since, leases_in_redis, replica
 from testing.redis import RedisServer
+from testing.stack import free_port
 from testing.wait import until_async
 
 LEASE_S = 1.0  # where leases must run out: a dead replica's, the leader's, Redis gone
@@ -556,5 +557,25 @@ def test_managers_re_register_after_a_flush_and_the_limit_holds(
         await r.aclose()
         await a.close()
         await b.close()
+
+    run(main())
+
+
+def test_a_degraded_replicas_doubtful_ids_stay_bounded() -> None:
+    """Redis never answers (nothing listens on the port); 20 requests run without leases, so
+    every probe (lease / 3) claims 20 new ids and fails. The ids a failed call carried are
+    kept for one lease at most: some 4 probes' worth, however long the outage (it grew by 20
+    a probe: 60 -> 200 ids in 2 s)."""
+
+    async def main() -> None:
+        failed: list[str] = []
+        m, pool = replica(
+            f"redis://127.0.0.1:{free_port()}", "a", 40, lease_s=0.3, on_error=failed.append
+        )
+        pool.running = 20  # admitted before: claims for them go with each probe
+        m.start()
+        await until(lambda: failed.count("renew") >= 20, "20 probes failed")
+        assert 0 < len(m._doubtful) <= 20 * 5, len(m._doubtful)
+        await m.close()
 
     run(main())

@@ -233,6 +233,8 @@ def test_unmet_is_the_demand_less_the_spares() -> None:
     ("kw", "plan"),
     [
         ({}, Renewal(back=0, claim=0, unmet={})),
+        # Claims in batches: the rest with the next renewals.
+        ({"running": 1000}, Renewal(back=0, claim=decide.RENEW_BATCH, unmet={})),
         # Spares nobody here waits for go back with the renewal.
         ({"held": 4, "running": 1}, Renewal(back=3, claim=0, unmet={})),
         # Spares are kept while someone here waits (a lease would not let them in).

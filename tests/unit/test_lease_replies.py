@@ -10,8 +10,8 @@ import pytest
 
 from extproc.config.policy import SharedPolicy
 from extproc.pool.shared import replies
-from extproc.pool.shared.decide import Grace, Mode, View
-from extproc.pool.shared.ledger import Ledger, Renewed
+from extproc.pool.shared.decide import RENEW_BATCH, Grace, Mode, View
+from extproc.pool.shared.ledger import MAX_DOUBTFUL, Ledger, Renewed
 from extproc.pool.shared.replies import DemandChanged, Freed, ReplyError
 
 
@@ -235,8 +235,27 @@ def test_ids_go_back_newest_first_and_failed_ones_stay_doubtful() -> None:
     book.acquired(ids, {0: 3}, replies.Acquired(granted=3, count=3, limit=8, others={}))
     assert book.pop_ids(2) == ["me:3", "me:2"] and book.held == 1
     assert book.pop_ids(5) == ["me:1"] and book.pop_ids(1) == []
-    book.doubt(["me:9"])
-    assert book.take_doubtful() == ["me:9"] and book.take_doubtful() == []
+    book.doubt(["me:9"], 10.0)
+    assert book.doubtful(12.9) == ["me:9"]  # until a call gave it back
+    book.cleared(["me:9"])
+    assert book.doubtful(12.9) == []
+
+
+def test_doubtful_ids_are_bounded_and_go_back_in_batches() -> None:
+    """Degraded, every failed renewal carried new claims: the list grew without bound (60 ->
+    200 ids in 2 s with a short lease) and went back in one RENEW. An id is forgotten a lease
+    after the call that carried it (Redis dropped it by then), the oldest past
+    ``MAX_DOUBTFUL``, and a renewal carries ``RENEW_BATCH`` at most."""
+    book = ledger()  # lease 3 s
+    book.doubt([f"old:{i}" for i in range(50)], 0.0)
+    book.doubt([f"new:{i}" for i in range(MAX_DOUBTFUL)], 1.0)
+    assert len(book._doubtful) == MAX_DOUBTFUL  # the oldest forgotten
+    batch = book.doubtful(3.5)
+    assert batch == [f"new:{i}" for i in range(RENEW_BATCH)]
+    book.doubt(batch, 3.5)  # carried by a call that failed too: no longer kept for that
+    book.cleared(batch[:10])
+    assert book.doubtful(3.5)[0] == "new:10"  # the rest of the batch next time
+    assert book.doubtful(4.0) == []  # a lease after: Redis holds none of them
 
 
 def test_an_acquire_keeps_the_granted_ids_and_publishes_the_rest() -> None:
@@ -286,7 +305,7 @@ def test_leaving_forgets_every_id_held_or_doubtful() -> None:
     book = ledger()
     ids = book.new_ids(2)
     book.acquired(ids, {0: 2}, replies.Acquired(granted=1, count=1, limit=8, others={}))
-    book.doubt(ids[1:])
+    book.doubt(ids[1:], 0.0)
     assert book.take_all() == ["me:1", "me:2"] and book.held == 0
     book.gave_back(["me:1"], "a")
     assert book.known().count == 1  # held for another replica: still counted

@@ -47,7 +47,8 @@ Rules (each a function here, each with its table in ``tests/unit/test_lease_deci
 5. **Renew** (``renewal``, every lease / 3, one ``RENEW`` for all the leases): renew every id;
    give back the spares when nobody waits here (degraded: every lease beyond the running
    requests, since re-adding them would take what another replica's running requests need);
-   claim one lease per running request that holds none; write the unmet demand.
+   claim one lease per running request that holds none (``RENEW_BATCH`` at most: the rest
+   with the next renewals); write the unmet demand.
 6. **Stale demand** (``step``): when the published demand overstates the unmet one (a band
    gone, or no more than half of it left), one ``RETURN`` without ids writes it again, so the
    others stop holding slots back for waiters we no longer have.
@@ -87,6 +88,7 @@ from enum import StrEnum
 __all__ = [
     "NO_GRACE",
     "POLL_S",
+    "RENEW_BATCH",
     "Acquire",
     "GiveBack",
     "Grace",
@@ -115,6 +117,9 @@ __all__ = [
 
 # A replica with unmet demand asks again at least this often (lost 'freed' messages).
 POLL_S = 0.25
+# At most this many ids claimed, and as many doubtful ones given back, in one renewal (the
+# rest with the next ones): one RENEW stays short for Redis and within the call's timeout.
+RENEW_BATCH = 256
 # The leases' expiry as this replica sees it, a little early (clock rates differ).
 _EXPIRY_MARGIN = 0.98
 
@@ -349,7 +354,7 @@ def renewal(v: View, *, held: int, running: int, demand: Demand) -> Renewal:
     held -= back
     return Renewal(
         back=back,
-        claim=max(0, running - held),
+        claim=min(RENEW_BATCH, max(0, running - held)),
         unmet=minus(demand, max(0, held - running)),
     )
 

@@ -310,7 +310,7 @@ class LeaseManager(Ledger):
         try:
             reply = await self._call(self._client.acquire(ask, ids, limit=self.limit_arg))
         except _Unreachable:
-            self.doubt(ids)
+            self.doubt(ids, self._loop.time())
             return
         finally:
             self._acquiring = False
@@ -329,7 +329,7 @@ class LeaseManager(Ledger):
                 self._client.give_back(ids, to=to, hold_ms=hold_ms, limit=self.limit_arg)
             )
         except _Unreachable:
-            self.doubt(ids)
+            self.doubt(ids, self._loop.time())
             return
         if self.returned(reply):
             self._reset()
@@ -357,7 +357,7 @@ class LeaseManager(Ledger):
         if back:
             self._apply()
         claim = self.new_ids(plan.claim)
-        doubtful = self.take_doubtful()
+        doubtful = self.doubtful(sent)
         call = self._client.renew(
             demand=plan.unmet,
             volunteer=self.adaptive,
@@ -371,12 +371,13 @@ class LeaseManager(Ledger):
         try:
             reply = await self._call(call)
         except _Unreachable:
-            self.doubt([*back, *doubtful, *claim])
+            self.doubt([*back, *claim], sent)
             return
         finally:
             self._renewing = False
         share = self.local_share()  # from the replicas seen before: a restarted Redis knows
         # only those that rejoined already
+        self.cleared(doubtful)
         after = self.renewed(sent, claim, plan.unmet, reply)
         if after.reset:
             self._reset()  # (re-registered already: one more renewal)

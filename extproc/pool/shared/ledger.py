@@ -5,7 +5,10 @@ A ``Ledger`` holds
 - the lease ids this replica holds, an ordered set: the newest goes back first; ids are
   ``<replica>:<n>``, ``n`` counting up from 1;
 - the *doubtful* ids: those a failed call carried, which Redis may or may not hold; they go
-  back with the next renewal;
+  back with the next renewals, ``decide.RENEW_BATCH`` at most each. Bounded however long
+  Redis stays away: one is forgotten a lease after the call that carried it (Redis drops it
+  by then if it held it), and past ``MAX_DOUBTFUL`` the oldest go first. Forgetting one
+  never admits more: a lease Redis still holds only counts as taken until it expires;
 - the pool as the last reply or message told it: its limit (clamped to the replica's
   ``bounds``: an adaptive pool's ``min`` and ``max``, a static pool's own limit; the scripts
   clamp a published limit the same way), the leases held by everyone,
@@ -40,10 +43,12 @@ from extproc.pool.shared import decide, replies
 from extproc.pool.shared.decide import NO_GRACE, Mode, View
 from extproc.pool.shared.scripts import encode_limit
 
-__all__ = ["UNBOUNDED", "Ledger", "LocalPool", "Renewed"]
+__all__ = ["MAX_DOUBTFUL", "UNBOUNDED", "Ledger", "LocalPool", "Renewed"]
 
 Demand = Mapping[int, int]
 
+# Doubtful ids kept at most (the oldest forgotten first).
+MAX_DOUBTFUL = 4 * decide.RENEW_BATCH
 # The bounds of an adaptive pool whose policy gave none (a test's manager).
 UNBOUNDED = (1, 2**31 - 1)
 
@@ -95,7 +100,7 @@ class Ledger:
         self._others: Mapping[str, Demand] = {}  # the others' demand as last heard
         self._published: Demand = {}  # our demand as our last call wrote it
         self._ids: dict[str, None] = {}  # leases held (an ordered set)
-        self._doubtful: list[str] = []
+        self._doubtful: dict[str, float] = {}  # id -> when it stops mattering
         self._seq = itertools.count(1)
         self.mode = Mode.SHARED
         self.connected = False  # a renewal succeeded since the start
@@ -191,19 +196,31 @@ class Ledger:
             out.append(lease)
         return out
 
-    def doubt(self, ids: Sequence[str]) -> None:
-        """A failed call carried ``ids``: Redis may hold them."""
-        self._doubtful.extend(ids)
+    def doubt(self, ids: Sequence[str], now: float) -> None:
+        """A call that failed at ``now`` carried ``ids``: Redis may hold them, for a lease
+        (one doubtful already: as long as it was)."""
+        until = now + self.policy.lease_s
+        for lease in ids:
+            self._doubtful.setdefault(lease, until)
+        while len(self._doubtful) > MAX_DOUBTFUL:
+            del self._doubtful[next(iter(self._doubtful))]
 
-    def take_doubtful(self) -> list[str]:
-        doubtful, self._doubtful = self._doubtful, []
-        return doubtful
+    def doubtful(self, now: float) -> list[str]:
+        """The oldest doubtful ids that may still matter, ``decide.RENEW_BATCH`` at most, for
+        a renewal to give back; they stay doubtful (as long as they were) until ``cleared``."""
+        self._doubtful = {lease: t for lease, t in self._doubtful.items() if t > now}
+        return list(itertools.islice(self._doubtful, decide.RENEW_BATCH))
+
+    def cleared(self, ids: Sequence[str]) -> None:
+        """A call that gave ``ids`` back succeeded: no longer doubtful."""
+        for lease in ids:
+            self._doubtful.pop(lease, None)
 
     def take_all(self) -> list[str]:
         """Every id held or doubtful, forgotten here (leaving the pool)."""
         ids = [*self._ids, *self._doubtful]
         self._ids.clear()
-        self._doubtful = []
+        self._doubtful = {}
         return ids
 
     # --- what the pool told us -----------------------------------------------------------------
