@@ -579,3 +579,76 @@ def test_a_degraded_replicas_doubtful_ids_stay_bounded() -> None:
         await m.close()
 
     run(main())
+
+
+# --- leadership with a term -------------------------------------------------------------------
+
+
+def test_a_limit_is_published_only_in_the_term_it_was_computed_in(
+    redis_server: RedisServer,
+) -> None:
+    async def main() -> None:
+        r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        keys = Keys.for_prefix("t")
+        renew = r.register_script(RENEW)
+
+        async def call(me: str, volunteer: str, publish: str = "") -> list[Any]:
+            args = [me, 1000, "4:1:100", keys.channel, "", volunteer, publish, 0, 0, 0, 0]
+            return await renew(keys=keys.all, args=args)  # type: ignore[no-any-return]
+
+        reply = await call("a", "1")
+        leader, term = reply[2], reply[9]
+        assert leader == "a" and term > 0
+        assert (await call("a", "1", f"50@{term}"))[1] == 50
+        assert (await call("a", "1", f"60@{term - 1}"))[1] == 50  # another term: refused
+        assert (await call("a", "1", "70"))[1] == 50  # no term: refused
+        await call("a", "0")  # a steps down, b wins a new term
+        reply = await call("b", "1")
+        assert reply[2] == "b" and reply[9] > term
+        assert (await call("a", "1", f"80@{term}"))[1] == 50  # not the leader
+        await r.aclose()
+
+    run(main())
+
+
+def test_a_replica_that_wins_the_leadership_back_does_not_republish_its_old_limit(
+    redis_server: RedisServer,
+) -> None:
+    """a leads and publishes 200; b takes over and publishes 40; a wins back: its new term
+    starts from the limit in force, 40 (it published its old 200 again)."""
+
+    async def main() -> None:
+        r = aioredis.Redis.from_url(redis_server.url)
+        leader_key = Keys.for_prefix(KEY_PREFIX).leader
+        # Renewals every 10 s: only those the test asks for (``_kick``) in between.
+        a, _ = manager(redis_server, "a", 4, adaptive=True, lease=30.0)
+        b, _ = manager(redis_server, "b", 4, adaptive=True, lease=30.0)
+        for m in (a, b):
+            m.adaptive_bounds = (1, 500)
+        a.start()
+        await until(lambda: a.is_leader, "a leads")
+        b.start()
+        await until(lambda: b.connected, "b reached Redis")
+        a.publish_limit(200)
+        await until(lambda: not a._renewing and a.known().limit == 200, "200 published")
+        b._kick()
+        await until(lambda: b.limit == 200, "b heard it")
+        await r.delete(leader_key)  # a's leadership lapses (it was slow, say)
+        b._kick()
+        await until(lambda: b.is_leader, "b leads")
+        b.publish_limit(40)
+        await until(lambda: not b._renewing and b.known().limit == 40, "40 published")
+        a._kick()
+        await until(lambda: a.limit == 40 and a.leader == "b", "a heard it")
+        await r.delete(leader_key)  # b's lapses, a wins it back with its next renewal
+        a._kick()
+        await until(lambda: a.is_leader, "a leads again")
+        assert a.limit == 40
+        b._kick()
+        await until(lambda: b.leader == "a" and b.term == a.term, "b heard the new term")
+        assert b.limit == 40
+        await r.aclose()
+        for m in (a, b):
+            await m.close()
+
+    run(main())

@@ -362,6 +362,7 @@ class LeaseManager(Ledger):
             demand=plan.unmet,
             volunteer=self.adaptive,
             publish=self._leader_limit,
+            term=self.term,
             renew=list(self._ids),
             back=[*back, *doubtful],
             claim=claim,
@@ -385,8 +386,10 @@ class LeaseManager(Ledger):
         if self.mode is Mode.DEGRADED:
             self._rejoin(running, after.uncovered, share)
         self._apply()
-        if after.leader_changed and self._on_leader is not None:
-            self._on_leader(self.is_leader)
+        if after.leader_changed:  # a new term starts from the limit in force
+            self._leader_limit = None
+            if self._on_leader is not None:
+                self._on_leader(self.is_leader)
         self._pump(force=after.raised)
 
     def _reset(self) -> None:

@@ -71,7 +71,7 @@ class Renewed:
     """What a renewal's answer changed that the caller acts on."""
 
     raised: bool  # the limit went up, or the fence ended: look at the demand at once
-    leader_changed: bool  # we gained or lost the leadership
+    leader_changed: bool  # we gained or lost the leadership, or lead in a new term
     uncovered: int  # running requests that hold no lease (ids lost, claims refused)
     reset: bool = False  # the pool's state was lost or reset since the last reply
 
@@ -97,6 +97,7 @@ class Ledger:
         self.count = 0
         self.replicas: list[str] = []
         self.leader = ""
+        self.term = 0  # the leader's (``scripts``: a limit is published in its term only)
         self._others: Mapping[str, Demand] = {}  # the others' demand as last heard
         self._published: Demand = {}  # our demand as our last call wrote it
         self._ids: dict[str, None] = {}  # leases held (an ordered set)
@@ -290,11 +291,12 @@ class Ledger:
             self._ids.pop(lease, None)
         for lease in claim[: reply.claimed]:
             self._ids[lease] = None
-        was_leader, raised = self.is_leader, self.clamped(reply.limit) > self.limit
+        was_leader, was_term = self.is_leader, self.term
+        raised = self.clamped(reply.limit) > self.limit
         raised |= self.fenced and not reply.fenced
         reset = self._heard_epoch(reply.epoch, reply.fenced)
         self._heard_pool(reply.count, reply.limit)
-        self.leader = reply.leader
+        self.leader, self.term = reply.leader, reply.term
         self.replicas = sorted(reply.live)
         self.heard_others(reply.others)
         self._published = unmet
@@ -303,7 +305,7 @@ class Ledger:
         self.changed()
         return Renewed(
             raised=raised,
-            leader_changed=self.is_leader != was_leader,
+            leader_changed=self.is_leader != was_leader or (was_leader and self.term != was_term),
             uncovered=len(reply.lost) + len(claim) - reply.claimed,
             reset=reset,
         )

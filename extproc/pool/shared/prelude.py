@@ -18,6 +18,7 @@ __all__ = ["PRELUDE"]
 PRELUDE = """
 if redis.replicate_commands then redis.replicate_commands() end
 local me, lease_ms, channel = ARGV[1], tonumber(ARGV[2]), ARGV[4]
+local max_digits = MAX_DIGITS
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- The epoch: a new one when the state is missing or stale (see the keys above).
@@ -135,6 +136,15 @@ local function seal()
   end
   redis.call('SET', KEYS[7], epoch .. ':' .. now .. ':' .. lives)
   return fenced and 1 or 0
+end
+
+-- The leader and its term (``<term>:<replica>``; a bare id, of an older version: term 0).
+local function leader_of()
+  local v = redis.call('GET', KEYS[4])
+  if not v then return false, 0 end
+  local t, who = string.match(v, '^(%d+):(.*)$')
+  if t and #t <= MAX_DIGITS then return who, tonumber(t) end
+  return v, 0
 end
 
 -- Whether anybody else waits (a 'freed' message is worth sending).

@@ -109,6 +109,7 @@ class Renewed:
     others: Mapping[str, Mapping[int, int]]
     epoch: int = 0
     fenced: bool = False
+    term: int = 0  # the leader's term (0: no leader)
     refused: tuple[str, ...] = ()  # the others' demand tables refused (counted as none)
 
 
@@ -257,8 +258,9 @@ def returned(reply: object, *, sent: int) -> Returned:
 def renewed(reply: object, *, renewing: int, claiming: int) -> Renewed:
     """``RENEW``'s reply to a call that renewed ``renewing`` and claimed ``claiming`` ids."""
     s = "RENEW"
-    names = ("count", "limit", "leader", "lost", "claimed", "live", "others", "epoch", "fenced")
-    count, limit, leader, lost, claimed, live, flat, epoch, fenced = _items(s, reply, names)
+    names: tuple[str, ...] = ("count", "limit", "leader", "lost", "claimed", "live", "others")
+    names += ("epoch", "fenced", "term")
+    count, limit, leader, lost, claimed, live, flat, epoch, fenced, term = _items(s, reply, names)
     others, refused = _others(s, flat)
     return Renewed(
         count=_int(s, "count", count),
@@ -270,6 +272,7 @@ def renewed(reply: object, *, renewing: int, claiming: int) -> Renewed:
         others=others,
         epoch=_int(s, "epoch", epoch),
         fenced=bool(_int(s, "fenced", fenced, 1)),
+        term=_int(s, "term", term),
         refused=refused,
     )
 

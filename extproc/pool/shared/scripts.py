@@ -11,7 +11,11 @@ in one slot, which a script needs):
 - ``{prefix}:demand``: hash, replica id -> ``band:count,band:count`` (bands are bucket
   priorities, lower = more urgent): the replica's waiters that a lease would let in and that
   hold none. Removed with the replica's entry when it expires.
-- ``{prefix}:leader``: the replica that computes the adaptive limit (``SET NX PX lease``).
+- ``{prefix}:leader``: ``<term>:<replica>``, the replica that computes the adaptive limit
+  (``SET NX PX lease``) and its term (the server time in ms when it won). A limit is
+  published with the term it was computed in, and only in the term in force: a replica that
+  wins the leadership back does not publish what it computed in an earlier term, nor a
+  stale leader over a new one.
 - ``{prefix}:limit``: the limit the leader publishes (``PX 3 x lease``); absent (a static pool,
   or no leader for that long) or not a number, each caller's own limit applies (ARGV); each
   caller clamps it to its own bounds (ARGV: a static pool's are its own limit, so it ignores
@@ -255,7 +259,7 @@ if ARGV[5] == 'bye' then
   ended = settle()
   set_demand('')
   redis.call('ZREM', KEYS[2], me)
-  if redis.call('GET', KEYS[4]) == me then redis.call('DEL', KEYS[4]) end
+  if leader_of() == me then redis.call('DEL', KEYS[4]) end
 else
   expect(me)
   if ARGV[5] ~= '-' then set_demand(ARGV[5]) end
@@ -268,14 +272,15 @@ return {n, redis.call('ZCARD', KEYS[1]) + reserved, limit, epoch, seal()}
 )
 
 # RENEW, the one call per interval: ARGV 5 the caller's demand, 6 '1' if it would lead (an
-# adaptive pool), 7 the limit it publishes if it leads ('' none), 8 how many ids to renew,
+# adaptive pool), 7 the limit it publishes if it leads, ``<limit>@<term>`` ('' none; another
+# term than the one in force: refused), 8 how many ids to renew,
 # 9 to give back, 10 to claim, 11 how many replicas it last saw live; then those ids and
 # replicas in that order. Renewed ids that have expired (Redis was unreachable for longer than
 # the lease, or restarted) and claimed ids (running requests that hold no lease: the replica
 # rejoins) are added while the pool has room; the rest are reported lost. While the fence
 # stands, this re-registers the caller, and the replicas it names are expected. Returns
 # {count, limit, leader, lost ids, claimed, live replicas, others' demand as [replica, table,
-# ...], epoch, fenced}.
+# ...], epoch, fenced, the leader's term (0 none)}.
 RENEW = (
     _PRELUDE
     + """
@@ -285,23 +290,24 @@ local back = 0
 for i = first + n_renew, first + n_renew + n_back - 1 do
   back = back + redis.call('ZREM', KEYS[1], ARGV[i])
 end
-local leader = redis.call('GET', KEYS[4])
+local leader, term = leader_of()
 if ARGV[6] == '1' then
   if not leader then
-    redis.call('SET', KEYS[4], me, 'PX', lease_ms)
-    leader = me
+    leader, term = me, now
+    redis.call('SET', KEYS[4], term .. ':' .. me, 'PX', lease_ms)
   elseif leader == me then
     redis.call('PEXPIRE', KEYS[4], lease_ms)
   end
 elseif leader == me then
   redis.call('DEL', KEYS[4])
-  leader = false
+  leader, term = false, 0
 end
 local raised = false
-if leader == me and ARGV[7] ~= '' then
-  local new = tonumber(ARGV[7])
+local new, of_term = string.match(ARGV[7], '^(%d+)@(%d+)$')
+if leader == me and new and #new <= max_digits and tonumber(of_term) == term then
+  new = math.floor(math.min(most, math.max(least, tonumber(new))))
   raised = new > limit
-  redis.call('SET', KEYS[5], ARGV[7], 'PX', 3 * lease_ms)
+  redis.call('SET', KEYS[5], new, 'PX', 3 * lease_ms)
   limit = new
 end
 local missing = {}
@@ -345,6 +351,6 @@ if (back > 0 or expired > 0 or #dead > 0 or raised or ended) and others_wait() t
 end
 local _, flat = others()
 local live = redis.call('ZRANGEBYSCORE', KEYS[2], now, '+inf')
-return {count, limit, leader or '', lost, claimed, live, flat, epoch, seal()}
+return {count, limit, leader or '', lost, claimed, live, flat, epoch, seal(), term}
 """
 )
