@@ -294,6 +294,13 @@ def test_local_shares_add_up_to_the_limit(limit: int, replicas: int, shares: lis
             Phase.LOCAL_SHARE,
             1,
         ),
+        # ``replicas`` unset: 1, within its share however many run (the whole limit, 10, as
+        # the default of 1 gave).
+        (
+            {"mode": Mode.DEGRADED, "connected": False, "expected_replicas": None, "now": 200.0},
+            Phase.LOCAL_SHARE,
+            1,
+        ),
     ],
 )
 def test_local_limit(kw: dict[str, Any], phase: Phase | None, limit: int) -> None:

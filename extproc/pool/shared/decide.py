@@ -58,7 +58,10 @@ Rules (each a function here, each with its table in ``tests/unit/test_lease_deci
    (phase ``LOCAL_SHARE``).
 8. **Local share** (``share``, ``local_share``): ``limit // live`` plus one for the first
    ``limit % live`` live replicas by id, so the shares add up to the limit; a replica that
-   never reached Redis takes ``limit // pool.shared.replicas``, at least 1. ``limit`` is the
+   never reached Redis takes ``limit // pool.shared.replicas``, at least 1, and with
+   ``replicas`` unset 1: not knowing how many run, one is the most each may take that stays
+   within its share for any number up to the limit (the whole limit, as a default of 1
+   gave, made N replicas that never reached Redis run N x the limit). ``limit`` is the
    pool's as last heard; degraded, an adaptive pool's is what the replica's own controller
    finds (``extproc.pool.control``).
 9. **Rejoin** (``rejoin``): the first successful renewal while degraded ends degraded mode.
@@ -164,7 +167,7 @@ class View:
     count: int
     replicas: Sequence[str]
     connected: bool  # a renewal succeeded since the start
-    expected_replicas: int  # ``pool.shared.replicas``: the split before Redis was reached
+    expected_replicas: int | None  # ``pool.shared.replicas``: the split before Redis was reached
     valid_until: float  # our leases are counted in Redis at least until then
     others: Mapping[str, Demand]  # the other replicas' demand, as last heard
     published: Demand  # our unmet demand as our last call wrote it
@@ -379,6 +382,8 @@ def local_share(limit: int, replicas: Sequence[str], me: str) -> int:
 def share(v: View) -> int:
     """The local share (rule 8)."""
     if not v.connected:
+        if v.expected_replicas is None:
+            return min(1, v.limit)
         return max(1, v.limit // v.expected_replicas)
     return local_share(v.limit, v.replicas, v.me)
 

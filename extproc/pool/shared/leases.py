@@ -222,7 +222,7 @@ class LeaseManager(Ledger):
         (they run their shares too): the pool's count as last heard is out of date."""
         running, mine = self._pool.shared_view()
         if self.mode is Mode.DEGRADED:
-            n = max(1, len(self.replicas)) if self.connected else self.policy.replicas
+            n = max(1, len(self.replicas)) if self.connected else self.policy.replicas or 1
             return running * n, sum(mine.values()) * n
         return self.count, sum(mine.values()) + sum(self.known().theirs.values())
 
