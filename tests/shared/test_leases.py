@@ -7,6 +7,7 @@ are in tests/unit/test_lease_decisions.py."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Awaitable
 from typing import Any
@@ -652,3 +653,33 @@ def test_a_replica_that_wins_the_leadership_back_does_not_republish_its_old_limi
             await m.close()
 
     run(main())
+
+
+# --- two policies on one key_prefix -----------------------------------------------------------
+
+
+def test_two_policies_with_other_limits_on_one_key_prefix_are_warned_of(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two deployments (limits 4 and 8) left on the default key_prefix make one pool, the
+    limit of whichever called last: each replica says so (logged once, counted every
+    renewal as ``on_error("policy")``, ``other_policies`` in /debug/queues)."""
+
+    async def main() -> None:
+        counted: list[str] = []
+        a, _ = replica(redis_server.url, "a", 4, lease_s=STEADY_LEASE_S, on_error=counted.append)
+        b, _ = replica(redis_server.url, "b", 8, lease_s=STEADY_LEASE_S)
+        c, _ = replica(redis_server.url, "c", 4, lease_s=STEADY_LEASE_S)  # a's own policy
+        for m in (a, b, c):
+            m.start()
+        await until(lambda: all(m.connected for m in (a, b, c)), "all reached Redis")
+        a._kick()  # (b may have renewed after a's first renewal)
+        await until(lambda: a.other_policies == 1, "a heard of b's policy")
+        assert a.debug()["other_policies"] == 1 and "policy" in counted
+        for m in (a, b, c):
+            await m.close()
+
+    with caplog.at_level(logging.WARNING, logger="extproc.shared"):
+        run(main())
+    warned = [r.getMessage() for r in caplog.records if "other policy" in r.getMessage()]
+    assert warned and "key_prefix 't'" in warned[0], warned

@@ -23,7 +23,7 @@ def test_replies_decode_as_redis_py_reads_them() -> None:
     assert replies.returned([1, 4, 8, 7, 0], sent=1) == replies.Returned(
         given=1, count=4, limit=8, epoch=7
     )
-    reply = [3, 8, b"a", [b"b:7"], 1, [b"c", b"a"], [], 7, 1, 5]
+    reply = [3, 8, b"a", [b"b:7"], 1, [b"c", b"a"], [], 7, 1, 5, 2]
     assert replies.renewed(reply, renewing=1, claiming=1) == replies.Renewed(
         count=3,
         limit=8,
@@ -35,6 +35,7 @@ def test_replies_decode_as_redis_py_reads_them() -> None:
         epoch=7,
         fenced=True,
         term=5,
+        policies=2,
     )
 
 
@@ -65,12 +66,12 @@ def _renewed(reply: object) -> object:
         (_acquired, [1, 2, 3, b"a", 7, 0], "ACQUIRE reply: others' demand should be a list"),
         (
             _renewed,
-            [3, 8, None, [], 0, [], [], 7, 0, 3],
+            [3, 8, None, [], 0, [], [], 7, 0, 3, 0],
             "RENEW reply: leader should be a string, got None",
         ),
         (
             _renewed,
-            [3, 8, b"", [b"x", 7], 0, [], [], 7, 0, 3],
+            [3, 8, b"", [b"x", 7], 0, [], [], 7, 0, 3, 0],
             r"RENEW reply: lost\[1\] should be a string, got 7",
         ),
     ],
@@ -140,7 +141,7 @@ def test_a_hostile_event_is_refused_with_the_reason(text: bytes, why: str) -> No
 
 def test_a_hostile_demand_table_in_a_reply_counts_as_none_and_is_reported() -> None:
     flat = [b"evil", b"0:" + HUGE, b"odd", b"0:1,,", b"b", b"0:2"]
-    reply = replies.renewed([3, 8, b"", [], 0, [b"b"], flat, 7, 0, 3], renewing=0, claiming=0)
+    reply = replies.renewed([3, 8, b"", [], 0, [b"b"], flat, 7, 0, 3, 0], renewing=0, claiming=0)
     assert reply.others == {"b": {0: 2}}
     assert reply.refused == (
         "RENEW reply: the demand of 'evil' refused (as none): a table of 5002 bytes (at most 4096)",
@@ -162,33 +163,33 @@ def test_a_hostile_demand_table_in_a_reply_counts_as_none_and_is_reported() -> N
         (_acquired, [3, 5, 8, [], 7, 0], "ACQUIRE reply: granted should be between 0 and 1, got 3"),
         (
             _renewed,
-            [3, 8, b"\xff", [], 0, [], [], 7, 0, 3],
+            [3, 8, b"\xff", [], 0, [], [], 7, 0, 3, 0],
             r"RENEW reply: leader is not UTF-8 \(invalid start byte at byte 0\)",
         ),
         (
             _renewed,
-            [3, 8, b"x" * 600, [], 0, [], [], 7, 0, 3],
+            [3, 8, b"x" * 600, [], 0, [], [], 7, 0, 3, 0],
             "RENEW reply: leader is longer than 512",
         ),
         (
             _renewed,
-            [3, 8, b"", [b"a:1"] * 3, 0, [], [], 7, 0, 3],
+            [3, 8, b"", [b"a:1"] * 3, 0, [], [], 7, 0, 3, 0],
             r"RENEW reply: lost has 3 items \(at",
         ),
         (
             _renewed,
-            [3, 8, b"", [], 1, [], [], 7, 0, 3],
+            [3, 8, b"", [], 1, [], [], 7, 0, 3, 0],
             "RENEW reply: claimed should be between 0 and 0",
         ),
         (
             _renewed,
-            [3, 8, b"", [], 0, [b"r"] * 1025, [], 7, 0, 3],
+            [3, 8, b"", [], 0, [b"r"] * 1025, [], 7, 0, 3, 0],
             r"live has 1025 items \(at most 1024",
         ),
-        (_renewed, [3, 8, b"", [], 0, [], [b"r", b""] * 1025, 7, 0, 3], "has 1025 entries"),
+        (_renewed, [3, 8, b"", [], 0, [], [b"r", b""] * 1025, 7, 0, 3, 0], "has 1025 entries"),
         (
             _renewed,
-            [3, 8, b"", [], 0, [], [b"r", 7], 7, 0, 3],
+            [3, 8, b"", [], 0, [], [b"r", 7], 7, 0, 3, 0],
             "the demand of 'r' should be a string",
         ),
     ],

@@ -40,9 +40,6 @@ its local share is of is the last heard, or what its own adaptive controller fin
 Untrusted input (``extproc.pool.shared.replies``): what is refused is logged and counted
 (``on_error("events")``, ``on_error("demand")``), a message dropped, a table taken as none.
 
-The pool's epoch (``scripts``): a reply of a new epoch (the state in Redis lost or reset)
-makes a renewal go out at once, which re-registers every lease held and claims the rest.
-
 Tasks: the ticker and the listener run under guards (``extproc.ops.loops``: a failed round
 is logged and counted, ``on_loop_error``, and the loop goes on) and are cancelled by
 ``close``; every call runs in a task kept until it ends (an error other than a failed call
@@ -79,12 +76,6 @@ _T = TypeVar("_T")
 TICK_S = 0.05
 # A lease given back for one replica waits this long for it, then is free for anyone.
 HANDOFF_S = 3 * POLL_S
-
-
-_RESET = (
-    "shared pool: its state in Redis was lost or reset (epoch %s): re-registering %d lease(s); "
-    "nobody acquires until the live replicas have, or for one lease"
-)
 
 
 class _Unreachable(Exception):
@@ -315,8 +306,7 @@ class LeaseManager(Ledger):
         finally:
             self._acquiring = False
             self.changed()
-        if self.acquired(ids, ask, reply):
-            self._reset()
+        self._heard(reset=self.acquired(ids, ask, reply))
         self._refused("demand", reply.refused)
         self._apply()
         rewake, self._rewake = self._rewake, False
@@ -331,8 +321,7 @@ class LeaseManager(Ledger):
         except _Unreachable:
             self.doubt(ids, self._loop.time())
             return
-        if self.returned(reply):
-            self._reset()
+        self._heard(reset=self.returned(reply))
 
     async def _update_demand(self) -> None:
         self._updating = True
@@ -380,8 +369,7 @@ class LeaseManager(Ledger):
         # only those that rejoined already
         self.cleared(doubtful)
         after = self.renewed(sent, claim, plan.unmet, reply)
-        if after.reset:
-            self._reset()  # (re-registered already: one more renewal)
+        self._heard(renewed=True)
         self._refused("demand", reply.refused)
         if self.mode is Mode.DEGRADED:
             self._rejoin(running, after.uncovered, share)
@@ -392,10 +380,14 @@ class LeaseManager(Ledger):
                 self._on_leader(self.is_leader)
         self._pump(force=after.raised)
 
-    def _reset(self) -> None:
-        """The pool's state in Redis was lost or reset: re-register what runs here now."""
-        log.warning(_RESET, self.epoch, self.held)
-        self._kick()
+    def _heard(self, *, reset: bool = False, renewed: bool = False) -> None:
+        """A reply applied: log the ledger's notices; a new epoch: re-register at once."""
+        for text in self.take_notices():
+            log.warning("shared pool: %s", text)
+        if reset:
+            self._kick()
+        if renewed and self.other_policies and self._on_error is not None:
+            self._on_error("policy")
 
     # --- internals: degraded mode ------------------------------------------------------------
 

@@ -19,7 +19,9 @@ A ``Ledger`` holds
   after a rejoin;
 - the pool's epoch as last heard, and whether its fence stands (``scripts``): a reply of
   another epoch than the one heard before says the pool's state in Redis was lost or reset,
-  and the replica re-registers what it runs with a renewal at once.
+  and the replica re-registers what it runs with a renewal at once;
+- the other policies (limits) live on its ``key_prefix``, as the last renewal said;
+- what the shell is to log (``take_notices``): a reset heard, other policies appearing.
 
 Its methods apply one decoded reply (``extproc.pool.shared.replies``) or one change of mode, with
 the time passed in, and say what the caller must act on. ``known`` is what the decisions
@@ -112,6 +114,8 @@ class Ledger:
         self._grace = NO_GRACE
         self.epoch: int | None = None  # the pool's epoch in Redis, as last heard
         self.fenced = False  # its fence stands: nobody acquires
+        self.other_policies = 0  # other limits live on our key_prefix (a mistake)
+        self._notices: list[str] = []  # for the shell to log, in order
         # The calls in flight, which the shell sets (then calls ``changed``).
         self._acquiring = False
         self._updating = False
@@ -236,7 +240,17 @@ class Ledger:
         last reply (a first reply is no reset)."""
         reset = self.epoch is not None and epoch != self.epoch
         self.epoch, self.fenced = epoch, fenced
+        if reset:
+            self._notices.append(
+                f"its state in Redis was lost or reset (a new epoch, {epoch}): re-registering "
+                f"{self.held} lease(s); nobody acquires until the live replicas have, or for "
+                "one lease"
+            )
         return reset
+
+    def take_notices(self) -> list[str]:
+        notices, self._notices = self._notices, []
+        return notices
 
     def computed_limit(self, limit: int) -> None:
         """Degraded, the limit this replica's own adaptive controller found: its local share
@@ -297,6 +311,13 @@ class Ledger:
         reset = self._heard_epoch(reply.epoch, reply.fenced)
         self._heard_pool(reply.count, reply.limit)
         self.leader, self.term = reply.leader, reply.term
+        if reply.policies and reply.policies != self.other_policies:
+            self._notices.append(
+                f"{reply.policies} other policy(ies) with other limits than ours "
+                f"({self.limit_arg}) use the key_prefix {self.policy.key_prefix!r} on this "
+                "Redis: two deployments make one pool; give each its own key_prefix"
+            )
+        self.other_policies = reply.policies
         self.replicas = sorted(reply.live)
         self.heard_others(reply.others)
         self._published = unmet
@@ -359,5 +380,6 @@ class Ledger:
             "rejoin_grace_s": max(0.0, self._grace.until - now),
             "epoch": self.epoch,
             "fenced": self.fenced,
+            "other_policies": self.other_policies,
             "last_error": self.last_error,
         }

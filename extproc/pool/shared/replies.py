@@ -110,6 +110,7 @@ class Renewed:
     epoch: int = 0
     fenced: bool = False
     term: int = 0  # the leader's term (0: no leader)
+    policies: int = 0  # other policies (limits) live on this key_prefix
     refused: tuple[str, ...] = ()  # the others' demand tables refused (counted as none)
 
 
@@ -259,8 +260,9 @@ def renewed(reply: object, *, renewing: int, claiming: int) -> Renewed:
     """``RENEW``'s reply to a call that renewed ``renewing`` and claimed ``claiming`` ids."""
     s = "RENEW"
     names: tuple[str, ...] = ("count", "limit", "leader", "lost", "claimed", "live", "others")
-    names += ("epoch", "fenced", "term")
-    count, limit, leader, lost, claimed, live, flat, epoch, fenced, term = _items(s, reply, names)
+    names += ("epoch", "fenced", "term", "policies")
+    items = _items(s, reply, names)
+    count, limit, leader, lost, claimed, live, flat, epoch, fenced, term, policies = items
     others, refused = _others(s, flat)
     return Renewed(
         count=_int(s, "count", count),
@@ -273,6 +275,7 @@ def renewed(reply: object, *, renewing: int, claiming: int) -> Renewed:
         epoch=_int(s, "epoch", epoch),
         fenced=bool(_int(s, "fenced", fenced, 1)),
         term=_int(s, "term", term),
+        policies=_int(s, "policies", policies, MAX_REPLICAS),
         refused=refused,
     )
 

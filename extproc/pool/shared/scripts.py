@@ -37,6 +37,10 @@ in one slot, which a script needs):
   each ``RENEW`` names the replicas it last saw live; the fence ends when every replica named
   (and every one that called meanwhile) has renewed, or after the lease, and its ``RENEW``
   publishes ``freed``. A whole new pool ends it with its first ``RENEW`` (it names nobody).
+- ``{prefix}:policies``: hash, ``least:most`` (the bounds of a caller's limit: a static
+  pool's limit twice, an adaptive pool's ``min:max``) -> expiry (ms): the policies whose
+  replicas renewed within the lease. ``RENEW`` reports how many others than the caller's
+  are live: two deployments with different limits on one ``key_prefix`` make one pool.
 - channel ``{prefix}:events``: ``freed <replica> <n> [<for>]`` (leases given back, for one
   replica or anyone) and ``demand <replica> <table>`` (a replica's demand changed).
 
@@ -96,6 +100,7 @@ class Keys:
     handoff: str
     epoch: str
     fence: str
+    policies: str
     channel: str
 
     @classmethod
@@ -110,6 +115,7 @@ class Keys:
             handoff=f"{tag}:handoff",
             epoch=f"{tag}:epoch",
             fence=f"{tag}:fence",
+            policies=f"{tag}:policies",
             channel=f"{tag}:events",
         )
 
@@ -125,6 +131,7 @@ class Keys:
             self.handoff,
             self.epoch,
             self.fence,
+            self.policies,
         ]
 
 
@@ -280,7 +287,7 @@ return {n, redis.call('ZCARD', KEYS[1]) + reserved, limit, epoch, seal()}
 # rejoins) are added while the pool has room; the rest are reported lost. While the fence
 # stands, this re-registers the caller, and the replicas it names are expected. Returns
 # {count, limit, leader, lost ids, claimed, live replicas, others' demand as [replica, table,
-# ...], epoch, fenced, the leader's term (0 none)}.
+# ...], epoch, fenced, the leader's term (0 none), other policies live on this prefix}.
 RENEW = (
     _PRELUDE
     + """
@@ -349,8 +356,22 @@ set_demand(ARGV[5])
 if (back > 0 or expired > 0 or #dead > 0 or raised or ended) and others_wait() then
   redis.call('PUBLISH', channel, 'freed ' .. me .. ' ' .. back)
 end
+local policies = 0
+if string.match(ARGV[3], '^%d+:%d+:%d+$') then
+  local mine = least .. ':' .. most
+  redis.call('HSET', KEYS[9], mine, now + lease_ms)
+  local p = redis.call('HGETALL', KEYS[9])
+  for i = 1, #p, 2 do
+    local exp = tonumber(p[i + 1])
+    if not exp or exp <= now then
+      redis.call('HDEL', KEYS[9], p[i])
+    elseif p[i] ~= mine then
+      policies = policies + 1
+    end
+  end
+end
 local _, flat = others()
 local live = redis.call('ZRANGEBYSCORE', KEYS[2], now, '+inf')
-return {count, limit, leader or '', lost, claimed, live, flat, epoch, seal(), term}
+return {count, limit, leader or '', lost, claimed, live, flat, epoch, seal(), term, policies}
 """
 )
