@@ -683,3 +683,29 @@ def test_two_policies_with_other_limits_on_one_key_prefix_are_warned_of(
         run(main())
     warned = [r.getMessage() for r in caplog.records if "other policy" in r.getMessage()]
     assert warned and "key_prefix 't'" in warned[0], warned
+
+
+def test_over_admission_drains_before_a_lease_is_handed_on(redis_server: RedisServer) -> None:
+    """a holds the pool (4) and runs 2 more that hold no lease (admitted while degraded, the
+    pool had no room for them at the rejoin); b waits. A request that ends on a while it runs
+    more than it holds frees no lease: b gets one only once a runs within its leases, so the
+    two never run more than they did (it handed leases on: 6 in flight stayed 6)."""
+
+    async def main() -> None:
+        (a, pa), (b, pb) = await connected(redis_server, 4, "a", "b")
+        pa.arrive(0, 4)
+        await until(lambda: pa.running == 4 and a.held == 4, "a holds the pool")
+        pa.running += 2  # uncovered: running > held
+        pb.arrive(0, 3)
+        await until(lambda: "b" in a.known().others, "a heard that b waits")
+        for running in (5, 4):
+            pa.finish()
+            await asyncio.sleep(0)  # (a loop turn: a hand-over would be on its way)
+            assert (pa.running, a.held, pb.running) == (running, 4, 0)
+        pa.finish()  # within its leases now: the lease goes to b
+        await until(lambda: pb.running == 1, "b admitted")
+        assert pa.running + pb.running == 4
+        for m in (a, b):
+            await m.close()
+
+    run(main())
