@@ -336,3 +336,40 @@ def test_refusals_are_all_counted_and_each_reason_logged_once_a_minute(
     assert logged[0] == "shared pool: refused from Redis: the same entry"
     assert logged[60] == "shared pool: more input refused this minute: counted only"
     assert len(logged) == 62 and logged[61] == logged[0]  # a new minute
+
+
+def test_a_new_epoch_is_a_reset_and_the_end_of_its_fence_wakes_the_replica() -> None:
+    book = ledger()
+    assert not book.acquired(
+        [], {}, replies.Acquired(granted=0, count=0, limit=8, others={}, epoch=5)
+    )
+    assert book.take_notices() == ()  # a first reply is no reset
+    assert not book.returned(replies.Returned(given=0, count=0, limit=8, epoch=5))
+    assert book.returned(replies.Returned(given=0, count=0, limit=8, epoch=9, fenced=True))
+    (notice,) = book.take_notices()
+    assert notice.startswith("its state in Redis was lost or reset (a new epoch, 9)")
+    assert book.fenced and book.debug_view(0.0, 0, {})["fenced"] is True
+    reply = replies.Renewed(
+        count=0, limit=8, leader="", lost=(), claimed=0, live=("me",), others={}, epoch=9
+    )
+    after = book.renewed(1.0, [], {}, reply)
+    assert after.raised and not after.reset and not book.fenced  # the fence ended: ask now
+    assert book.take_notices() == ()
+
+
+def test_other_policies_on_the_prefix_are_noticed_when_their_number_changes() -> None:
+    book = ledger()
+
+    def renew(policies: int) -> None:
+        reply = replies.Renewed(
+            count=0, limit=8, leader="", lost=(), claimed=0, live=(), others={}, policies=policies
+        )
+        book.renewed(1.0, [], {}, reply)
+
+    renew(1)
+    (notice,) = book.take_notices()
+    assert notice.startswith("1 other policy(ies) with other limits than ours (8:8:8)")
+    renew(1)
+    assert book.take_notices() == () and book.other_policies == 1
+    renew(0)
+    assert book.take_notices() == () and book.other_policies == 0

@@ -248,7 +248,10 @@ class Ledger:
             )
         return reset
 
-    def take_notices(self) -> list[str]:
+    def take_notices(self) -> Sequence[str]:
+        """What to log since the last call (nothing allocated when there is nothing)."""
+        if not self._notices:
+            return ()
         notices, self._notices = self._notices, []
         return notices
 
