@@ -154,7 +154,8 @@ class Metrics:
             "llm_extproc_shared_redis_errors",
             "Errors of the shared pool's Redis side, by call: acquire, return, renew (failed, "
             "timed out, or a reply refused), events (the subscription lost, or a message "
-            "refused), demand (another replica's demand table refused, counted as none).",
+            "refused), demand (another replica's demand table refused, counted as none), policy "
+            "(a renewal saw another policy's limits on this pool's key_prefix).",
             ["call"],
             registry=r,
         )

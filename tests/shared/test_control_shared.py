@@ -31,7 +31,7 @@ pool:
   max_concurrency: 3
   adaptive: {{min: 1, max: 16, initial: 5, interval: 100ms, window: 1s, stale_after: 200ms,
              fallback_after: 500ms}}
-  shared: {{redis: "{redis_url}", key_prefix: ctl, lease: 1s, timeout: 200ms}}
+  shared: {{redis: "{redis_url}", key_prefix: ctl, lease: 1s, timeout: 200ms, replicas: 1}}
 backend: {{metrics: ["http://127.0.0.1:{free_port()}/metrics"]}}
 buckets:
   - {{name: all, queue_timeout: 2s, max_queue: 10}}

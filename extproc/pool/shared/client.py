@@ -114,22 +114,28 @@ class PoolClient:
         demand: Mapping[int, int],
         volunteer: bool,
         publish: int | None,
+        term: int = 0,
         renew: Sequence[str],
         back: Sequence[str],
         claim: Sequence[str],
+        known: Sequence[str] = (),
         limit: str,
     ) -> replies.Renewed:
         """Renew ``renew``, give ``back`` back, claim ``claim`` while there is room, write
-        ``demand``; ``volunteer``: lead if nobody does; ``publish``: the limit, if leading."""
+        ``demand``; ``volunteer``: lead if nobody does; ``publish``: the limit, if leading in
+        ``term`` (the leader's as last heard: the script refuses it in another);
+        ``known``: the replicas last seen live (expected to re-register in a new epoch)."""
         fields = [
             encode_demand(demand),
             "1" if volunteer else "0",
-            "" if publish is None else str(publish),
+            "" if publish is None else f"{publish}@{term}",
             len(renew),
             len(back),
             len(claim),
+            len(known),
         ]
-        raw = await self._call("renew", self._renew, limit, fields, [*renew, *back, *claim])
+        ids = [*renew, *back, *claim, *known]
+        raw = await self._call("renew", self._renew, limit, fields, ids)
         return self._decode("renew", replies.renewed, raw, renewing=len(renew), claiming=len(claim))
 
     async def listen(self, on_message: Callable[[bytes], None]) -> None:

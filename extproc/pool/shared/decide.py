@@ -36,7 +36,9 @@ Rules (each a function here, each with its table in ``tests/unit/test_lease_deci
    that band's waiters, so replicas in one band are served in proportion to their waiters
    (keeping every lease while a local queue lasts would freeze the split forever). Otherwise
    the lease stays and the local core hands the slot on: no round trip. A request that ends
-   while a spare is held only makes another spare (rule 2 and rule 5 deal with spares).
+   while a spare is held only makes another spare (rule 2 and rule 5 deal with spares); one
+   that ends while more run here than the leases held (after a rejoin) gives nothing back
+   and lets nobody in: the over-admission drains, one request at a time.
 4. **Recipient** (``recipient``): a lease given back while others wait is *for* one replica
    of the others' most urgent band, drawn in proportion to its waiters there; Redis keeps it
    for that replica for ``HANDOFF_S`` and tells it (``freed``). Given back for anyone, it
@@ -45,7 +47,8 @@ Rules (each a function here, each with its table in ``tests/unit/test_lease_deci
 5. **Renew** (``renewal``, every lease / 3, one ``RENEW`` for all the leases): renew every id;
    give back the spares when nobody waits here (degraded: every lease beyond the running
    requests, since re-adding them would take what another replica's running requests need);
-   claim one lease per running request that holds none; write the unmet demand.
+   claim one lease per running request that holds none (``RENEW_BATCH`` at most: the rest
+   with the next renewals); write the unmet demand.
 6. **Stale demand** (``step``): when the published demand overstates the unmet one (a band
    gone, or no more than half of it left), one ``RETURN`` without ids writes it again, so the
    others stop holding slots back for waiters we no longer have.
@@ -55,7 +58,10 @@ Rules (each a function here, each with its table in ``tests/unit/test_lease_deci
    (phase ``LOCAL_SHARE``).
 8. **Local share** (``share``, ``local_share``): ``limit // live`` plus one for the first
    ``limit % live`` live replicas by id, so the shares add up to the limit; a replica that
-   never reached Redis takes ``limit // pool.shared.replicas``, at least 1. ``limit`` is the
+   never reached Redis takes ``limit // pool.shared.replicas``, at least 1, and with
+   ``replicas`` unset 1: not knowing how many run, one is the most each may take that stays
+   within its share for any number up to the limit (the whole limit, as a default of 1
+   gave, made N replicas that never reached Redis run N x the limit). ``limit`` is the
    pool's as last heard; degraded, an adaptive pool's is what the replica's own controller
    finds (``extproc.pool.control``).
 9. **Rejoin** (``rejoin``): the first successful renewal while degraded ends degraded mode.
@@ -85,6 +91,7 @@ from enum import StrEnum
 __all__ = [
     "NO_GRACE",
     "POLL_S",
+    "RENEW_BATCH",
     "Acquire",
     "GiveBack",
     "Grace",
@@ -113,6 +120,9 @@ __all__ = [
 
 # A replica with unmet demand asks again at least this often (lost 'freed' messages).
 POLL_S = 0.25
+# At most this many ids claimed, and as many doubtful ones given back, in one renewal (the
+# rest with the next ones): one RENEW stays short for Redis and within the call's timeout.
+RENEW_BATCH = 256
 # The leases' expiry as this replica sees it, a little early (clock rates differ).
 _EXPIRY_MARGIN = 0.98
 
@@ -157,7 +167,7 @@ class View:
     count: int
     replicas: Sequence[str]
     connected: bool  # a renewal succeeded since the start
-    expected_replicas: int  # ``pool.shared.replicas``: the split before Redis was reached
+    expected_replicas: int | None  # ``pool.shared.replicas``: the split before Redis was reached
     valid_until: float  # our leases are counted in Redis at least until then
     others: Mapping[str, Demand]  # the other replicas' demand, as last heard
     published: Demand  # our unmet demand as our last call wrote it
@@ -300,8 +310,11 @@ def recipient(others: Mapping[str, Demand], u: float) -> str | None:
 def on_release(
     v: View, *, held: int, running: int, demand: Demand, u_back: float, u_whom: float
 ) -> GiveBack | None:
-    """A local slot is about to be freed (rule 3): None keeps its lease here."""
-    if v.mode is not Mode.SHARED or held == 0 or running < held:
+    """A local slot is about to be freed (rule 3): None keeps its lease here. While more
+    run here than the leases held (``running > held``: requests the pool had no room for at
+    a rejoin), the request that ends is counted as one of those: its slot held no lease, and
+    handing one on would keep the over-admission from draining."""
+    if v.mode is not Mode.SHARED or held == 0 or running != held:
         return None
     if v.count > v.limit:
         return GiveBack(n=1, to=None)
@@ -344,7 +357,7 @@ def renewal(v: View, *, held: int, running: int, demand: Demand) -> Renewal:
     held -= back
     return Renewal(
         back=back,
-        claim=max(0, running - held),
+        claim=min(RENEW_BATCH, max(0, running - held)),
         unmet=minus(demand, max(0, held - running)),
     )
 
@@ -369,6 +382,8 @@ def local_share(limit: int, replicas: Sequence[str], me: str) -> int:
 def share(v: View) -> int:
     """The local share (rule 8)."""
     if not v.connected:
+        if v.expected_replicas is None:
+            return min(1, v.limit)
         return max(1, v.limit // v.expected_replicas)
     return local_share(v.limit, v.replicas, v.me)
 

@@ -37,10 +37,8 @@ held, the replica admits nobody until its running requests fit in them. Degraded
 its local share is of is the last heard, or what its own adaptive controller finds
 (``publish_limit``: the controller runs on a degraded replica too, ``extproc.pool.control``).
 
-Untrusted input (``extproc.pool.shared.replies``): a message of the events channel or
-another replica's demand table that is refused is logged (``replies.Refusals``) and counted
-(``on_error("events")``, ``on_error("demand")``); the message is dropped, the table counts as
-no demand.
+Untrusted input (``extproc.pool.shared.replies``): what is refused is logged and counted
+(``on_error("events")``, ``on_error("demand")``), a message dropped, a table taken as none.
 
 Tasks: the ticker and the listener run under guards (``extproc.ops.loops``: a failed round
 is logged and counted, ``on_loop_error``, and the loop goes on) and are cancelled by
@@ -215,7 +213,7 @@ class LeaseManager(Ledger):
         (they run their shares too): the pool's count as last heard is out of date."""
         running, mine = self._pool.shared_view()
         if self.mode is Mode.DEGRADED:
-            n = max(1, len(self.replicas)) if self.connected else self.policy.replicas
+            n = max(1, len(self.replicas)) if self.connected else self.policy.replicas or 1
             return running * n, sum(mine.values()) * n
         return self.count, sum(mine.values()) + sum(self.known().theirs.values())
 
@@ -303,12 +301,12 @@ class LeaseManager(Ledger):
         try:
             reply = await self._call(self._client.acquire(ask, ids, limit=self.limit_arg))
         except _Unreachable:
-            self.doubt(ids)
+            self.doubt(ids, self._loop.time())
             return
         finally:
             self._acquiring = False
             self.changed()
-        self.acquired(ids, ask, reply)
+        self._heard(reset=self.acquired(ids, ask, reply))
         self._refused("demand", reply.refused)
         self._apply()
         rewake, self._rewake = self._rewake, False
@@ -321,9 +319,9 @@ class LeaseManager(Ledger):
                 self._client.give_back(ids, to=to, hold_ms=hold_ms, limit=self.limit_arg)
             )
         except _Unreachable:
-            self.doubt(ids)
+            self.doubt(ids, self._loop.time())
             return
-        self.returned(reply)
+        self._heard(reset=self.returned(reply))
 
     async def _update_demand(self) -> None:
         self._updating = True
@@ -348,33 +346,48 @@ class LeaseManager(Ledger):
         if back:
             self._apply()
         claim = self.new_ids(plan.claim)
-        doubtful = self.take_doubtful()
+        doubtful = self.doubtful(sent)
         call = self._client.renew(
             demand=plan.unmet,
             volunteer=self.adaptive,
             publish=self._leader_limit,
+            term=self.term,
             renew=list(self._ids),
             back=[*back, *doubtful],
             claim=claim,
+            known=self.replicas,
             limit=self.limit_arg,
         )
         try:
             reply = await self._call(call)
         except _Unreachable:
-            self.doubt([*back, *doubtful, *claim])
+            self.doubt([*back, *claim], sent)
             return
         finally:
             self._renewing = False
         share = self.local_share()  # from the replicas seen before: a restarted Redis knows
         # only those that rejoined already
+        self.cleared(doubtful)
         after = self.renewed(sent, claim, plan.unmet, reply)
+        self._heard(renewed=True)
         self._refused("demand", reply.refused)
         if self.mode is Mode.DEGRADED:
             self._rejoin(running, after.uncovered, share)
         self._apply()
-        if after.leader_changed and self._on_leader is not None:
-            self._on_leader(self.is_leader)
+        if after.leader_changed:  # a new term starts from the limit in force
+            self._leader_limit = None
+            if self._on_leader is not None:
+                self._on_leader(self.is_leader)
         self._pump(force=after.raised)
+
+    def _heard(self, *, reset: bool = False, renewed: bool = False) -> None:
+        """A reply applied: log the ledger's notices; a new epoch: re-register at once."""
+        for text in self.take_notices():
+            log.warning("shared pool: %s", text)
+        if reset:
+            self._kick()
+        if renewed and self.other_policies and self._on_error is not None:
+            self._on_error("policy")
 
     # --- internals: degraded mode ------------------------------------------------------------
 
