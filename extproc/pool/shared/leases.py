@@ -16,7 +16,7 @@ When it decides
   it comes while an ``ACQUIRE`` is in flight, the forced step follows that call's answer.
 - Every ``TICK_S``: a ``RENEW`` when one is due (every ``lease / 3``; at once after a new
   static limit or a leader's new limit); in shared mode a step once ``POLL_S`` has passed
-  since the last acquire; degraded, the local limit again (holding -> local share).
+  since the last acquire; degraded, the local limit again.
 
 At most one ``ACQUIRE``, one ``RENEW`` and one demand-only ``RETURN`` are in flight at once.
 
@@ -30,12 +30,12 @@ force; ``on_leader`` hears of every change.
 Redis unreachable: a failed call (error, timeout, a reply refused, a URL redis-py cannot use)
 makes the replica **degraded** (logged once, counted in ``degraded_transitions``, every
 failure counted by ``on_error``, ``on_mode``, /debug/queues); the ids that call carried may
-be held and go back with the next renewal. Renewals go on every interval as probes; the
-first that succeeds rejoins (``decide`` rules 5 and 9, ``on_mode`` again). Whatever running
-requests the pool had no room for stay uncovered, and since the local limit is the leases
-held, the replica admits nobody until its running requests fit in them. Degraded, the limit
-its local share is of is the last heard, or what its own adaptive controller finds
-(``publish_limit``: the controller runs on a degraded replica too, ``extproc.pool.control``).
+be held and go back with the next renewal. It runs on the leases it holds, and from their
+expiry (``decide`` rule 7; a timer set at each renewal's answer) on none. Renewals go on as
+probes; the first that succeeds rejoins (``decide`` rules 5 and 9, ``on_mode`` again), and
+running requests the pool has no room for stay uncovered: the replica admits nobody until
+they fit in its leases. One that never reached Redis runs on its local share, of the limit
+last heard or of what its own adaptive controller finds (``publish_limit``).
 
 Untrusted input (``extproc.pool.shared.replies``): a message of the events channel or
 another replica's demand table that is refused is logged (``replies.Refusals``) and counted
@@ -125,6 +125,7 @@ class LeaseManager(Ledger):
         self._renewing = False
         self._next_renew = 0.0
         self._pump_handle: asyncio.Handle | None = None
+        self._expiry_handle: asyncio.TimerHandle | None = None  # our leases' expiry (rule 7)
         self._tasks: set[asyncio.Task[None]] = set()  # the calls in flight
         self._runner: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
@@ -147,8 +148,9 @@ class LeaseManager(Ledger):
         """Stop; give every lease back and leave the pool (when Redis answers). Without
         ``give_back`` the leases are left to expire, as when the process dies."""
         self._closed = True
-        if self._pump_handle is not None:
-            self._pump_handle.cancel()
+        for handle in (self._pump_handle, self._expiry_handle):
+            if handle is not None:
+                handle.cancel()
         for task in (self._runner, self._listener):
             if task is not None:
                 task.cancel()
@@ -371,6 +373,7 @@ class LeaseManager(Ledger):
         self._refused("demand", reply.refused)
         if self.mode is Mode.DEGRADED:
             self._rejoin(running, after.uncovered, share)
+        self._arm_expiry()
         self._apply()
         if after.leader_changed and self._on_leader is not None:
             self._on_leader(self.is_leader)
@@ -388,17 +391,15 @@ class LeaseManager(Ledger):
         self.degrade(now)
         if self._on_mode is not None:
             self._on_mode(Mode.DEGRADED)
-        log.warning(
-            "shared pool degraded, Redis unreachable (%s): holding %d lease(s) for %.1f s, "
-            "then a local share of %d of the limit %d (%d live replicas)",
-            self.last_error,
-            self.held,
-            max(0.0, self._valid_until - now),
-            self.local_share(),
-            self.limit,
-            max(1, len(self.replicas)),
-        )
+        log.warning("shared pool degraded (%s): %s", self.last_error, self.outage_plan(now))
         self._apply()
+
+    def _arm_expiry(self) -> None:
+        """The local limit drops to none when our leases expire (rule 7), unless a renewal
+        comes first (it arms the timer again)."""
+        if self._expiry_handle is not None:
+            self._expiry_handle.cancel()
+        self._expiry_handle = self._loop.call_at(self._valid_until, self._apply)
 
     def _rejoin(self, running: int, uncovered: int, share: int) -> None:
         took = self.rejoin(self._loop.time(), share)
@@ -421,7 +422,7 @@ class LeaseManager(Ledger):
             self._next_renew = now + self.interval_s
             self._spawn(self._renew(), "renew")
         if self.mode is Mode.DEGRADED:
-            self._apply()  # holding -> local share when our leases expire
+            self._apply()  # (the expiry has its timer; a local share follows the limit)
         elif not self._acquiring and now - self._last_acquire >= POLL_S:
             self._pump()
 
