@@ -9,27 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any
 
 import pytest
 
 from extproc.pool.shared import LeaseManager, Mode
-from testing.leases import FakePool, leases_in_redis, replica
+from testing.leases import FakePool, leases_in_redis, replica, run, until, until_redis
 from testing.redis import RedisServer
 from testing.tcp_proxy import TcpProxy
-from testing.wait import until_async
 
 LIMIT = 6
 LEASE_S = 1.0
 ADMISSIONS = 40
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(asyncio.wait_for(coro, 60))
-
-
-async def until(cond: Any, what: str) -> None:
-    await until_async(cond, what, every=0.002)
 
 
 class Load:
@@ -123,12 +113,11 @@ def test_a_cut_off_replica_never_grows_and_stops_once_its_leases_expire(
             assert a.debug()["local_limit"] == 0
             # Redis expires them later than a does; then b and c may take them.
             assert await mine_in_redis(redis_server, "a") <= held
-            for _ in range(500):  # Redis's table, polled (bounded: 10 s)
-                if not await mine_in_redis(redis_server, "a"):
-                    break
-                await asyncio.sleep(0.02)
-            else:
-                raise AssertionError("a's leases still in Redis")
+
+            async def gone() -> bool:
+                return await mine_in_redis(redis_server, "a") == 0
+
+            await until_redis(gone, "a's leases expired in Redis")
             await load.served("b and c run the whole pool", "b", "c")
             assert load.admitted("a") == stopped, "a admitted after its leases expired"
             assert load.peaks["a"] <= held, (load.peaks["a"], held)

@@ -387,16 +387,14 @@ class LeaseManager(Ledger):
             self._on_error(call)
         if self.mode is Mode.DEGRADED or self._closed:
             return
-        now = self._loop.time()
-        self.degrade(now)
+        self.degrade(now := self._loop.time())
         if self._on_mode is not None:
             self._on_mode(Mode.DEGRADED)
         log.warning("shared pool degraded (%s): %s", self.last_error, self.outage_plan(now))
         self._apply()
 
     def _arm_expiry(self) -> None:
-        """The local limit drops to none when our leases expire (rule 7), unless a renewal
-        comes first (it arms the timer again)."""
+        """Our leases expire (rule 7) unless a renewal comes first, which sets it again."""
         if self._expiry_handle is not None:
             self._expiry_handle.cancel()
         self._expiry_handle = self._loop.call_at(self._valid_until, self._apply)
@@ -426,14 +424,16 @@ class LeaseManager(Ledger):
         elif not self._acquiring and now - self._last_acquire >= POLL_S:
             self._pump()
 
-    async def _listen(self) -> None:
-        """One subscription of the listener, until its connection fails (then again an
+    async def _listen(self) -> float | None:
+        """One subscription, until a refresh drops it (again at once) or it fails (again an
         interval later: polling carries on, renewals tell whether Redis is back)."""
         try:
             await self._client.listen(self._on_message)
         except CallFailed as e:
             if self._on_error is not None:
                 self._on_error(e.call)
+            return None
+        return 0.0
 
     def _on_message(self, data: str | bytes) -> None:
         event = replies.event(data)
