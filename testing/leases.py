@@ -85,15 +85,17 @@ def replica(
     *,
     adaptive: bool = False,
     lease_s: float = 1.0,
+    timeout_s: float | None = None,
     rand: Callable[[], float] = random.random,
     **options: Any,
 ) -> tuple[LeaseManager, FakePool]:
     """A manager named ``name`` on a fresh :class:`FakePool`, keys under ``KEY_PREFIX``; its
-    calls' deadline is the longest the policy allows (a quarter of the lease), so that a
-    loaded machine is less often taken for Redis gone. ``options``: the manager's other
-    arguments (``on_error``, ``bounds``...)."""
+    calls' deadline is ``timeout_s``, by default the longest the policy allows (a quarter of
+    the lease), so that a loaded machine is less often taken for Redis gone. ``options``:
+    the manager's other arguments (``on_error``, ``bounds``...)."""
     pool = FakePool()
-    policy = SharedPolicy(redis=url, key_prefix=KEY_PREFIX, lease_s=lease_s, timeout_s=lease_s / 4)
+    timeout_s = lease_s / 4 if timeout_s is None else timeout_s
+    policy = SharedPolicy(redis=url, key_prefix=KEY_PREFIX, lease_s=lease_s, timeout_s=timeout_s)
     m = LeaseManager(
         pool, policy, limit=limit, adaptive=adaptive, replica=name, rand=rand, **options
     )

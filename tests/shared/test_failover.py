@@ -41,10 +41,12 @@ def test_a_failover_to_a_promoted_replica_is_followed(tmp_path: Path) -> None:
             r_new = aioredis.Redis.from_url(new.url, decode_responses=True)
             await r_new.replicaof("127.0.0.1", old.port)
             url = f"redis://127.0.0.1:{address.port}/0"
-            ms = [replica(url, name, LIMIT, lease_s=LEASE_S) for name in ("a", "b")]
+            errors: list[str] = []  # a's failed calls
+            ms = [
+                replica(url, "a", LIMIT, lease_s=LEASE_S, on_error=errors.append),
+                replica(url, "b", LIMIT, lease_s=LEASE_S),
+            ]
             (a, pa), (b, pb) = ms
-            errors: list[str] = []
-            a._on_error = errors.append
             for m, _ in ms:
                 m.start()
             await until(lambda: a.connected and b.connected, "both reached Redis")

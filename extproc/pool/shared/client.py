@@ -40,6 +40,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.config.policy import SharedPolicy
 from extproc.pool.shared import replies
@@ -65,6 +66,8 @@ class CallFailed(Exception):
         super().__init__(f"{call}: {type(cause).__name__}: {cause}")
         self.call = call
         self.cause = cause
+        # Past its deadline (ours, or the socket's): a slow call, not a lost node.
+        self.timed_out = isinstance(cause, TimeoutError | RedisTimeoutError)
 
 
 def node_lost(exc: BaseException) -> bool:

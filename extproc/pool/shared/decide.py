@@ -70,6 +70,13 @@ Rules (each a function here, each with its table in ``tests/unit/test_lease_deci
    that rejoined already): replicas still degraded run the leases they held, which a restarted
    Redis does not count, and replicas that never reached Redis run their shares.
 
+10. **A failed call** (``degrades``, ``retry_after``): a call that failed otherwise than by its
+   deadline (an error, the node lost, a reply refused), or the second failure in a row, makes
+   the replica degraded. One call over ``timeout`` after a success fails alone: its ids are
+   doubtful and go back with a renewal sent at once; acquisition goes on. A failed renewal is
+   sent again ``POLL_S`` later, then after twice as long each time, at most the interval:
+   the leases age meanwhile, and rule 7 stops admission at their expiry in either mode.
+
 Slack: requests at the backend exceed the limit only (1) in a partition, where some replicas
 reach Redis and others do not: once a cut-off replica's leases expire in Redis the others may
 take them, while the requests it admitted before its own expiry still run (at most the leases
@@ -102,6 +109,7 @@ __all__ = [
     "Renewal",
     "Step",
     "View",
+    "degrades",
     "holding_until",
     "local_limit",
     "local_share",
@@ -112,6 +120,7 @@ __all__ = [
     "recipient",
     "rejoin",
     "renewal",
+    "retry_after",
     "return_decision",
     "share",
     "step",
@@ -413,3 +422,14 @@ def rejoin(now: float, lease_s: float, held: int, share_before: int) -> Grace:
     """The grace after a rejoin (rule 9); ``share_before``: the share computed from the
     replicas seen before the rejoining renewal's answer."""
     return Grace(until=now + lease_s, cap=max(held, share_before))
+
+
+def degrades(*, timed_out: bool, in_a_row: int) -> bool:
+    """Whether a failed call makes the replica degraded (rule 10): ``timed_out``, it ran
+    past its deadline; ``in_a_row``, the failed calls in a row, this one included."""
+    return not timed_out or in_a_row > 1
+
+
+def retry_after(failed: int, interval_s: float) -> float:
+    """When the next renewal goes after ``failed`` ones in a row (rule 10)."""
+    return min(interval_s, POLL_S * 2.0 ** min(failed - 1, 32))

@@ -27,15 +27,11 @@ with the next renewal); every script reads it from Redis, so nobody acquires abo
 limit. If the leader dies, another replica takes over within the lease from the limit in
 force; ``on_leader`` hears of every change.
 
-Redis unreachable: a failed call (error, timeout, a reply refused, a URL redis-py cannot use)
-makes the replica **degraded** (logged once, counted in ``degraded_transitions``, every
-failure counted by ``on_error``, ``on_mode``, /debug/queues); the ids that call carried may
-be held and go back with the next renewal. It runs on the leases it holds, and from their
-expiry (``decide`` rule 7; a timer set at each renewal's answer) on none. Renewals go on as
-probes; the first that succeeds rejoins (``decide`` rules 5 and 9, ``on_mode`` again), and
-running requests the pool has no room for stay uncovered: the replica admits nobody until
-they fit in its leases. One that never reached Redis runs on its local share, of the limit
-last heard or of what its own adaptive controller finds (``publish_limit``).
+Redis unreachable: a failed call makes the replica **degraded** unless it only ran past its
+deadline once (``decide`` rule 10; the changes of mode, their log and the expiry timer:
+``extproc.pool.shared.outage``); the ids it carried may be held and go back with the next
+renewal. It runs on the leases it holds, from their expiry on none (rule 7). Renewals go on
+as probes (rule 10's pace); the first that succeeds rejoins (rules 5 and 9).
 
 Untrusted input (``extproc.pool.shared.replies``): a message of the events channel or
 another replica's demand table that is refused is logged (``replies.Refusals``) and counted
@@ -67,6 +63,7 @@ from extproc.pool.shared import decide, replies
 from extproc.pool.shared.client import CallFailed, PoolClient
 from extproc.pool.shared.decide import POLL_S, Acquire, GiveBack, Mode, PublishDemand
 from extproc.pool.shared.ledger import UNBOUNDED, Ledger, LocalPool
+from extproc.pool.shared.outage import Outage
 
 __all__ = ["HANDOFF_S", "POLL_S", "TICK_S", "LeaseManager", "LocalPool", "Mode"]
 
@@ -81,7 +78,7 @@ HANDOFF_S = 3 * POLL_S
 
 
 class _Unreachable(Exception):
-    """A Redis call failed; the manager is degraded already."""
+    """A Redis call failed; the manager has counted it (and is degraded, if rule 10 says)."""
 
 
 class LeaseManager(Ledger):
@@ -110,8 +107,8 @@ class LeaseManager(Ledger):
         self.keys = self._client.keys
         self._pool = pool
         self._rand = rand
-        self._on_mode = on_mode
         self._on_error = on_error
+        self._outage = Outage(self, self._apply, log, on_mode=on_mode, on_error=on_error)
         self._on_leader = on_leader
         self._guards = (
             Guard("shared-pool", log, on_loop_error),
@@ -125,7 +122,6 @@ class LeaseManager(Ledger):
         self._renewing = False
         self._next_renew = 0.0
         self._pump_handle: asyncio.Handle | None = None
-        self._expiry_handle: asyncio.TimerHandle | None = None  # our leases' expiry (rule 7)
         self._tasks: set[asyncio.Task[None]] = set()  # the calls in flight
         self._runner: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
@@ -148,9 +144,9 @@ class LeaseManager(Ledger):
         """Stop; give every lease back and leave the pool (when Redis answers). Without
         ``give_back`` the leases are left to expire, as when the process dies."""
         self._closed = True
-        for handle in (self._pump_handle, self._expiry_handle):
-            if handle is not None:
-                handle.cancel()
+        self._outage.close()
+        if self._pump_handle is not None:
+            self._pump_handle.cancel()
         for task in (self._runner, self._listener):
             if task is not None:
                 task.cancel()
@@ -293,10 +289,13 @@ class LeaseManager(Ledger):
     async def _call(self, call: Awaitable[_T]) -> _T:
         """One call; a failure makes us degraded and raises ``_Unreachable``."""
         try:
-            return await call
+            reply = await call
         except CallFailed as e:
-            self._failed(e.call, e.cause)
+            if self._outage.failed(e):
+                self._kick()  # it failed alone: its ids, doubtful, go back with a renewal now
             raise _Unreachable from e
+        self._outage.succeeded()
+        return reply
 
     async def _acquire(self, ask: Mapping[int, int]) -> None:
         self._acquiring, self._last_acquire = True, self._loop.time()
@@ -364,6 +363,7 @@ class LeaseManager(Ledger):
             reply = await self._call(call)
         except _Unreachable:
             self.doubt([*back, *doubtful, *claim])
+            self._next_renew = self._outage.renewal_failed(self.interval_s)
             return
         finally:
             self._renewing = False
@@ -372,44 +372,12 @@ class LeaseManager(Ledger):
         after = self.renewed(sent, claim, plan.unmet, reply)
         self._refused("demand", reply.refused)
         if self.mode is Mode.DEGRADED:
-            self._rejoin(running, after.uncovered, share)
-        self._arm_expiry()
+            self._outage.rejoin(running, after.uncovered, share)
+        self._outage.renewed()
         self._apply()
         if after.leader_changed and self._on_leader is not None:
             self._on_leader(self.is_leader)
         self._pump(force=after.raised)
-
-    # --- internals: degraded mode ------------------------------------------------------------
-
-    def _failed(self, call: str, exc: BaseException) -> None:
-        self.last_error = f"{call}: {type(exc).__name__}: {exc}"
-        if self._on_error is not None:
-            self._on_error(call)
-        if self.mode is Mode.DEGRADED or self._closed:
-            return
-        self.degrade(now := self._loop.time())
-        if self._on_mode is not None:
-            self._on_mode(Mode.DEGRADED)
-        log.warning("shared pool degraded (%s): %s", self.last_error, self.outage_plan(now))
-        self._apply()
-
-    def _arm_expiry(self) -> None:
-        """Our leases expire (rule 7) unless a renewal comes first, which sets it again."""
-        if self._expiry_handle is not None:
-            self._expiry_handle.cancel()
-        self._expiry_handle = self._loop.call_at(self._valid_until, self._apply)
-
-    def _rejoin(self, running: int, uncovered: int, share: int) -> None:
-        took = self.rejoin(self._loop.time(), share)
-        log.warning(
-            "shared pool rejoined after %.1f s: %d lease(s) for %d running request(s)%s",
-            took,
-            self.held,
-            running,
-            f", {uncovered} not covered (no new admissions until they end)" if uncovered else "",
-        )
-        if self._on_mode is not None:
-            self._on_mode(Mode.SHARED)
 
     # --- internals: the clock and the events -------------------------------------------------
 
