@@ -102,18 +102,20 @@ def test_a_cut_off_replica_never_grows_and_stops_once_its_leases_expire(
             await load.served("the load runs")
             assert load.peak <= LIMIT
 
-            proxy.cut()
-            if long_streams:
+            if long_streams:  # the worst case: a holds a third of the pool or more
+                await until(lambda: a.held >= LIMIT // 3, "a holds its share")
                 load.hold.add("a")
-            held = a.held  # no call of a's reaches Redis from here: it holds no more
-            load.reset()
+            proxy.cut()
             await until(lambda: a.mode is Mode.DEGRADED, "a degraded")
+            held = a.held  # degraded, it holds no more (an answer relayed before the cut is in)
+            load.reset()
             await until(lambda: a.debug()["phase"] == "expired", "a's leases expired for a")
             stopped = load.admitted("a")
             assert a.debug()["local_limit"] == 0
-            # Redis expires them later than a does; then b and c may take them.
-            assert await mine_in_redis(redis_server, "a") <= held
 
+            # Redis expires a's leases later than a does (with any that a call cut off on its
+            # way back granted it: a counts those as doubtful, not held); then b and c may
+            # take them.
             async def gone() -> bool:
                 return await mine_in_redis(redis_server, "a") == 0
 
