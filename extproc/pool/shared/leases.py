@@ -131,7 +131,7 @@ class LeaseManager(Ledger):
 
     @property
     def interval_s(self) -> float:
-        """Between renewals (and probes while degraded)."""
+        """Between renewals (and, at most, probes while degraded: ``decide.retry_after``)."""
         return self.policy.lease_s / 3
 
     def start(self) -> None:
