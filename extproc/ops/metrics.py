@@ -147,7 +147,7 @@ class Metrics:
         )
         self.shared_degraded = Counter(
             "llm_extproc_shared_degraded_transitions",
-            "Times the shared pool went degraded (Redis unreachable: a local share).",
+            "Times the shared pool went degraded (Redis unreachable: its leases, then none).",
             registry=r,
         )
         self.shared_redis_errors = Counter(

@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from extproc.pool.shared import LeaseManager, Mode
-from extproc.pool.shared.decide import POLL_S, local_share
+from extproc.pool.shared.decide import POLL_S
 from extproc.pool.shared.scripts import ACQUIRE, RENEW, RETURN, Keys, decode_demand, encode_demand
 from testing.leases import KEY_PREFIX, FakePool, asked_since, leases_in_redis, replica
 from testing.redis import RedisServer
@@ -338,14 +338,14 @@ def test_a_release_nobody_waits_for_costs_no_round_trip(redis_server: RedisServe
 
 
 @pytest.mark.redis  # a server of its own, not the fixture's
-def test_redis_gone_falls_back_to_local_shares_and_rejoins_without_overshoot(
+def test_redis_gone_holds_the_leases_then_admits_nobody_and_rejoins_within_the_limit(
     tmp_path: Any,
 ) -> None:
-    """Three replicas under load on a pool of 6. Redis is killed: each holds its leases
-    until they expire, then runs on 6 / 3 = 2. Redis comes back empty: they rejoin, and the
-    sum of running requests never passes the limit plus the documented slack (each replica's
-    running requests above its share when its leases expired). Each stage is watched for a
-    number of the load's admissions, not for a time."""
+    """Three replicas under load on a pool of 6. Redis is killed: each runs on the leases it
+    holds until they expire, then admits nobody (its local limit 0) while its running
+    requests end; the sum of running requests never passes the limit. Redis comes back empty:
+    they rejoin, and the load runs within the limit again. Each stage is watched for a number
+    of the load's admissions or for a fact, not for a time."""
     limit, admissions = 6, 40
 
     async def main() -> None:
@@ -380,22 +380,23 @@ def test_redis_gone_falls_back_to_local_shares_and_rejoins_without_overshoot(
             task = asyncio.create_task(load())
             await served("the load runs")
             assert peak <= limit
-            slack = sum(max(0, m.held - local_share(limit, m.replicas, m.replica)) for m, _ in ms)
             server.kill()
             await until(lambda: all(m.mode is Mode.DEGRADED for m, _ in ms), "all degraded")
             await until(
-                lambda: all(m.debug()["phase"] == "local_share" and p.held == 2 for m, p in ms),
-                "local shares",
+                lambda: all(m.debug()["phase"] == "expired" and p.held == 0 for m, p in ms),
+                "their leases expired: nobody admitted",
             )
-            await served("the load runs on the local shares")
-            assert peak <= limit + slack, (peak, slack)
-            peak = 0
+            admitted = [len(p.admitted) for p in pools]
+            await until(lambda: all(p.running == 0 for p in pools), "the running ones ended")
+            assert [len(p.admitted) for p in pools] == admitted
+            assert peak <= limit, peak  # no slack with Redis gone for everyone
             server.start()
             await until(lambda: all(m.mode is Mode.SHARED for m, _ in ms), "rejoined")
             await until(
                 lambda: all(m.known().grace.until <= loop.time() for m, _ in ms),
                 "the rejoin grace over",
             )
+            peak = 0
             await served("the load runs in plain shared mode")
             stop = True
             await task

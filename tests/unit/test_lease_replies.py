@@ -299,7 +299,8 @@ def test_a_renewal_drops_lost_ids_keeps_claims_and_rejoins() -> None:
     after = book.renewed(20.0, claim, {0: 1}, reply)
     assert after == Renewed(raised=True, leader_changed=True, uncovered=2)
     assert book.held == 3 and book.replicas == ["me", "x"] and book.is_leader
-    assert book.known().valid_until == pytest.approx(20.0 + 3.0 * 0.98)
+    # lease x 0.98 less the timeout (decide rule 7)
+    assert book.known().valid_until == pytest.approx(20.0 + 3.0 * 0.98 - book.policy.timeout_s)
     assert book.known().replicas == ["me", "x"]
     assert book.rejoin(21.5, share) == pytest.approx(11.5)
     assert book.degraded_since is None

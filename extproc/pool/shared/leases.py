@@ -16,7 +16,7 @@ When it decides
   it comes while an ``ACQUIRE`` is in flight, the forced step follows that call's answer.
 - Every ``TICK_S``: a ``RENEW`` when one is due (every ``lease / 3``; at once after a new
   static limit or a leader's new limit); in shared mode a step once ``POLL_S`` has passed
-  since the last acquire; degraded, the local limit again (holding -> local share).
+  since the last acquire; degraded, the local limit again.
 
 At most one ``ACQUIRE``, one ``RENEW`` and one demand-only ``RETURN`` are in flight at once.
 
@@ -27,15 +27,11 @@ with the next renewal); every script reads it from Redis, so nobody acquires abo
 limit. If the leader dies, another replica takes over within the lease from the limit in
 force; ``on_leader`` hears of every change.
 
-Redis unreachable: a failed call (error, timeout, a reply refused, a URL redis-py cannot use)
-makes the replica **degraded** (logged once, counted in ``degraded_transitions``, every
-failure counted by ``on_error``, ``on_mode``, /debug/queues); the ids that call carried may
-be held and go back with the next renewal. Renewals go on every interval as probes; the
-first that succeeds rejoins (``decide`` rules 5 and 9, ``on_mode`` again). Whatever running
-requests the pool had no room for stay uncovered, and since the local limit is the leases
-held, the replica admits nobody until its running requests fit in them. Degraded, the limit
-its local share is of is the last heard, or what its own adaptive controller finds
-(``publish_limit``: the controller runs on a degraded replica too, ``extproc.pool.control``).
+Redis unreachable: a failed call makes the replica **degraded** unless it only ran past its
+deadline once (``decide`` rule 10; the changes of mode, their log and the expiry timer:
+``extproc.pool.shared.outage``); the ids it carried may be held and go back with the next
+renewal. It runs on the leases it holds, from their expiry on none (rule 7). Renewals go on
+as probes (rule 10's pace); the first that succeeds rejoins (rules 5 and 9).
 
 Untrusted input (``extproc.pool.shared.replies``): what is refused is logged and counted
 (``on_error("events")``, ``on_error("demand")``), a message dropped, a table taken as none.
@@ -65,6 +61,7 @@ from extproc.pool.shared import decide, replies
 from extproc.pool.shared.client import CallFailed, PoolClient
 from extproc.pool.shared.decide import POLL_S, Acquire, GiveBack, Mode, PublishDemand
 from extproc.pool.shared.ledger import UNBOUNDED, Ledger, LocalPool
+from extproc.pool.shared.outage import Outage
 
 __all__ = ["HANDOFF_S", "POLL_S", "TICK_S", "LeaseManager", "LocalPool", "Mode"]
 
@@ -79,7 +76,7 @@ HANDOFF_S = 3 * POLL_S
 
 
 class _Unreachable(Exception):
-    """A Redis call failed; the manager is degraded already."""
+    """A Redis call failed; the manager has counted it (and is degraded, if rule 10 says)."""
 
 
 class LeaseManager(Ledger):
@@ -108,8 +105,8 @@ class LeaseManager(Ledger):
         self.keys = self._client.keys
         self._pool = pool
         self._rand = rand
-        self._on_mode = on_mode
         self._on_error = on_error
+        self._outage = Outage(self, self._apply, log, on_mode=on_mode, on_error=on_error)
         self._on_leader = on_leader
         self._guards = (
             Guard("shared-pool", log, on_loop_error),
@@ -132,7 +129,7 @@ class LeaseManager(Ledger):
 
     @property
     def interval_s(self) -> float:
-        """Between renewals (and probes while degraded)."""
+        """Between renewals (and, at most, probes while degraded: ``decide.retry_after``)."""
         return self.policy.lease_s / 3
 
     def start(self) -> None:
@@ -145,6 +142,7 @@ class LeaseManager(Ledger):
         """Stop; give every lease back and leave the pool (when Redis answers). Without
         ``give_back`` the leases are left to expire, as when the process dies."""
         self._closed = True
+        self._outage.close()
         if self._pump_handle is not None:
             self._pump_handle.cancel()
         for task in (self._runner, self._listener):
@@ -289,10 +287,13 @@ class LeaseManager(Ledger):
     async def _call(self, call: Awaitable[_T]) -> _T:
         """One call; a failure makes us degraded and raises ``_Unreachable``."""
         try:
-            return await call
+            reply = await call
         except CallFailed as e:
-            self._failed(e.call, e.cause)
+            if self._outage.failed(e):
+                self._kick()  # it failed alone: its ids, doubtful, go back with a renewal now
             raise _Unreachable from e
+        self._outage.succeeded()
+        return reply
 
     async def _acquire(self, ask: Mapping[int, int]) -> None:
         self._acquiring, self._last_acquire = True, self._loop.time()
@@ -362,6 +363,7 @@ class LeaseManager(Ledger):
             reply = await self._call(call)
         except _Unreachable:
             self.doubt([*back, *claim], sent)
+            self._next_renew = self._outage.renewal_failed(self.interval_s)
             return
         finally:
             self._renewing = False
@@ -372,7 +374,8 @@ class LeaseManager(Ledger):
         self._heard(renewed=True)
         self._refused("demand", reply.refused)
         if self.mode is Mode.DEGRADED:
-            self._rejoin(running, after.uncovered, share)
+            self._outage.rejoin(running, after.uncovered, share)
+        self._outage.renewed()
         self._apply()
         if after.leader_changed:  # a new term starts from the limit in force
             self._leader_limit = None
@@ -389,42 +392,6 @@ class LeaseManager(Ledger):
         if renewed and self.other_policies and self._on_error is not None:
             self._on_error("policy")
 
-    # --- internals: degraded mode ------------------------------------------------------------
-
-    def _failed(self, call: str, exc: BaseException) -> None:
-        self.last_error = f"{call}: {type(exc).__name__}: {exc}"
-        if self._on_error is not None:
-            self._on_error(call)
-        if self.mode is Mode.DEGRADED or self._closed:
-            return
-        now = self._loop.time()
-        self.degrade(now)
-        if self._on_mode is not None:
-            self._on_mode(Mode.DEGRADED)
-        log.warning(
-            "shared pool degraded, Redis unreachable (%s): holding %d lease(s) for %.1f s, "
-            "then a local share of %d of the limit %d (%d live replicas)",
-            self.last_error,
-            self.held,
-            max(0.0, self._valid_until - now),
-            self.local_share(),
-            self.limit,
-            max(1, len(self.replicas)),
-        )
-        self._apply()
-
-    def _rejoin(self, running: int, uncovered: int, share: int) -> None:
-        took = self.rejoin(self._loop.time(), share)
-        log.warning(
-            "shared pool rejoined after %.1f s: %d lease(s) for %d running request(s)%s",
-            took,
-            self.held,
-            running,
-            f", {uncovered} not covered (no new admissions until they end)" if uncovered else "",
-        )
-        if self._on_mode is not None:
-            self._on_mode(Mode.SHARED)
-
     # --- internals: the clock and the events -------------------------------------------------
 
     async def _tick(self) -> None:
@@ -434,18 +401,20 @@ class LeaseManager(Ledger):
             self._next_renew = now + self.interval_s
             self._spawn(self._renew(), "renew")
         if self.mode is Mode.DEGRADED:
-            self._apply()  # holding -> local share when our leases expire
+            self._apply()  # (the expiry has its timer; a local share follows the limit)
         elif not self._acquiring and now - self._last_acquire >= POLL_S:
             self._pump()
 
-    async def _listen(self) -> None:
-        """One subscription of the listener, until its connection fails (then again an
+    async def _listen(self) -> float | None:
+        """One subscription, until a refresh drops it (again at once) or it fails (again an
         interval later: polling carries on, renewals tell whether Redis is back)."""
         try:
             await self._client.listen(self._on_message)
         except CallFailed as e:
             if self._on_error is not None:
                 self._on_error(e.call)
+            return None
+        return 0.0
 
     def _on_message(self, data: str | bytes) -> None:
         event = replies.event(data)

@@ -324,7 +324,7 @@ class Ledger:
         self.replicas = sorted(reply.live)
         self.heard_others(reply.others)
         self._published = unmet
-        self._valid_until = decide.holding_until(sent, self.policy.lease_s)
+        self._valid_until = decide.holding_until(sent, self.policy.lease_s, self.policy.timeout_s)
         self.connected = True
         self.changed()
         return Renewed(
@@ -351,6 +351,18 @@ class Ledger:
         self._grace = decide.rejoin(now, self.policy.lease_s, self.held, share_before)
         self.changed()
         return now - since
+
+    def outage_plan(self, now: float) -> str:
+        """What the replica runs on, degraded at ``now`` (for the log)."""
+        if not self.connected:
+            return (
+                f"Redis never reached: a local share of {decide.share(self.known())} of the "
+                f"limit {self.limit} until Redis answers"
+            )
+        return (
+            f"holding {self.held} lease(s) for {max(0.0, self._valid_until - now):.1f} s, "
+            "then admitting nobody new until Redis answers"
+        )
 
     # --- views ---------------------------------------------------------------------------------
 
