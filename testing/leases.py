@@ -11,17 +11,18 @@ The readers say what happened, for waits (``testing.wait``) instead of sleeps: `
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from extproc.config.policy import SharedPolicy
+from extproc.config.policy import Policy, SharedPolicy
 from extproc.pool.shared import LeaseManager
 from extproc.pool.shared.scripts import Keys
 
-__all__ = ["KEY_PREFIX", "FakePool", "asked_since", "leases_in_redis", "replica"]
+__all__ = ["KEY_PREFIX", "FakePool", "asked_since", "leases_in_redis", "replica", "with_redis"]
 
 KEY_PREFIX = "t"
 
@@ -107,3 +108,11 @@ async def leases_in_redis(url: str, prefix: str = KEY_PREFIX) -> tuple[int, dict
         return now_ms, {lease: int(expiry) for lease, expiry in pairs}
     finally:
         await r.aclose()
+
+
+def with_redis(p: Policy, url: str) -> Policy:
+    """``p`` with ``pool.shared.redis`` set to ``url``, which validation does not see (a URL
+    only redis-py refuses, as if validation had missed it)."""
+    assert p.pool is not None and p.pool.shared is not None
+    shared = dataclasses.replace(p.pool.shared, redis=url)
+    return dataclasses.replace(p, pool=dataclasses.replace(p.pool, shared=shared))

@@ -7,7 +7,10 @@ which implements its ``LocalPool`` protocol over the gate; the gate knows only t
 
 - ``attach(manager, pool_limit)``: the local pool admits only on leases, none held yet
   (running requests carry on; the manager claims leases for them). ``detach()``: back to the
-  policy's limit, from where it starts.
+  policy's limit, from where it starts (the policy has no ``pool.shared`` any more).
+- ``take_over(old, manager, pool_limit, on_retired)``: a reload built a new manager (another
+  ``pool.shared``); this adapter becomes the gate's owner in ``old``'s place, and ``old``
+  *retires* (below). The gate never goes back to the policy's limit in between.
 - ``set_leases(held, pool_limit)``: admit at most ``held`` at once (possibly 0; a raised one
   admits at once), with ``max_share`` and caps of ``pool_limit``, the whole pool's.
 - ``shared_view()``: (requests holding a slot, {band: waiters one more lease each would let
@@ -15,6 +18,24 @@ which implements its ``LocalPool`` protocol over the gate; the gate knows only t
 - The gate's hooks go to the manager: ``before_release`` -> ``on_release`` (a slot is about
   to be freed: the manager may lower the limit first and give the lease to a more urgent
   replica instead of reusing it here), ``changed`` -> ``on_change``.
+
+Switching managers (a reload of any ``pool.shared`` key): *the old manager keeps the leases
+of the requests running at the switch, and gives one back as each request ends.* At the
+switch the old adapter's ``keep`` is the requests then running, and the gate's limit is the
+new manager's leases plus every retiring adapter's ``keep``: ``running``, so nothing new is
+admitted until the new manager holds a lease. A release takes one off the oldest ``keep``
+first (the limit drops before the core hands the slot on); the retiring manager, which sees
+only its ``keep`` running and no demand, gives every lease beyond it back as its rules say
+for spares (at once to whoever waits, else with its next renewal, ``extproc.pool.shared.
+decide`` rules 2 and 5), and stops leading (``extproc.pool.lease_switch``); the new manager
+acquires for the waiters as usual. Requests are not told apart: what holds is the count,
+``running <= new leases + sum(keep)`` and ``keep <= old leases`` (as many as it held for
+them; fewer only if it ran uncovered already, degraded, and then it claims the rest with
+its renewals). The new manager's ``shared_view`` leaves out the requests the old ones keep,
+so it never claims a lease for them: within one pool (same Redis and ``key_prefix``) nothing
+is counted twice, and the pool stays within its limit; across two pools each running
+request holds a lease in one of them. A retiring adapter whose ``keep`` reaches 0 calls
+``on_retired`` (the control closes its manager, which leaves the pool).
 
 Shares stay local: ``max_share`` (and ``max_concurrency``) are of the whole pool's limit, so
 the core gets them as absolute caps, its own limit being only the leases held; ``min_share`` is
@@ -24,6 +45,7 @@ of the leases held. ``fail_fast`` is off (the gate turns it off under an owner).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -72,6 +94,9 @@ class LeaseAdapter:
         self._held = 0  # leases held: the local pool's limit
         self._share_limit = 0  # the whole pool's limit, what max_share is of
         self._caps: dict[str, int] = {}  # each bucket's cap from the pool's limit
+        self._keep: int | None = None  # retiring: the running requests it still covers
+        self._on_retired: Callable[[], None] = lambda: None
+        self._retiring: list[LeaseAdapter] = []  # those this one took over from, oldest first
 
     def attach(self, hooks: LeaseHooks, pool_limit: int) -> None:
         """The pool admits only on leases, none held yet; caps are of ``pool_limit``."""
@@ -80,39 +105,77 @@ class LeaseAdapter:
         self._share_limit = pool_limit
         self._gate.own_limit(self)
 
+    def take_over(
+        self, old: LeaseAdapter, hooks: LeaseHooks, pool_limit: int, on_retired: Callable[[], None]
+    ) -> None:
+        """Own the gate's limit in ``old``'s place; ``old`` retires, keeping the requests
+        running now that the adapters it retired before do not keep (module docstring).
+        ``on_retired``: called once ``old`` keeps none; at once if none runs."""
+        stats = self._gate.pool_statistics().get(POOL)
+        running = stats.in_flight if stats is not None else 0
+        self._retiring, old._retiring = [*old._retiring, old], []
+        old._keep = max(0, running - sum(a._kept for a in self._retiring))
+        old._on_retired = on_retired
+        old_hooks = old._hooks
+        self._hooks = hooks
+        self._held = 0
+        self._share_limit = pool_limit
+        self._gate.own_limit(self)  # the limit: the requests kept, no more
+        if old_hooks is not None:
+            old_hooks.on_change()  # its spares: back to whoever waits (rule 2, or renewal)
+        self._drop_retired()
+
     def detach(self) -> None:
-        """Back to a pool of this replica alone, at the policy's limit."""
+        """Back to a pool of this replica alone, at the policy's limit; the adapters it took
+        over from are forgotten (their managers are closed by the control)."""
         if self._hooks is None:
             return
         self._hooks = None
         self._caps.clear()
+        self._retiring = []
         pool = self._gate.policy.pool
         self._gate.disown_limit(starting_limit(pool) if pool is not None else 0)
+
+    @property
+    def _kept(self) -> int:
+        return self._keep or 0
+
+    def _drop_retired(self) -> None:
+        done = [a for a in self._retiring if not a._keep]
+        if done:
+            self._retiring = [a for a in self._retiring if a._keep]
+            for a in done:
+                a._on_retired()
 
     # --- LocalPool: what the lease manager calls ------------------------------------------
 
     def set_leases(self, held: int, pool_limit: int) -> None:
         """Admit at most ``held`` at once (a raised one admits at once); caps are of
         ``pool_limit``."""
-        if self._hooks is None or self._gate.policy.pool is None:
+        if self._hooks is None or self._keep is not None or self._gate.policy.pool is None:
             return
         if pool_limit != self._share_limit:
             self._share_limit = pool_limit
             self._gate.refresh_caps()
         self._held = held
-        self._gate.set_pool_limit(held)
+        self._gate.set_pool_limit(self.pool_limit())
 
     def shared_view(self) -> tuple[int, dict[int, int]]:
         """(requests holding a slot of the pool, {band: waiters that one more lease each
         would let in}): a waiter held back by its bucket's cap or the overload cut is no
-        demand for a lease."""
+        demand for a lease. Not counted: the requests retiring adapters keep. Retiring: the
+        requests it keeps, and no demand."""
+        if self._keep is not None:
+            return self._keep, {}
         pool = self._gate.pool_statistics().get(POOL)
-        return lease_demand(pool, self._gate.statistics(), self._caps)
+        running, demand = lease_demand(pool, self._gate.statistics(), self._caps)
+        return max(0, running - sum(a._kept for a in self._retiring)), demand
 
     # --- LimitOwner: what the gate calls ------------------------------------------------------
 
     def pool_limit(self) -> int:
-        return self._held
+        """The leases held, and the requests retiring adapters keep."""
+        return self._held + sum(a._kept for a in self._retiring)
 
     def bucket_share(self, bucket: BucketPolicy) -> tuple[float, int | None]:
         """``max_share`` of the whole pool's limit, as an absolute cap (with the bucket's own
@@ -123,6 +186,17 @@ class LeaseAdapter:
         return 1.0, cap
 
     def before_release(self) -> None:
+        """A request ends: one fewer for the oldest retiring adapter that keeps any (its
+        manager gives that lease back; the limit drops first, so the slot is not handed
+        on), else the manager's ``on_release``."""
+        for old in self._retiring:
+            if old._keep:
+                old._keep -= 1
+                self._gate.set_pool_limit(self.pool_limit())
+                if old._hooks is not None:
+                    old._hooks.on_change()
+                self._drop_retired()
+                return
         if self._hooks is not None:
             self._hooks.on_release()
 
