@@ -389,7 +389,7 @@ class PoolControl:
         out = render_debug(s)
         out["overload"] = render_debug(self._overload_view(s))
         if self._shared is not None:
-            out["shared"] = self._shared.debug()
+            out["shared"] = {**self._shared.debug(), "retiring": self._switch.debug()}
         if self._poller is not None:
             sig = self._signals
             out["adaptive"] = {

@@ -20,22 +20,30 @@ which implements its ``LocalPool`` protocol over the gate; the gate knows only t
   replica instead of reusing it here), ``changed`` -> ``on_change``.
 
 Switching managers (a reload of any ``pool.shared`` key): *the old manager keeps the leases
-of the requests running at the switch, and gives one back as each request ends.* At the
-switch the old adapter's ``keep`` is the requests then running, and the gate's limit is the
-new manager's leases plus every retiring adapter's ``keep``: ``running``, so nothing new is
-admitted until the new manager holds a lease. A release takes one off the oldest ``keep``
-first (the limit drops before the core hands the slot on); the retiring manager, which sees
-only its ``keep`` running and no demand, gives every lease beyond it back as its rules say
-for spares (at once to whoever waits, else with its next renewal, ``extproc.pool.shared.
-decide`` rules 2 and 5), and stops leading (``extproc.pool.lease_switch``); the new manager
-acquires for the waiters as usual. Requests are not told apart: what holds is the count,
-``running <= new leases + sum(keep)`` and ``keep <= old leases`` (as many as it held for
-them; fewer only if it ran uncovered already, degraded, and then it claims the rest with
-its renewals). The new manager's ``shared_view`` leaves out the requests the old ones keep,
-so it never claims a lease for them: within one pool (same Redis and ``key_prefix``) nothing
-is counted twice, and the pool stays within its limit; across two pools each running
-request holds a lease in one of them. A retiring adapter whose ``keep`` reaches 0 calls
-``on_retired`` (the control closes its manager, which leaves the pool).
+of the requests running at the switch and gives one back as each request ends; the new one
+admits only on leases of its own.* At the switch the old adapter's ``keep`` is the requests
+then running (less what older retiring adapters keep); a release takes one off the oldest
+``keep`` first. The retiring manager sees only its ``keep`` running and no demand, so it
+gives every lease beyond it back by its rules for spares (at once to whoever waits, else
+with its next renewal: ``extproc.pool.shared.decide`` rules 2 and 5) and acquires nothing;
+it also stops leading (``extproc.pool.lease_switch``). Requests are not told apart: what
+holds is the count. Which pool the new manager's leases are of (``pool_id``: the Redis URL
+and the ``key_prefix``) decides the rest:
+
+- **The same pool** (a new ``lease``, ``timeout`` or ``replicas``): the requests kept are
+  covered there already, so the new manager's ``shared_view`` leaves them out (it never
+  claims a lease for them: nothing is counted twice) and the gate's limit is its leases
+  plus every ``keep``. At the switch that is ``running``: nothing new is admitted until the
+  new manager holds a lease; a kept request that ends lowers the limit before the core hands
+  its slot on. The pool stays within its limit throughout.
+- **Another pool** (a new URL or prefix): the new manager counts the kept requests as its
+  own, so it claims a lease for each in its pool (rule 5) and the gate's limit is its leases
+  alone: nothing is admitted until every running request fits in them, while the old
+  manager still holds theirs in the old pool. Once every replica has reloaded, the new pool
+  counts every request at the backend.
+
+A retiring adapter whose ``keep`` reaches 0 calls ``on_retired`` (the control closes its
+manager, which leaves the pool).
 
 Shares stay local: ``max_share`` (and ``max_concurrency``) are of the whole pool's limit, so
 the core gets them as absolute caps, its own limit being only the leases held; ``min_share`` is
@@ -88,8 +96,11 @@ class LeaseHooks(Protocol):
 class LeaseAdapter:
     """The ``LocalPool`` of ``extproc.pool.shared.LeaseManager``, and the gate's ``LimitOwner``."""
 
-    def __init__(self, gate: Gate) -> None:
+    def __init__(self, gate: Gate, pool_id: object = None) -> None:
+        """``pool_id``: which pool its manager's leases are of (the Redis URL and the
+        ``key_prefix``): equal ids, one pool."""
         self._gate = gate
+        self.pool_id = pool_id
         self._hooks: LeaseHooks | None = None
         self._held = 0  # leases held: the local pool's limit
         self._share_limit = 0  # the whole pool's limit, what max_share is of
@@ -114,7 +125,7 @@ class LeaseAdapter:
         stats = self._gate.pool_statistics().get(POOL)
         running = stats.in_flight if stats is not None else 0
         self._retiring, old._retiring = [*old._retiring, old], []
-        old._keep = max(0, running - sum(a._kept for a in self._retiring))
+        old._keep = max(0, running - sum(a._keep or 0 for a in self._retiring))
         old._on_retired = on_retired
         old_hooks = old._hooks
         self._hooks = hooks
@@ -137,8 +148,15 @@ class LeaseAdapter:
         self._gate.disown_limit(starting_limit(pool) if pool is not None else 0)
 
     @property
+    def keep(self) -> int | None:
+        """Retiring: the running requests it still covers; else None."""
+        return self._keep
+
+    @property
     def _kept(self) -> int:
-        return self._keep or 0
+        """The requests retiring adapters of this one's pool keep (another pool's: this one
+        covers them too)."""
+        return sum(a._keep or 0 for a in self._retiring if a.pool_id == self.pool_id)
 
     def _drop_retired(self) -> None:
         done = [a for a in self._retiring if not a._keep]
@@ -169,13 +187,13 @@ class LeaseAdapter:
             return self._keep, {}
         pool = self._gate.pool_statistics().get(POOL)
         running, demand = lease_demand(pool, self._gate.statistics(), self._caps)
-        return max(0, running - sum(a._kept for a in self._retiring)), demand
+        return max(0, running - self._kept), demand
 
     # --- LimitOwner: what the gate calls ------------------------------------------------------
 
     def pool_limit(self) -> int:
         """The leases held, and the requests retiring adapters keep."""
-        return self._held + sum(a._kept for a in self._retiring)
+        return self._held + self._kept
 
     def bucket_share(self, bucket: BucketPolicy) -> tuple[float, int | None]:
         """``max_share`` of the whole pool's limit, as an absolute cap (with the bucket's own
@@ -187,16 +205,19 @@ class LeaseAdapter:
 
     def before_release(self) -> None:
         """A request ends: one fewer for the oldest retiring adapter that keeps any (its
-        manager gives that lease back; the limit drops first, so the slot is not handed
-        on), else the manager's ``on_release``."""
+        manager gives that lease back; of this pool, the limit drops first, so the slot is
+        not handed on); then, unless it was of this pool, the manager's ``on_release``."""
         for old in self._retiring:
             if old._keep:
                 old._keep -= 1
-                self._gate.set_pool_limit(self.pool_limit())
                 if old._hooks is not None:
                     old._hooks.on_change()
+                same = old.pool_id == self.pool_id
                 self._drop_retired()
-                return
+                if same:
+                    self._gate.set_pool_limit(self.pool_limit())
+                    return
+                break
         if self._hooks is not None:
             self._hooks.on_release()
 

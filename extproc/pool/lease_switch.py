@@ -20,6 +20,8 @@ that still cover running requests (retiring), and the tasks that close them.
   (``LeaseAdapter.detach``).
 - ``discard(built)``: the policy was refused after ``build``: close what it made.
 - ``close()``: after the last request, every manager gives its leases back and leaves.
+- ``debug()``: the retiring managers (/debug/queues, ``/pool`` -> ``shared`` ->
+  ``retiring``).
 
 Every task started here (a manager closing) is kept until it ends and awaited by ``close``.
 """
@@ -71,7 +73,7 @@ class LeaseSwitch:
         self.manager: LeaseManager | None = None
         self._key: SharedPolicy | None = None
         self._leases: LeaseAdapter | None = None
-        self._retiring: set[LeaseManager] = set()
+        self._retiring: dict[LeaseManager, LeaseAdapter] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
     def build(self, pool: PoolPolicy | None, *, refuse_unusable: bool) -> Built | None:
@@ -81,7 +83,7 @@ class LeaseSwitch:
         metrics = self._metrics
         for call in ("acquire", "return", "renew", "events", "demand"):
             metrics.shared_redis_errors.labels(call)
-        leases = LeaseAdapter(self._gate)
+        leases = LeaseAdapter(self._gate, (shared.redis, shared.key_prefix))
         made: list[LeaseManager] = []  # the control hears only the manager in force
 
         def on_mode(mode: Mode) -> None:
@@ -141,13 +143,13 @@ class LeaseSwitch:
                 old_leases.detach()
             for m in (*self._retiring, *([old] if old is not None else [])):
                 self._spawn(m.close())
-            self._retiring.clear()
+            self._retiring = {}
             return False
         self.manager, self._leases = built.manager, built.leases
         if old is None or old_leases is None:
             built.leases.attach(built.manager, built.manager.limit)
         else:
-            self._retiring.add(old)
+            self._retiring[old] = old_leases
             old.retiring = True  # its next renewal gives the leadership up
             built.leases.take_over(
                 old_leases, built.manager, built.manager.limit, lambda: self._retired(old)
@@ -158,16 +160,22 @@ class LeaseSwitch:
 
     async def close(self) -> None:
         managers = [*self._retiring, *([self.manager] if self.manager is not None else [])]
-        self.manager, self._retiring = None, set()
+        self.manager, self._retiring = None, {}
         for m in managers:
             await m.close()
         if self._closing:
             await asyncio.wait(self._closing)
 
+    def debug(self) -> list[dict[str, Any]]:
+        """The retiring managers, for /debug/queues: replica id, leases held, requests kept."""
+        return [
+            {"replica": m.replica, "held": m.held, "keep": leases.keep}
+            for m, leases in self._retiring.items()
+        ]
+
     def _retired(self, manager: LeaseManager) -> None:
         """A replaced manager covers no running request any more: it leaves the pool."""
-        if manager in self._retiring:
-            self._retiring.discard(manager)
+        if self._retiring.pop(manager, None) is not None:
             self._spawn(manager.close())
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -200,6 +200,9 @@ def test_a_reload_on_the_leader_hands_the_leadership_on(redis_server: RedisServe
         assert leader._shared is not old and old.retiring and not old._closed
         await until_async(lambda: not old.is_leader, "the old manager gave the leadership up")
         assert old.held == 1
+        view = leader.debug()
+        assert view is not None
+        assert view["shared"]["retiring"] == [{"replica": old.replica, "held": 1, "keep": 1}]
         await until_async(lambda: len(leaders()) == 1, "a current manager leads")
         new = leaders()[0]
         await until_async(lambda: new._poller is not None, "the new leader polls")

@@ -179,3 +179,33 @@ def test_nothing_running_the_old_manager_is_done_at_once() -> None:
         assert gate.pool_statistics()[POOL].limit == 0
 
     run(main)
+
+
+def test_a_new_manager_of_another_pool_covers_what_runs_too() -> None:
+    """Another pool (another Redis or prefix): the new manager counts the kept requests as
+    its own (it claims leases for them there) and admits only on its leases; a release is
+    one fewer kept for the old manager and a release for the new one."""
+
+    def main() -> None:
+        gate, old_hooks, new_hooks = Gate(POLICY), Hooks(), Hooks()
+        old, new = LeaseAdapter(gate, ("r", "a")), LeaseAdapter(gate, ("r", "b"))
+        old.attach(old_hooks, 10)
+        old.set_leases(2, 10)
+        slots = [gate.enter("interactive", 5.0) for _ in range(2)]
+        waiter = gate.enter("interactive", 5.0)
+        assert isinstance(waiter, Waiter)
+        done = list[None]()
+        new.take_over(old, new_hooks, 10, lambda: done.append(None))
+        assert gate.pool_statistics()[POOL].limit == 0
+        assert new.shared_view() == (2, {0: 1}) and old.shared_view() == (2, {})
+        new.set_leases(2, 10)  # claimed for the two running: still nobody new
+        assert not waiter.future.done()
+        released = list[None]()
+        new_hooks.on_release_do = lambda: released.append(None)
+        slots[0].release()  # type: ignore[union-attr]
+        assert old.shared_view() == (1, {}) and released == [None]
+        assert waiter.future.done()  # the new manager's lease of the one that ended
+        slots[1].release()  # type: ignore[union-attr]
+        assert done == [None] and released == [None, None]
+
+    run(main)
