@@ -181,8 +181,8 @@ class LeaseAdapter:
     def shared_view(self) -> tuple[int, dict[int, int]]:
         """(requests holding a slot of the pool, {band: waiters that one more lease each
         would let in}): a waiter held back by its bucket's cap or the overload cut is no
-        demand for a lease. Not counted: the requests retiring adapters keep. Retiring: the
-        requests it keeps, and no demand."""
+        demand for a lease. Not counted: the requests that retiring adapters of this pool
+        keep. Retiring: the requests it keeps, and no demand."""
         if self._keep is not None:
             return self._keep, {}
         pool = self._gate.pool_statistics().get(POOL)
@@ -192,7 +192,7 @@ class LeaseAdapter:
     # --- LimitOwner: what the gate calls ------------------------------------------------------
 
     def pool_limit(self) -> int:
-        """The leases held, and the requests retiring adapters keep."""
+        """The leases held, and the requests that retiring adapters of this pool keep."""
         return self._held + self._kept
 
     def bucket_share(self, bucket: BucketPolicy) -> tuple[float, int | None]:

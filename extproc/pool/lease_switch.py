@@ -4,10 +4,11 @@
 ``extproc.pool.control.PoolControl``: the one in force (``manager``), those a reload replaced
 that still cover running requests (retiring), and the tasks that close them.
 
-- ``build(pool)``: a new manager on a new ``LeaseAdapter``, not started, when the policy's
-  ``pool.shared`` is another than the one in force (else None); it changes nothing, and with
-  ``refuse_unusable`` raises ``ValueError`` (closing what it made) when redis-py cannot use
-  the URL (``LeaseManager.unusable``).
+- ``build(pool)``: a new manager on a new ``LeaseAdapter`` (its ``pool_id``: the Redis URL
+  and the ``key_prefix``), not started, when the policy's ``pool.shared`` is another than
+  the one in force (else None). It changes nothing. When redis-py cannot use the URL
+  (``LeaseManager.unusable``), with ``refuse_unusable`` (a reload) it raises ``ValueError``,
+  closing what it made; without (the start) it logs that the replica runs degraded on it.
 - ``switch(pool, built)``: follow the policy. Another ``pool.shared``: the built manager
   takes over without the gate ever leaving the leases (``LeaseAdapter.take_over``): the old
   one retires, keeping the leases of the requests running at the switch and giving one back
