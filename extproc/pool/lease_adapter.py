@@ -155,7 +155,9 @@ class LeaseAdapter:
     @property
     def _kept(self) -> int:
         """The requests retiring adapters of this one's pool keep (another pool's: this one
-        covers them too)."""
+        covers them too). Nothing retiring (the request path): no work."""
+        if not self._retiring:
+            return 0
         return sum(a._keep or 0 for a in self._retiring if a.pool_id == self.pool_id)
 
     def _drop_retired(self) -> None:
@@ -186,8 +188,10 @@ class LeaseAdapter:
         if self._keep is not None:
             return self._keep, {}
         pool = self._gate.pool_statistics().get(POOL)
-        running, demand = lease_demand(pool, self._gate.statistics(), self._caps)
-        return max(0, running - self._kept), demand
+        view = lease_demand(pool, self._gate.statistics(), self._caps)
+        if not self._retiring:
+            return view
+        return max(0, view[0] - self._kept), view[1]
 
     # --- LimitOwner: what the gate calls ------------------------------------------------------
 
@@ -207,19 +211,24 @@ class LeaseAdapter:
         """A request ends: one fewer for the oldest retiring adapter that keeps any (its
         manager gives that lease back; of this pool, the limit drops first, so the slot is
         not handed on); then, unless it was of this pool, the manager's ``on_release``."""
-        for old in self._retiring:
-            if old._keep:
-                old._keep -= 1
-                if old._hooks is not None:
-                    old._hooks.on_change()
-                same = old.pool_id == self.pool_id
-                self._drop_retired()
-                if same:
-                    self._gate.set_pool_limit(self.pool_limit())
-                    return
-                break
+        if self._retiring and self._one_fewer_kept():
+            return
         if self._hooks is not None:
             self._hooks.on_release()
+
+    def _one_fewer_kept(self) -> bool:
+        """Take one off the oldest ``keep``; True when it was of this pool."""
+        old = next((a for a in self._retiring if a._keep), None)
+        if old is None or old._keep is None:
+            return False
+        old._keep -= 1
+        if old._hooks is not None:
+            old._hooks.on_change()
+        self._drop_retired()
+        if old.pool_id != self.pool_id:
+            return False
+        self._gate.set_pool_limit(self.pool_limit())
+        return True
 
     def changed(self) -> None:
         if self._hooks is not None:
