@@ -14,13 +14,14 @@ The readers say what happened, for waits (``testing.wait``) instead of sleeps: `
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from extproc.config.policy import SharedPolicy
+from extproc.config.policy import Policy, SharedPolicy
 from extproc.pool.shared import LeaseManager
 from extproc.pool.shared.scripts import Keys
 from testing.wait import TIMEOUT_S, until_async
@@ -34,6 +35,7 @@ __all__ = [
     "run",
     "until",
     "until_redis",
+    "with_redis",
 ]
 
 KEY_PREFIX = "t"
@@ -142,3 +144,11 @@ async def until_redis(check: Callable[[], Awaitable[Any]], what: str) -> None:
         if loop.time() >= deadline:
             raise AssertionError(f"{what}: not after {TIMEOUT_S:g} s")
         await asyncio.sleep(0.02)
+
+
+def with_redis(p: Policy, url: str) -> Policy:
+    """``p`` with ``pool.shared.redis`` set to ``url``, which validation does not see (a URL
+    only redis-py refuses, as if validation had missed it)."""
+    assert p.pool is not None and p.pool.shared is not None
+    shared = dataclasses.replace(p.pool.shared, redis=url)
+    return dataclasses.replace(p, pool=dataclasses.replace(p.pool, shared=shared))

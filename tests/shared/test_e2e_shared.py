@@ -179,13 +179,18 @@ async def send(
 
 
 async def keep_busy(
-    s: aiohttp.ClientSession, url: str, clients: int, statuses: list[int | None], stop: Any
+    s: aiohttp.ClientSession,
+    url: str,
+    clients: int,
+    statuses: list[int | None],
+    stop: Any,
+    max_tokens: int = 64,
 ) -> None:
     """``clients`` clients, each sending one request after another until ``stop`` is set."""
 
     async def client() -> None:
         while not stop.is_set():
-            statuses.append(await send(s, url, chat(64)))
+            statuses.append(await send(s, url, chat(max_tokens)))
 
     await asyncio.gather(*(client() for _ in range(clients)))
 
@@ -432,3 +437,43 @@ def test_a_killed_sidecars_slots_come_back_within_the_lease(module_tmp: Path) ->
 
     with Gateways(3, POLICY, module_tmp / "kill") as g:
         asyncio.run(main(g))
+
+
+def test_a_reload_of_a_shared_key_under_load_stays_within_the_limit(module_tmp: Path) -> None:
+    """Two gateways at 3x overload (12 clients each on the pool of 8, long answers: the
+    backend's count, polled, sees every request) reload a new ``lease`` from their policy
+    file: the backend never runs more than the limit, and nothing fails.
+    Each reload used to detach the gate at the policy's limit: the local queue ran at once,
+    without leases."""
+
+    def reloaded(stack: Stack) -> float:
+        return scrape(stack).get(("llm_extproc_policy_reloads_total", (("result", "ok"),)), 0)
+
+    async def main(g: Gateways) -> list[int | None]:
+        stop = asyncio.Event()
+        statuses: list[int | None] = []
+
+        async def answered(what: str) -> None:
+            base = len(statuses)
+            await until_async(lambda: len(statuses) >= base + ANSWERS, what)
+
+        async with session() as s:
+            load = asyncio.ensure_future(
+                asyncio.gather(*(keep_busy(s, st.url, 12, statuses, stop, 600) for st in g.stacks))
+            )
+            with Sampler(g.backend_url) as sampler:
+                await answered("the load runs")
+                text = POLICY.replace(f"lease: {LEASE_MS}ms", f"lease: {LEASE_MS + 500}ms")
+                g.policy_path.write_text(text.replace("{redis}", g.redis.url))
+                await until_seen(lambda: all(reloaded(st) == 1 for st in g.stacks), "reloaded")
+                await answered("the load runs on the new managers")
+                most = sampler.max
+            stop.set()
+            await load
+        print(f"reload under load: most in flight at the backend {most} (limit {LIMIT})")
+        assert most <= LIMIT, most
+        return statuses
+
+    with Gateways(2, POLICY, module_tmp / "reload") as g:
+        statuses = asyncio.run(main(g))
+    assert set(statuses) == {200}, sorted(set(map(str, statuses)))

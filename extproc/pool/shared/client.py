@@ -20,7 +20,7 @@ node ran none of its writes). A timeout drops nothing: a slow call fails alone.
 
 A URL redis-py cannot use (a port that is not a number or out of range, a malformed address:
 what policy validation should have refused) does not stop the client from being made: it is
-``unusable`` (the reason, for the log), and every call and subscription fails at once with
+``unusable`` (the reason), and every call and subscription fails at once with
 that reason, as if Redis could not be reached.
 
 Pub/sub has a connection of its own, without a socket timeout (it waits for messages as
@@ -97,14 +97,8 @@ class PoolClient:
         try:
             self._redis = aioredis.Redis.from_url(policy.redis, socket_timeout=t, **common)
             self._sub = aioredis.Redis.from_url(policy.redis, **common)
-        except ValueError as e:  # redis-py's own check of the URL
-            self.unusable = e
-            log.error(
-                "shared pool: pool.shared.redis %s cannot be used (%s): degraded on a local "
-                "share until a policy names one that can be",
-                policy.redis_display,
-                e,
-            )
+        except ValueError as e:  # redis-py's own check of the URL (``unusable``: logged, or
+            self.unusable = e  # a reload refused for it, by ``extproc.pool.lease_switch``)
             # Never used (every call and subscription fails first); were it, no server there.
             self._redis = self._sub = aioredis.Redis(unix_socket_path=_NOWHERE)
         self._acquire = self._redis.register_script(ACQUIRE)

@@ -102,7 +102,7 @@ class LeaseManager(Ledger):
         super().__init__(policy, me, limit=limit, adaptive=adaptive, bounds=bounds)
         self._loop = asyncio.get_running_loop()
         self._client = PoolClient(policy, me)  # (logs a URL it cannot use)
-        self.keys = self._client.keys
+        self.keys, self.unusable = self._client.keys, self._client.unusable
         self._pool = pool
         self._rand = rand
         self._on_error = on_error
@@ -124,6 +124,7 @@ class LeaseManager(Ledger):
         self._runner: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
         self._closed = False
+        self.retiring = False  # a reload replaced it: lead no more (``pool.lease_switch``)
 
     # --- life --------------------------------------------------------------------------------
 
@@ -350,7 +351,7 @@ class LeaseManager(Ledger):
         doubtful = self.doubtful(sent)
         call = self._client.renew(
             demand=plan.unmet,
-            volunteer=self.adaptive,
+            volunteer=self.adaptive and not self.retiring,
             publish=self._leader_limit,
             term=self.term,
             renew=list(self._ids),
