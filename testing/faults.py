@@ -15,7 +15,8 @@ retired (killed, shut down) sends to the next live one, as a load balancer would
 :func:`run_case` runs one :class:`Case`: start the rig, start the load, wait until the backend
 has the whole pool (``limit`` in flight), inject the fault (a blocking function, in a thread,
 while the load goes on; it returns when the fault started and ended), keep the load on for two
-leases and a window after the end, stop it, then wait (bounded) until nothing is held. The
+leases and a window after the end, stop it, then wait (bounded) until nothing is held; the
+history and the answers are kept in ``log_dir`` (``history.json``, ``answers.json``). The
 :class:`Verdict` checks, per case:
 
 1. **the limit**: the backend never had more than ``case.bound`` (the pool's limit unless the
@@ -485,6 +486,17 @@ async def _drive(case: Case, rig: Rig) -> tuple[Load, float, float]:
     return load, start, end
 
 
+def _keep(log_dir: Path, h: History, load: Load, start: float, end: float) -> None:
+    """The run's record beside its logs, for a look afterwards: ``history.json`` (the
+    in-flight count after each event, and the fault's start and end) and ``answers.json``."""
+    (log_dir / "history.json").write_text(
+        json.dumps({"fault": [start, end], "times": h.times, "counts": h.counts})
+    )
+    (log_dir / "answers.json").write_text(
+        json.dumps([[a.gateway, a.sent, a.done, a.status] for a in load.answers])
+    )
+
+
 def run_case(case: Case, log_dir: Path) -> Verdict:
     """Run ``case`` on a fresh rig under ``log_dir`` (module docstring)."""
     with Rig(
@@ -503,6 +515,7 @@ def run_case(case: Case, log_dir: Path) -> Verdict:
         except AssertionError:
             held = _held(rig, live)
         h = rig.history()
+        _keep(log_dir, h, load, start, end)
         failures = load.failures()
         peak = first_at(h, max_in_flight(h))
         degraded = ("llm_extproc_shared_degraded_transitions_total", ())
