@@ -426,19 +426,42 @@ class Verdict:
     fault_s: float
     peak_at_s: float | None  # when the run's maximum was first reached, from the fault's start
 
-    def problems(self) -> list[str]:
+    def findings(self) -> list[tuple[str, str]]:
+        """What broke the invariant: (a few words, in full) each."""
         out = []
         if self.max_in_flight > self.bound:
-            out.append(f"{self.max_in_flight} in flight at once (bound {self.bound})")
+            out.append(
+                (
+                    f"{self.max_in_flight} > {self.bound}",
+                    f"{self.max_in_flight} in flight at once (bound {self.bound})",
+                )
+            )
         if self.failure_count:
-            out.append(f"{self.failure_count} failed answers: {', '.join(self.failures)}")
+            out.append(
+                (
+                    f"{self.failure_count} failed",
+                    f"{self.failure_count} failed answers: {', '.join(self.failures)}",
+                )
+            )
         if self.held_after:
-            out.append("held afterwards: " + "; ".join(self.held_after))
+            out.append(("held after", "held afterwards: " + "; ".join(self.held_after)))
         if self.went_degraded:
-            out.append(f"gateways {list(self.went_degraded)} went degraded")
+            out.append(("went degraded", f"gateways {list(self.went_degraded)} went degraded"))
         if self.recovery_s is None:
-            out.append(f"the pool not used at {USAGE:.0%} within 2 leases of the fault's end")
+            out.append(
+                (
+                    f"not {USAGE:.0%} used",
+                    f"the pool not used at {USAGE:.0%} within 2 leases of the fault's end",
+                )
+            )
         return out
+
+    def problems(self) -> list[str]:
+        return [full for _, full in self.findings()]
+
+    def misses(self) -> list[str]:
+        """:meth:`problems`, a few words each (a table's cell)."""
+        return [short for short, _ in self.findings()]
 
     @property
     def ok(self) -> bool:
