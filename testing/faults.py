@@ -7,10 +7,11 @@ request's start and end: the backend's in-flight count at every instant is known
 (``testing.inflight``). A gateway's sidecar reaches Redis directly, or through a
 ``testing.tcp_proxy.TcpProxy`` of its own when the case cuts, slows or moves the network.
 
-:class:`Load` is the traffic: closed-loop clients, ``3 x`` the pool's limit of them, split
-unevenly between the gateways (80/20 by default), each streaming requests the backend holds
-for ``hold_ms``; bounded by a count and by the time the case runs. A client whose gateway was
-retired (killed, shut down) sends to the next live one, as a load balancer would.
+:class:`Load` (``testing.fault_load``) is the traffic: closed-loop clients, ``3 x`` the
+pool's limit of them, split unevenly between the gateways (80/20 by default), each streaming
+requests the backend holds for ``hold_ms``; bounded by a count and by the time the case runs.
+A client whose gateway was retired (killed, shut down) sends to the next live one, as a load
+balancer would.
 
 :func:`run_case` runs one :class:`Case`: start the rig, start the load, wait until the backend
 has the whole pool (``limit`` in flight), inject the fault (a blocking function, in a thread,
@@ -47,9 +48,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-import aiohttp
 from redis import Redis
 
+from testing.fault_load import Answer, Load
 from testing.gateways import Gateways
 from testing.harness import scrape
 from testing.inflight import Event, History, first_at, max_in_flight, time_to_usage
@@ -106,97 +107,6 @@ def policy_text(
 {pool}buckets:
   - {{name: all, queue_timeout: 5s, max_queue: 500}}
 """
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Answer:
-    gateway: int
-    sent: float  # time.monotonic()
-    done: float
-    status: int | str  # the HTTP status, or the client error's name
-    retry_after: bool
-
-
-class Load:
-    """Closed-loop clients, ``clients[i]`` of them on gateway ``i``, until ``stop()`` or
-    ``max_requests`` were sent. Every answer is kept (:class:`Answer`)."""
-
-    def __init__(
-        self, urls: Sequence[str], clients: Sequence[int], *, hold_ms: int, max_requests: int
-    ) -> None:
-        self.urls = list(urls)
-        self.clients = list(clients)
-        self.hold_ms = hold_ms
-        self.max_requests = max_requests
-        self.answers: list[Answer] = []
-        self.retired: dict[int, float] = {}  # gateway -> when
-        self.sent = 0
-        self._stop = asyncio.Event()
-
-    def retire(self, gateway: int) -> None:
-        """From now on, the gateway's clients send to the next live one. Thread-safe enough:
-        one dict write, read by the loop at each request."""
-        self.retired.setdefault(gateway, time.monotonic())
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _route(self, home: int) -> int:
-        for k in range(len(self.urls)):
-            gw = (home + k) % len(self.urls)
-            if gw not in self.retired:
-                return gw
-        return home
-
-    async def run(self) -> None:
-        body = json.dumps(
-            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-        ).encode()
-        headers = {"content-type": "application/json", "x-test-hold-ms": str(self.hold_ms)}
-        timeout = aiohttp.ClientTimeout(total=30)
-        async with aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=timeout
-        ) as session:
-
-            async def client(home: int) -> None:
-                while not self._stop.is_set() and self.sent < self.max_requests:
-                    self.sent += 1
-                    gw = self._route(home)
-                    t0 = time.monotonic()
-                    status: int | str
-                    retry_after = False
-                    try:
-                        url = f"{self.urls[gw]}/v1/chat/completions"
-                        async with session.post(url, data=body, headers=headers) as r:
-                            await r.read()
-                            status, retry_after = r.status, "retry-after" in r.headers
-                    except (aiohttp.ClientError, TimeoutError) as e:
-                        status = type(e).__name__
-                    self.answers.append(
-                        Answer(
-                            gateway=gw,
-                            sent=t0,
-                            done=time.monotonic(),
-                            status=status,
-                            retry_after=retry_after,
-                        )
-                    )
-                    if status != 200:
-                        await asyncio.sleep(0.1)  # a refused client comes back soon: overload
-
-            await asyncio.gather(
-                *(client(gw) for gw, n in enumerate(self.clients) for _ in range(n))
-            )
-
-    def failures(self) -> list[Answer]:
-        """Answers that break the rule: not 200, and not 429 / 503 with ``retry-after``,
-        leaving out a retired gateway's after its retirement."""
-        return [
-            a
-            for a in self.answers
-            if not (a.status == 200 or (a.status in (429, 503) and a.retry_after))
-            and not (a.gateway in self.retired and a.done >= self.retired[a.gateway])
-        ]
 
 
 class Rig:
