@@ -1,24 +1,21 @@
 """A TCP proxy on 127.0.0.1 that a test controls: the network between a client and a server.
 
-``TcpProxy(target_port).start()`` listens on a free port (``port``) and relays every
-connection it accepts to ``127.0.0.1:target_port``, both ways, byte for byte. It runs its own
-event loop in a thread of its own, so a test drives it the same way from plain code, from an
-asyncio test (its loop is not the proxy's) or around subprocesses (a sidecar given the
-proxy's address in its policy). Every method is safe to call from any thread, and returns
-once the proxy has done it.
+``TcpProxy(target_port)`` listens on a free port and relays every connection to
+``127.0.0.1:target_port``, from its own thread and event loop, so a test drives it from any
+thread (each control call returns once it is in force):
 
-- ``cut()``: a partition as the client sees one, packets dropped: nothing more is relayed on
-  any connection, either way (what arrives is kept, not delivered), and a new connection is
-  accepted but never reaches the server. The client's calls time out; no connection is reset.
-- ``restore()``: the network heals: what was kept is delivered, the connections accepted
-  during the cut are opened to the server, and relaying goes on.
-- ``retarget(port)``: new connections go to ``port`` from now on; open ones stay where they
-  are (a Service or DNS name repointed after a failover: pooled connections keep talking to
-  the old node).
-- ``reset()``: every open connection is closed at once (the client sees them drop).
-- ``delay_s``: each chunk is held this long before it is relayed (a slow network or server).
+- ``cut()``: a partition. Nothing is relayed any more, either way, on the connections open or
+  on new ones (accepted, then silent): bytes sent are dropped, as packets are, and no side sees
+  a close, so a client learns of the partition only from its own timeouts;
+- ``restore()``: the partition heals. The connections that lost bytes are closed (TCP would have
+  reset them after its retransmissions); new ones are relayed again;
+- ``delay(seconds)``: every chunk waits ``seconds`` before it is handed on, one after another
+  in each direction (a slow network or a slow server as a client sees it: a request and its
+  reply take ``2 x seconds`` longer); ``delay(0)`` ends it;
+- ``retarget(port)``: new connections go to another server, the open ones stay where they are
+  (a Kubernetes Service moved to a promoted replica).
 
-``connections`` counts the connections accepted so far; ``open`` those still open.
+A connection whose either side closes is closed on the other. ``stop()`` closes everything.
 """
 
 from __future__ import annotations
@@ -26,67 +23,74 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Coroutine
+from typing import Any
 
 from testing.stack import free_port
 
 __all__ = ["TcpProxy"]
 
-_T = TypeVar("_T")
 _CHUNK = 65536
 
 
+class _Link:
+    """One client connection and its upstream, relayed both ways by two tasks."""
+
+    def __init__(self, client: asyncio.StreamWriter) -> None:
+        self.client = client
+        self.upstream: asyncio.StreamWriter | None = None
+        self.cut = False
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def close(self) -> None:
+        for writer in (self.client, self.upstream):
+            if writer is not None:
+                writer.close()
+        for task in self.tasks:
+            task.cancel()
+
+
 class TcpProxy:
-    def __init__(self, target_port: int, port: int | None = None) -> None:
+    def __init__(self, target_port: int, *, port: int | None = None) -> None:
         self.target_port = target_port
         self.port = port or free_port()
-        self.delay_s = 0.0
-        self.connections = 0
+        self._cut = False
+        self._delay_s = 0.0
+        self._links: set[_Link] = set()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
-        self._flowing: asyncio.Event | None = None  # set while not cut
-        self._writers: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
-    @property
-    def open(self) -> int:
-        return len(self._writers) // 2
-
-    # --- control (any thread) ------------------------------------------------------------------
+    # --- control, from any thread --------------------------------------------------------------
 
     def start(self) -> TcpProxy:
         self._thread.start()
-        self._run(self._start())
+        self._call(self._listen())
         return self
-
-    def cut(self) -> None:
-        self._do(lambda: self._event().clear())
-
-    def restore(self) -> None:
-        self._do(lambda: self._event().set())
-
-    def retarget(self, port: int) -> None:
-        def move() -> None:
-            self.target_port = port
-
-        self._do(move)
-
-    def reset(self) -> None:
-        def close_all() -> None:
-            for w in list(self._writers):
-                w.transport.abort()
-
-        self._do(close_all)
 
     def stop(self) -> None:
         if not self._thread.is_alive():
             return
-        self._run(self._stop())
+        self._call(self._close_all())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         self._loop.close()
+
+    def cut(self) -> None:
+        self._call(self._set_cut(True))
+
+    def restore(self) -> None:
+        self._call(self._set_cut(False))
+
+    def delay(self, seconds: float) -> None:
+        self._call(self._set_delay(seconds))
+
+    def retarget(self, port: int) -> None:
+        self._call(self._set_target(port))
+
+    @property
+    def connections(self) -> int:
+        return len(self._links)
 
     def __enter__(self) -> TcpProxy:
         return self.start()
@@ -94,73 +98,73 @@ class TcpProxy:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # --- the proxy's loop ----------------------------------------------------------------------
+    def _call(self, coro: Coroutine[Any, Any, None]) -> None:
+        asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
 
-    def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+    # --- on the proxy's loop -------------------------------------------------------------------
 
-    def _do(self, fn: Callable[[], None]) -> None:
-        async def call() -> None:
-            fn()
+    async def _listen(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
 
-        self._run(call())
+    async def _set_delay(self, seconds: float) -> None:
+        self._delay_s = seconds
 
-    def _event(self) -> asyncio.Event:
-        assert self._flowing is not None
-        return self._flowing
+    async def _set_target(self, port: int) -> None:
+        self.target_port = port
 
-    async def _start(self) -> None:
-        self._flowing = asyncio.Event()
-        self._flowing.set()
-        self._server = await asyncio.start_server(self._accepted, "127.0.0.1", self.port)
+    async def _set_cut(self, cut: bool) -> None:
+        self._cut = cut
+        for link in list(self._links):
+            if cut:
+                link.cut = True
+            elif link.cut:
+                self._drop(link)
 
-    async def _stop(self) -> None:
+    async def _close_all(self) -> None:
         if self._server is not None:
             self._server.close()
-        for w in list(self._writers):
-            w.transport.abort()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks)
+        for link in list(self._links):
+            self._drop(link)
 
-    async def _accepted(
-        self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter
-    ) -> None:
-        self.connections += 1
-        self._writers.add(client_w)
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)  # type: ignore[arg-type]
+    def _drop(self, link: _Link) -> None:
+        link.close()
+        self._links.discard(link)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        link = _Link(writer)
+        self._links.add(link)
+        if self._cut:
+            link.cut = True
+            link.tasks.append(asyncio.ensure_future(self._pump(link, reader, None)))
+            return
         try:
-            await self._event().wait()  # accepted during a cut: no server yet
-            try:
-                server_r, server_w = await asyncio.open_connection("127.0.0.1", self.target_port)
-            except OSError:
-                return
-            self._writers.add(server_w)
-            try:
-                await asyncio.gather(
-                    self._relay(client_r, server_w), self._relay(server_r, client_w)
-                )
-            finally:
-                self._writers.discard(server_w)
-                server_w.transport.abort()
-        finally:
-            self._writers.discard(client_w)
-            client_w.transport.abort()
-            self._tasks.discard(task)  # type: ignore[arg-type]
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            self._drop(link)
+            return
+        link.upstream = up_writer
+        link.tasks += [
+            asyncio.ensure_future(self._pump(link, reader, up_writer)),
+            asyncio.ensure_future(self._pump(link, up_reader, writer)),
+        ]
 
-    async def _relay(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-            while True:
-                await self._event().wait()
-                data = await src.read(_CHUNK)
-                if not data:
-                    break
-                if self.delay_s > 0:
-                    await asyncio.sleep(self.delay_s)
-                await self._event().wait()  # cut while reading: keep it until restored
+    async def _pump(
+        self, link: _Link, src: asyncio.StreamReader, dst: asyncio.StreamWriter | None
+    ) -> None:
+        """Relay ``src`` to ``dst`` (dropping what arrives while the link is cut), each chunk
+        ``delay`` after it arrived; a close either way closes the link."""
+        try:
+            while data := await src.read(_CHUNK):
+                if link.cut or dst is None:
+                    continue
+                if self._delay_s > 0:
+                    await asyncio.sleep(self._delay_s)
+                    if link.cut:
+                        continue
                 dst.write(data)
                 await dst.drain()
-        dst.transport.abort()  # one side ended: end the other (no half-open relays)
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            with contextlib.suppress(RuntimeError):
+                self._drop(link)
