@@ -210,15 +210,12 @@ CASES: tuple[Case, ...] = (
     Case(
         name="redis_restart",
         inject=_redis_restart,
-        xfail="needs i21state: a fencing epoch (an empty pool grants nothing new until the "
-        "replicas re-registered what they run, or a lease passed)",
     ),
-    Case(name="flushall", inject=_flushall, xfail="needs i21state: a fencing epoch"),
-    Case(name="eviction", inject=_eviction, xfail="needs i21state: a fencing epoch"),
+    Case(name="flushall", inject=_flushall),
+    Case(name="eviction", inject=_eviction),
     Case(
         name="reload_every_key",
         inject=_reload_every_key,
-        xfail="needs i21reload: a reload never detaches (every running request stays covered)",
     ),
     Case(name="refused_reload", inject=_refused_reload),
     Case(name="leader_kill", inject=_leader_kill, adaptive=True),
@@ -227,15 +224,12 @@ CASES: tuple[Case, ...] = (
         inject=_partition,
         proxied=True,
         bound=PARTITION_BOUND,
-        xfail="needs i21conn: the partition bound (a cut-off replica never grows past what it "
-        "holds)",
     ),
     Case(
         name="slow_call",
         inject=_slow_call,
         proxied=True,
         stays_shared=True,
-        xfail="needs i21conn: one slow call (over timeout) degrades only itself",
     ),
     # Today at most 12 in 2 runs of 3, 18 in the third: the replicas rejoin in an order of
     # chance, and one that rejoins while the other still runs on its local share takes the
@@ -246,7 +240,6 @@ CASES: tuple[Case, ...] = (
         inject=_failover,
         proxied=True,
         replica=True,
-        xfail="needs i21conn: READONLY drops and refreshes the connection and subscription",
     ),
     Case(
         name="shutdown_past_grace",

@@ -39,7 +39,9 @@ and the ``key_prefix``) decides the rest:
 - **Another pool** (a new URL or prefix): the new manager counts the kept requests as its
   own, so it claims a lease for each in its pool (rule 5) and the gate's limit is its leases
   alone: nothing is admitted until every running request fits in them, while the old
-  manager still holds theirs in the old pool. Once every replica has reloaded, the new pool
+  manager still holds theirs in the old pool. For one lease the new manager acquires no
+  more leases than the old one held (``Ledger.moved_from``): the replicas not reloaded yet
+  run on theirs in the old pool meanwhile. Once every replica has reloaded, the new pool
   counts every request at the backend.
 
 A retiring adapter whose ``keep`` reaches 0 calls ``on_retired`` (the control closes its

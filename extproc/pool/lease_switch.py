@@ -152,6 +152,8 @@ class LeaseSwitch:
         else:
             self._retiring[old] = old_leases
             old.retiring = True  # its next renewal gives the leadership up
+            if built.leases.pool_id != old_leases.pool_id:  # another pool: its grace
+                built.manager.moved_from(asyncio.get_running_loop().time(), old.held)
             built.leases.take_over(
                 old_leases, built.manager, built.manager.limit, lambda: self._retired(old)
             )

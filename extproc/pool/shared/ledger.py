@@ -352,6 +352,14 @@ class Ledger:
         self.changed()
         return now - since
 
+    def moved_from(self, now: float, held_before: int) -> None:
+        """A reload moved this replica here from another pool (another Redis or
+        ``key_prefix``) in which it held ``held_before`` leases: for one lease it acquires no
+        more than that (the rejoin's grace, ``decide`` rule 9), while replicas that have not
+        reloaded yet still run on their leases in the old pool. A rollout that reaches every
+        replica within the lease keeps the backend within the limit."""
+        self._grace = decide.Grace(until=now + self.policy.lease_s, cap=held_before)
+
     def outage_plan(self, now: float) -> str:
         """What the replica runs on, degraded at ``now`` (for the log)."""
         if not self.connected:
