@@ -245,8 +245,6 @@ CASES: tuple[Case, ...] = (
         name="shutdown_past_grace",
         inject=_shutdown_past_grace,
         sidecar_args=("--grace", "1"),
-        xfail="needs a fix no part of issue 21 owns yet: past --grace the sidecar gives its "
-        "leases back while a stream it admitted still runs",
     ),
 )
 

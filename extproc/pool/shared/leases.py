@@ -140,8 +140,9 @@ class LeaseManager(Ledger):
         self._listener = listener.start(self._listen, self.interval_s)
 
     async def close(self, give_back: bool = True) -> None:
-        """Stop; give every lease back and leave the pool (when Redis answers). Without
-        ``give_back`` the leases are left to expire, as when the process dies."""
+        """Stop; give every lease back but those of the requests still running, and leave the
+        pool (when Redis answers). Without ``give_back`` the leases are left to expire, as
+        when the process dies."""
         self._closed = True
         self._outage.close()
         if self._pump_handle is not None:
@@ -159,8 +160,11 @@ class LeaseManager(Ledger):
                 await asyncio.wait(late)
         ids = self.take_all()
         if give_back:
+            # Past a shutdown's grace, requests may still run (Envoy goes on relaying a
+            # stream): their leases are left to expire, the others go back.
+            running, _ = self._pool.shared_view()
             with contextlib.suppress(_Unreachable):
-                await self._call(self._client.leave(ids, limit=self.limit_arg))
+                await self._call(self._client.leave(ids[running:], limit=self.limit_arg))
         await self._client.aclose()
 
     def set_static_limit(self, limit: int) -> None:
