@@ -76,6 +76,7 @@ class LeaseSwitch:
         self._leases: LeaseAdapter | None = None
         self._retiring: dict[LeaseManager, LeaseAdapter] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        self._timers: list[asyncio.TimerHandle] = []  # retiring managers' ends, after a move
 
     def build(self, pool: PoolPolicy | None, *, refuse_unusable: bool) -> Built | None:
         shared = pool.shared if pool is not None else None
@@ -152,8 +153,12 @@ class LeaseSwitch:
         else:
             self._retiring[old] = old_leases
             old.retiring = True  # its next renewal gives the leadership up
-            if built.leases.pool_id != old_leases.pool_id:  # another pool: its grace
-                built.manager.moved_from(asyncio.get_running_loop().time(), old.held)
+            if built.leases.pool_id != old_leases.pool_id:  # another pool: a lease's grace
+                now = asyncio.get_running_loop().time()
+                left = [m for m, a in self._retiring.items() if a.pool_id == old_leases.pool_id]
+                built.manager.moved_from(now, sum(m.held for m in left))
+                for m in left:  # every manager of the old pool keeps what it holds meanwhile
+                    m.keeps_until = now + m.policy.lease_s
             built.leases.take_over(
                 old_leases, built.manager, built.manager.limit, lambda: self._retired(old)
             )
@@ -164,6 +169,8 @@ class LeaseSwitch:
     async def close(self) -> None:
         managers = [*self._retiring, *([self.manager] if self.manager is not None else [])]
         self.manager, self._retiring = None, {}
+        for timer in self._timers:
+            timer.cancel()
         for m in managers:
             await m.close()
         if self._closing:
@@ -177,9 +184,18 @@ class LeaseSwitch:
         ]
 
     def _retired(self, manager: LeaseManager) -> None:
-        """A replaced manager covers no running request any more: it leaves the pool."""
-        if self._retiring.pop(manager, None) is not None:
-            self._spawn(manager.close())
+        """A replaced manager covers no running request any more: it leaves the pool (one
+        that keeps its leases after a move, once that ends)."""
+        if manager not in self._retiring:
+            return
+        later = manager.keeps_until - asyncio.get_running_loop().time()
+        if later > 0:
+            self._timers.append(
+                asyncio.get_running_loop().call_later(later, self._retired, manager)
+            )
+            return
+        del self._retiring[manager]
+        self._spawn(manager.close())
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -125,6 +125,10 @@ class LeaseManager(Ledger):
         self._listener: asyncio.Task[None] | None = None
         self._closed = False
         self.retiring = False  # a reload replaced it: lead no more (``pool.lease_switch``)
+        # A reload moved the replica to another pool: until then every lease held is kept
+        # (none given back or handed on), so that the replicas not moved yet cannot take them
+        # while this one runs on as many in the new pool (``Ledger.moved_from``).
+        self.keeps_until = float("-inf")
 
     # --- life --------------------------------------------------------------------------------
 
@@ -193,7 +197,7 @@ class LeaseManager(Ledger):
     def on_release(self) -> None:
         """A local slot is about to be freed: keep its lease for a local waiter, or give it
         back now because someone elsewhere is more urgent (or the pool is above its limit)."""
-        if self.mode is not Mode.SHARED or not self._ids:
+        if self.mode is not Mode.SHARED or not self._ids or self._keeps_all():
             return  # nothing to decide: no view to take
         running, demand = self._pool.shared_view()
         known, held = self.known(), len(self._ids)
@@ -243,13 +247,16 @@ class LeaseManager(Ledger):
             self._applied = wanted
             self._pool.set_leases(*wanted)
 
+    def _keeps_all(self) -> bool:
+        return self._loop.time() < self.keeps_until
+
     def _kick(self) -> None:
         self._next_renew = 0.0
 
     def _pump(self, force: bool = False) -> None:
         """Take a step for the demand: acquire, give spares back, correct stale demand."""
         self._pump_handle = None
-        if self._closed or self.mode is not Mode.SHARED:
+        if self._closed or self.mode is not Mode.SHARED or self._keeps_all():
             return
         if force and self._acquiring:
             self._rewake = True
@@ -347,6 +354,8 @@ class LeaseManager(Ledger):
         self._renewing = True
         sent = self._loop.time()
         running, demand = self._pool.shared_view()
+        if self._keeps_all():
+            running, demand = max(running, len(self._ids)), {}
         plan = decide.renewal(self.known(), held=len(self._ids), running=running, demand=demand)
         back = self.pop_ids(plan.back)
         if back:
