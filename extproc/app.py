@@ -124,20 +124,29 @@ class Sidecar:
 
     def reload(self) -> bool:
         """Re-read the policy file and switch to it atomically; on any error keep the old
-        policy. Called on SIGHUP and when the file changes."""
+        policy, untouched: everything the new one needs that can fail is built first (the
+        pool's controllers, ``PoolControl.prepare``; the token counter, in
+        ``ExtProcService.apply_policy``), then the switch happens, which cannot. Called on
+        SIGHUP and when the file changes."""
         assert self.service is not None and self.metrics is not None
         if self.policy_path is None:
             log.warning("reload asked, but the sidecar runs on the embedded policy")
             return False
+        control = self.control
+        assert control is not None
         try:
             policy = load_policy(self.policy_path)
-            self.service.apply_policy(policy)
-            if self.control is not None:
-                self.control.apply(policy)
-        except Exception as e:  # PolicyError, or a tokenizer that does not load
+            prepared = control.prepare(policy)  # builds what it needs, changes nothing
+            try:
+                self.service.apply_policy(policy)
+            except Exception:
+                control.discard(prepared)
+                raise
+        except Exception as e:  # PolicyError, a tokenizer or a Redis URL that cannot be used
             self.metrics.policy_reloads.labels("error").inc()
             log.error("policy reload refused, keeping the current policy: %s", e)
             return False
+        control.apply(prepared)
         self.policy = policy
         self.metrics.policy_reloads.labels("ok").inc()
         log.info("policy reloaded from %s; buckets: %s", self.policy_path, self.gate)

@@ -8,7 +8,11 @@ bounded wait for an event that tests use instead of sleeping, ``testing.clients`
 tests and ``bench.bounds`` share, ``testing.clock`` an asyncio loop on a virtual clock,
 ``testing.leases`` shared-pool lease managers on a fake local pool (for the same two),
 ``testing.tools`` what a test needs beyond Python (the markers' check), ``testing.backend`` is
-a small OpenAI-compatible stand-in, and ``testing.dockerfile`` reads the Dockerfile and its
-build context without a Docker engine.
+a small OpenAI-compatible stand-in, ``testing.recorder`` a backend that records every
+request's start and end (``testing.inflight`` reads that history), ``testing.tcp_proxy`` a TCP
+proxy a test cuts, slows or moves, ``testing.faults``, ``testing.fault_load`` and
+``testing.fault_cases`` the shared pool's fault-injection suite
+(``tests/shared/test_fault_injection.py``, ``python -m bench.faults``), and
+``testing.dockerfile`` reads the Dockerfile and its build context without a Docker engine.
 Not shipped in the package: it lives beside ``extproc/`` in the repository.
 """

@@ -3,9 +3,11 @@ shared pool's end-to-end tests (``tests/shared/``).
 
 ``Gateways(n, policy, log_dir)`` starts a throwaway ``redis-server``, one backend (by default
 the vLLM-like simulator, ``python -m bench.sim --speedup 20``), then ``n`` stacks that route to
-it, all on one policy file, in which ``{redis}`` is replaced by the Redis URL. ``policy`` may
+it, all on one policy file, in which ``{redis}`` is replaced by the Redis URL and ``{backend}``
+by the backend's. ``policy`` may
 also be one policy per gateway (``policy-<i>.yaml``: replicas with different limits), and
-``start_redis=False`` starts no Redis (replicas that share nothing; bench.compare). ``Sampler``
+``start_redis=False`` starts no Redis (replicas that share nothing; bench.compare), and
+``sidecar_args`` are more flags for every sidecar. ``Sampler``
 polls the simulator's ``/sim/stats`` from a thread and keeps the most requests it ever had
 (running + waiting): what the backend itself says was in flight, whatever the gateways think.
 """
@@ -39,6 +41,7 @@ class Gateways:
         backend_argv: Sequence[str] = SIM,
         envoy_patch: Callable[[dict[str, Any]], None] | None = None,
         start_redis: bool = True,
+        sidecar_args: Sequence[str] = (),
     ) -> None:
         if not isinstance(policy, str) and len(policy) != n:
             raise ValueError(f"{len(policy)} policies for {n} gateways")
@@ -48,6 +51,7 @@ class Gateways:
         self.backend_argv = list(backend_argv)
         self.envoy_patch = envoy_patch
         self.start_redis = start_redis
+        self.sidecar_args = list(sidecar_args)
         self.redis = RedisServer(log_dir)
         self.backend: Stack | None = None
         self.stacks: list[Stack] = []
@@ -86,6 +90,7 @@ class Gateways:
             ).start()
             texts = [self.policy] * self.n if isinstance(self.policy, str) else self.policy
             for path, text in dict(zip(self.policy_paths, texts, strict=True)).items():
+                text = text.replace("{backend}", self.backend.backend_url)
                 path.write_text(text.replace("{redis}", self.redis.url))
             for i in range(self.n):
                 stack = Stack(
@@ -94,6 +99,7 @@ class Gateways:
                     policy_path=self.policy_paths[i],
                     log_dir=self._dir(f"gateway-{i}"),
                     envoy_patch=self.envoy_patch,
+                    sidecar_args=self.sidecar_args,
                 )
                 self.stacks.append(stack)
                 stack.start()

@@ -7,21 +7,36 @@ urgent band's waiter first, the manager told before a slot is freed and after ev
 The readers say what happened, for waits (``testing.wait``) instead of sleeps: ``asked_since``
 (an ``ACQUIRE`` sent since then has been answered: the replica had its chance at a lease),
 ``leases_in_redis`` (the leases Redis still counts and when each expires, on Redis's clock).
+``run`` runs a test's coroutine under a bound; ``until`` waits for a fact about the managers
+(cheap: polled often), ``until_redis`` for one read from Redis (a coroutine function).
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from extproc.config.policy import SharedPolicy
+from extproc.config.policy import Policy, SharedPolicy
 from extproc.pool.shared import LeaseManager
 from extproc.pool.shared.scripts import Keys
+from testing.wait import TIMEOUT_S, until_async
 
-__all__ = ["KEY_PREFIX", "FakePool", "asked_since", "leases_in_redis", "replica"]
+__all__ = [
+    "KEY_PREFIX",
+    "FakePool",
+    "asked_since",
+    "leases_in_redis",
+    "replica",
+    "run",
+    "until",
+    "until_redis",
+    "with_redis",
+]
 
 KEY_PREFIX = "t"
 
@@ -72,15 +87,17 @@ def replica(
     *,
     adaptive: bool = False,
     lease_s: float = 1.0,
+    timeout_s: float | None = None,
     rand: Callable[[], float] = random.random,
     **options: Any,
 ) -> tuple[LeaseManager, FakePool]:
     """A manager named ``name`` on a fresh :class:`FakePool`, keys under ``KEY_PREFIX``; its
-    calls' deadline is the longest the policy allows (a quarter of the lease), so that a
-    loaded machine is less often taken for Redis gone. ``options``: the manager's other
-    arguments (``on_error``, ``bounds``...)."""
+    calls' deadline is ``timeout_s``, by default the longest the policy allows (a quarter of
+    the lease), so that a loaded machine is less often taken for Redis gone. ``options``:
+    the manager's other arguments (``on_error``, ``bounds``...)."""
     pool = FakePool()
-    policy = SharedPolicy(redis=url, key_prefix=KEY_PREFIX, lease_s=lease_s, timeout_s=lease_s / 4)
+    timeout_s = lease_s / 4 if timeout_s is None else timeout_s
+    policy = SharedPolicy(redis=url, key_prefix=KEY_PREFIX, lease_s=lease_s, timeout_s=timeout_s)
     m = LeaseManager(
         pool, policy, limit=limit, adaptive=adaptive, replica=name, rand=rand, **options
     )
@@ -107,3 +124,31 @@ async def leases_in_redis(url: str, prefix: str = KEY_PREFIX) -> tuple[int, dict
         return now_ms, {lease: int(expiry) for lease, expiry in pairs}
     finally:
         await r.aclose()
+
+
+def run(coro: Coroutine[Any, Any, Any], limit_s: float = 60.0) -> Any:
+    """``coro`` on a fresh event loop, failing after ``limit_s``."""
+    return asyncio.run(asyncio.wait_for(coro, limit_s))
+
+
+async def until(cond: Callable[[], Any], what: str) -> None:
+    """``testing.wait.until_async``, polling the managers' state often (it is cheap)."""
+    await until_async(cond, what, every=0.002)
+
+
+async def until_redis(check: Callable[[], Awaitable[Any]], what: str) -> None:
+    """Until ``check()`` (a read from Redis) is truthy; AssertionError after ``TIMEOUT_S``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + TIMEOUT_S
+    while not await check():
+        if loop.time() >= deadline:
+            raise AssertionError(f"{what}: not after {TIMEOUT_S:g} s")
+        await asyncio.sleep(0.02)
+
+
+def with_redis(p: Policy, url: str) -> Policy:
+    """``p`` with ``pool.shared.redis`` set to ``url``, which validation does not see (a URL
+    only redis-py refuses, as if validation had missed it)."""
+    assert p.pool is not None and p.pool.shared is not None
+    shared = dataclasses.replace(p.pool.shared, redis=url)
+    return dataclasses.replace(p, pool=dataclasses.replace(p.pool, shared=shared))

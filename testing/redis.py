@@ -85,6 +85,8 @@ class RedisServer:
             "",
             "--appendonly",
             "no",
+            "--dir",  # where a replica's full sync writes its file (REPLICAOF)
+            str(self.log_dir),
         ]
         self.proc = Proc(f"redis-{self._starts}", argv, self.log_dir)
         wait_tcp(self.port, proc=self.proc)

@@ -176,7 +176,8 @@ class Stack:
     A port taken between picking it and Envoy binding it (another process's connection got it)
     is picked again: Envoy is started up to three times.
     ``running_backends``: ports of backends already running (another stack's, several gateways
-    in front of one backend): the stack starts none and routes to those.
+    in front of one backend): the stack starts none and routes to those. ``sidecar_args``: more
+    of the sidecar's ``serve`` flags.
     """
 
     def __init__(
@@ -199,6 +200,7 @@ class Stack:
         envoy_source: Path | None = None,
         envoy_patch: Callable[[dict[str, Any]], None] | None = None,
         running_backends: Sequence[int] | None = None,
+        sidecar_args: Sequence[str] = (),
     ) -> None:
         if backends < 1:
             raise ValueError("backends must be >= 1")
@@ -210,6 +212,7 @@ class Stack:
         self.envoy_source = envoy_source
         self.envoy_patch = envoy_patch
         self.transport = transport  # the sidecar's --transport (None: its default)
+        self.sidecar_args = list(sidecar_args)  # more of the sidecar's flags (--grace 1)
         self.start_envoy = start_envoy
         self.ext_proc = ext_proc
         self.backend_circuit_breakers = backend_circuit_breakers
@@ -360,6 +363,7 @@ class Stack:
             argv += ["--policy", str(self.policy_path)]
         if self.transport is not None:
             argv += ["--transport", self.transport]
+        argv += self.sidecar_args
         if self.tls is not None:
             argv += [
                 "--tls-cert",

@@ -65,7 +65,7 @@ async def _scripts(url: str, n: int) -> None:
     head: list[str | int] = ["me", 10000, 1000, keys.channel]
     await acquire(keys=keys.all, args=[*head, "0:1", "me:w"])  # load the scripts
     await give(keys=keys.all, args=[*head, "-", "", 0, "me:w"])
-    await renew(keys=keys.all, args=[*head, "", "0", "", 0, 0, 0])
+    await renew(keys=keys.all, args=[*head, "", "0", "", 0, 0, 0, 0])
     acq: list[float] = []
     ret: list[float] = []
     t0 = time.perf_counter()
@@ -82,7 +82,7 @@ async def _scripts(url: str, n: int) -> None:
     ren: list[float] = []
     for _ in range(max(1, n // 10)):
         t = time.perf_counter()
-        await renew(keys=keys.all, args=[*head, "", "0", "", 64, 0, 0, *ids])
+        await renew(keys=keys.all, args=[*head, "", "0", "", 64, 0, 0, 0, *ids])
         ren.append(time.perf_counter() - t)
     await r.aclose()
     print(f"ACQUIRE 1 lease:   {_ms(acq)}")

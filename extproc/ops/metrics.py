@@ -147,14 +147,15 @@ class Metrics:
         )
         self.shared_degraded = Counter(
             "llm_extproc_shared_degraded_transitions",
-            "Times the shared pool went degraded (Redis unreachable: a local share).",
+            "Times the shared pool went degraded (Redis unreachable: its leases, then none).",
             registry=r,
         )
         self.shared_redis_errors = Counter(
             "llm_extproc_shared_redis_errors",
             "Errors of the shared pool's Redis side, by call: acquire, return, renew (failed, "
             "timed out, or a reply refused), events (the subscription lost, or a message "
-            "refused), demand (another replica's demand table refused, counted as none).",
+            "refused), demand (another replica's demand table refused, counted as none), policy "
+            "(a renewal saw another policy's limits on this pool's key_prefix).",
             ["call"],
             registry=r,
         )

@@ -28,13 +28,25 @@
 Each transition is one log line (``extproc.control``). The gauges (``gauges``, read by the
 metrics collector at scrape time) and the pool's entry of /debug/queues (``debug``) render the
 controllers' snapshots (``extproc.pool.view``): the pool's ``PoolStats``, the monitor's, the
-adaptive limit's and the signals of its last round, the lease manager's. A policy reload
-rebuilds a controller only when its own settings changed, and the adaptive limit carries on
-from the limit in force.
+adaptive limit's and the signals of its last round, the lease manager's.
+
+A policy (re)load is two steps. ``prepare`` builds and checks everything the policy needs
+that could fail (the adaptive limit and its scraper, the overload monitor, and for another
+``pool.shared`` a new lease manager, which a reload refuses when redis-py cannot use its
+URL) and changes nothing: what raises there refuses the policy, and ``discard`` closes what
+it built. ``apply`` then only switches, and cannot fail. A reload rebuilds a controller only
+when its own settings changed, and the adaptive limit carries on from the limit in force.
+A new lease manager takes over from the old one without the gate ever leaving the leases
+(``LeaseAdapter.take_over``): the old manager retires, keeping the leases of the requests
+running at the switch and giving one back as each ends, and is closed (it leaves the pool)
+once they all have; nothing new is admitted but on the new manager's leases. A policy
+without ``pool.shared`` (or without a pool) leaves shared mode: every lease goes back at
+once, and the pool is this replica's own, at the policy's limit.
 
 Every task started here has an owner: the overload tick and the poller's own task are awaited
-by ``stop``, a poller stopped on a reload or a change of leader is awaited there too, and a
-lease manager left behind by a reload is closed before ``close`` returns. The loops run under
+by ``stop``, a poller stopped on a reload or a change of leader is awaited there too, and
+every lease manager, retiring or left behind by a reload, is closed before ``close`` returns
+(``extproc.pool.lease_switch``). The loops run under
 guards (``extproc.ops.loops``), counted in ``llm_extproc_loop_errors_total{loop}``.
 """
 
@@ -44,30 +56,25 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from extproc.backend.scrape import Scraper, Signals
-from extproc.config.policy import (
-    AdaptivePolicy,
-    BackendPolicy,
-    OverloadPolicy,
-    Policy,
-    PoolPolicy,
-    SharedPolicy,
-)
+from extproc.config.policy import AdaptivePolicy, BackendPolicy, OverloadPolicy, Policy
 from extproc.ops.loops import Guard
 from extproc.ops.metrics import Metrics
 from extproc.pool import demand
 from extproc.pool.adaptive import AdaptiveLimit
 from extproc.pool.gate import POOL, Gate
-from extproc.pool.lease_adapter import LeaseAdapter, SharedSnapshot, limit_bounds, starting_limit
+from extproc.pool.lease_adapter import SharedSnapshot
+from extproc.pool.lease_switch import Built, LeaseSwitch
 from extproc.pool.overload import Overload, OverloadMonitor, OverloadSnapshot
 from extproc.pool.poller import BackendSnapshot, Poller
 from extproc.pool.shared import LeaseManager, Mode
 from extproc.pool.values import PoolStats
 from extproc.pool.view import render_debug, render_gauges
 
-__all__ = ["OVERLOAD_TICK_S", "PoolControl"]
+__all__ = ["OVERLOAD_TICK_S", "PoolControl", "Prepared"]
 
 log = logging.getLogger("extproc.control")
 
@@ -79,6 +86,15 @@ def _p95(values: list[float]) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prepared:
+    """A policy, and what ``PoolControl.prepare`` built for it: a new lease manager (not
+    started) on its local pool when its ``pool.shared`` is another."""
+
+    policy: Policy
+    built: Built | None = None
 
 
 class PoolControl:
@@ -93,19 +109,51 @@ class PoolControl:
         self._signals: Signals | None = None
         self._task: asyncio.Task[None] | None = None
         self._started = False
-        self._shared: LeaseManager | None = None
-        self._shared_key: SharedPolicy | None = None
-        self._leases: LeaseAdapter | None = None
+        self._switch = LeaseSwitch(
+            gate,
+            metrics,
+            on_mode=self._on_mode,
+            on_leader=self._on_leader,
+            on_loop_error=self._loop_error,
+        )
         self._stopping: set[asyncio.Task[None]] = set()  # pollers being stopped
-        self._closing: set[asyncio.Task[None]] = set()  # lease managers a reload left
+
+    @property
+    def _shared(self) -> LeaseManager | None:
+        """The lease manager in force (``extproc.pool.lease_switch``)."""
+        return self._switch.manager
 
     # --- life --------------------------------------------------------------------------------
 
-    def apply(self, policy: Policy) -> None:
-        """Follow a (re)loaded policy; the gate has been reconfigured already."""
-        self._policy = policy
+    def prepare(self, policy: Policy, *, refuse_unusable: bool = True) -> Prepared:
+        """Build and check what ``policy`` needs (module docstring); raises, changing
+        nothing, when it cannot be used. ``refuse_unusable``: refuse a Redis URL redis-py
+        cannot use (a reload: the current policy stays); at the start there is none to keep,
+        and the replica runs degraded on it instead (``extproc.pool.shared.client``)."""
         pool = policy.pool
-        self._apply_shared(pool)
+        if pool is not None and pool.adaptive is not None:
+            AdaptiveLimit(pool.adaptive)
+            Scraper.from_policy(policy.backend, pool.adaptive)
+        if pool is not None and pool.overload.enabled:
+            OverloadMonitor(pool.overload)
+        built = self._switch.build(pool, refuse_unusable=refuse_unusable)
+        return Prepared(policy=policy, built=built)
+
+    def discard(self, prepared: Prepared) -> None:
+        """The policy was refused after ``prepare``: close what it built."""
+        self._switch.discard(prepared.built)
+
+    def apply(self, next_policy: Policy | Prepared) -> None:
+        """Follow a (re)loaded policy, ``prepare``d (a bare one, at the start, is prepared
+        here, a URL redis-py cannot use let through); the gate has been reconfigured
+        already."""
+        prepared = next_policy
+        if not isinstance(prepared, Prepared):
+            prepared = self.prepare(prepared, refuse_unusable=False)
+        self._policy = policy = prepared.policy
+        pool = policy.pool
+        if self._switch.switch(pool, prepared.built, started=self._started) and not self._leads():
+            self._stop_poller()  # the new manager's poller starts once it leads
         adaptive = pool.adaptive if pool is not None else None
         key = (adaptive, policy.backend, pool.max_concurrency) if adaptive and pool else None
         if key != self._poller_key:
@@ -146,12 +194,9 @@ class PoolControl:
             await asyncio.wait(self._stopping)
 
     async def close(self) -> None:
-        """After the last request: give a shared pool's leases back and leave it."""
-        manager, self._shared = self._shared, None
-        if manager is not None:
-            await manager.close()
-        if self._closing:
-            await asyncio.wait(self._closing)
+        """After the last request: give a shared pool's leases back and leave it (with
+        those of managers a reload replaced, still retiring)."""
+        await self._switch.close()
 
     def _loop_error(self, loop: str) -> None:
         self._metrics.loop_errors.labels(loop).inc()
@@ -163,44 +208,6 @@ class PoolControl:
         task.add_done_callback(owner.discard)
 
     # --- the shared pool ---------------------------------------------------------------------
-
-    def _apply_shared(self, pool: PoolPolicy | None) -> None:
-        shared = pool.shared if pool is not None else None
-        if shared == self._shared_key and (self._shared is None or pool is None):
-            return
-        if shared != self._shared_key:
-            self._shared_key = shared
-            old, self._shared = self._shared, None
-            if old is not None:
-                assert self._leases is not None
-                self._leases.detach()
-                self._leases = None
-                self._spawn(old.close(), self._closing)
-            if shared is None or pool is None:
-                return
-            metrics = self._metrics
-            for call in ("acquire", "return", "renew", "events", "demand"):
-                metrics.shared_redis_errors.labels(call)
-            self._leases = LeaseAdapter(self._gate)
-            self._shared = LeaseManager(
-                self._leases,
-                shared,
-                limit=starting_limit(pool),
-                adaptive=pool.adaptive is not None,
-                bounds=limit_bounds(pool),
-                on_mode=self._on_mode,
-                on_error=lambda call: metrics.shared_redis_errors.labels(call).inc(),
-                on_leader=self._on_leader,
-                on_loop_error=self._loop_error,
-            )
-            self._leases.attach(self._shared, self._shared.limit)
-            if self._started:
-                self._shared.start()
-            return
-        assert self._shared is not None and pool is not None
-        self._shared.adaptive = pool.adaptive is not None
-        self._shared.adaptive_bounds = limit_bounds(pool)
-        self._shared.set_static_limit(starting_limit(pool))
 
     def _leads(self) -> bool:
         """Whether this replica runs the adaptive poller: always, unless the pool is shared,
@@ -382,7 +389,7 @@ class PoolControl:
         out = render_debug(s)
         out["overload"] = render_debug(self._overload_view(s))
         if self._shared is not None:
-            out["shared"] = self._shared.debug()
+            out["shared"] = {**self._shared.debug(), "retiring": self._switch.debug()}
         if self._poller is not None:
             sig = self._signals
             out["adaptive"] = {

@@ -15,8 +15,9 @@ import pytest
 from extproc.config.policy import Policy, policy_from_yaml
 from extproc.ops.metrics import Metrics
 from extproc.pool.control import PoolControl
-from extproc.pool.gate import POOL, Gate
+from extproc.pool.gate import POOL, Gate, Waiter
 from extproc.pool.shared import LeaseManager
+from testing.leases import with_redis
 from testing.redis import RedisServer
 from testing.stack import free_port
 from testing.wait import until_async
@@ -31,7 +32,7 @@ pool:
   max_concurrency: 3
   adaptive: {{min: 1, max: 16, initial: 5, interval: 100ms, window: 1s, stale_after: 200ms,
              fallback_after: 500ms}}
-  shared: {{redis: "{redis_url}", key_prefix: ctl, lease: 1s, timeout: 200ms}}
+  shared: {{redis: "{redis_url}", key_prefix: ctl, lease: 1s, timeout: 200ms, replicas: 1}}
 backend: {{metrics: ["http://127.0.0.1:{free_port()}/metrics"]}}
 buckets:
   - {{name: all, queue_timeout: 2s, max_queue: 10}}
@@ -79,13 +80,6 @@ def test_one_leader_runs_the_poller_and_the_others_read_its_limit(
             await c.close()
 
     asyncio.run(asyncio.wait_for(main(), 30))
-
-
-def with_redis(p: Policy, url: str) -> Policy:
-    """``p`` with ``pool.shared.redis`` set to ``url``, which validation does not see."""
-    assert p.pool is not None and p.pool.shared is not None
-    shared = dataclasses.replace(p.pool.shared, redis=url)
-    return dataclasses.replace(p, pool=dataclasses.replace(p.pool, shared=shared))
 
 
 def errors(metrics: Metrics, call: str) -> float:
@@ -178,3 +172,45 @@ def test_shared_again_only_the_leader_runs_the_poller(redis_server: RedisServer)
             await c.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_reload_on_the_leader_hands_the_leadership_on(redis_server: RedisServer) -> None:
+    """The leader reloads a new ``lease`` while a request runs on it: its old manager retires
+    (it keeps that request's lease) and gives the leadership up at once; one current manager
+    leads and polls, and the old one leaves once the request ends."""
+
+    async def main() -> None:
+        controls = [started(policy(redis_server.url)) for _ in range(2)]
+
+        def leaders() -> list[PoolControl]:
+            return [c for c in controls if c._shared is not None and c._shared.is_leader]
+
+        await until_async(lambda: len(leaders()) == 1, "one leader")
+        leader = leaders()[0]
+        entered = leader._gate.enter("all", 2.0)
+        slot = await entered.admitted() if isinstance(entered, Waiter) else entered
+        old = leader._shared
+        assert old is not None and old.held == 1
+        p = policy(redis_server.url)
+        assert p.pool is not None and p.pool.shared is not None
+        shared = dataclasses.replace(p.pool.shared, lease_s=1.5)
+        leader.apply(
+            leader.prepare(dataclasses.replace(p, pool=dataclasses.replace(p.pool, shared=shared)))
+        )
+        assert leader._shared is not old and old.retiring and not old._closed
+        await until_async(lambda: not old.is_leader, "the old manager gave the leadership up")
+        assert old.held == 1
+        view = leader.debug()
+        assert view is not None
+        assert view["shared"]["retiring"] == [{"replica": old.replica, "held": 1, "keep": 1}]
+        await until_async(lambda: len(leaders()) == 1, "a current manager leads")
+        new = leaders()[0]
+        await until_async(lambda: new._poller is not None, "the new leader polls")
+        assert [c._poller is None for c in controls if c is not new] == [True]
+        slot.release()
+        await until_async(lambda: old._closed, "the old manager left once the request ended")
+        for c in controls:
+            await c.stop()
+            await c.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))

@@ -7,6 +7,7 @@ are in tests/unit/test_lease_decisions.py."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Awaitable
 from typing import Any
@@ -15,10 +16,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from extproc.pool.shared import LeaseManager, Mode
-from extproc.pool.shared.decide import POLL_S, local_share
+from extproc.pool.shared.decide import POLL_S
 from extproc.pool.shared.scripts import ACQUIRE, RENEW, RETURN, Keys, decode_demand, encode_demand
 from testing.leases import KEY_PREFIX, FakePool, asked_since, leases_in_redis, replica
 from testing.redis import RedisServer
+from testing.stack import free_port
 from testing.wait import until_async
 
 LEASE_S = 1.0  # where leases must run out: a dead replica's, the leader's, Redis gone
@@ -49,6 +51,17 @@ async def held_in_redis(server: RedisServer) -> int:
     return len(leases)
 
 
+async def connected(
+    server: RedisServer, limit: int, *names: str
+) -> list[tuple[LeaseManager, FakePool]]:
+    """Managers (``STEADY_LEASE_S``) started, once each has reached Redis."""
+    ms = [manager(server, n, limit, lease=STEADY_LEASE_S) for n in names]
+    for m, _ in ms:
+        m.start()
+    await until(lambda: all(m.connected for m, _ in ms), "all reached Redis")
+    return ms
+
+
 async def until(cond: Any, what: str) -> None:
     """``testing.wait.until_async``, polling the managers' state often (it is cheap)."""
     await until_async(cond, what, every=0.002)
@@ -66,11 +79,20 @@ def test_demand_tables_round_trip() -> None:
 # --- the scripts ------------------------------------------------------------------------------
 
 
+async def register(r: aioredis.Redis, keys: Keys, me: str, *known: str) -> list[Any]:
+    """One ``RENEW`` of ``me`` holding nothing, naming ``known`` as live: a pool's first one
+    (or the re-registration after a reset) ends the new epoch's fence."""
+    renew = r.register_script(RENEW)
+    args = [me, 1000, 4, keys.channel, "", "0", "", 0, 0, 0, len(known), *known]
+    return await renew(keys=keys.all, args=args)  # type: ignore[no-any-return]
+
+
 def test_acquire_takes_up_to_the_limit_and_no_more(redis_server: RedisServer) -> None:
     async def main() -> None:
         r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
         keys = Keys.for_prefix("t")
         acquire, give = r.register_script(ACQUIRE), r.register_script(RETURN)
+        await register(r, keys, "a")
 
         seq = iter(range(1000))
 
@@ -104,6 +126,7 @@ def test_renew_is_one_call_for_every_lease_and_reports_what_it_lost(
         r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
         keys = Keys.for_prefix("t")
         acquire, renew = r.register_script(ACQUIRE), r.register_script(RENEW)
+        await register(r, keys, "a")
         ids = ["a:1", "a:2", "a:3"]
         await acquire(keys=keys.all, args=["a", 1000, 3, keys.channel, "0:3", *ids])
         before = {i: await r.zscore(keys.leases, i) for i in ids}
@@ -112,12 +135,12 @@ def test_renew_is_one_call_for_every_lease_and_reports_what_it_lost(
         await r.zrem(keys.leases, "a:2")
         await acquire(keys=keys.all, args=["b", 1000, 3, keys.channel, "0:1", "b:1"])
         # (The first call of a script after Redis started loads it: not measured.)
-        await renew(keys=keys.all, args=["c", 1000, 3, keys.channel, "", "0", "", 0, 0, 0])
+        await renew(keys=keys.all, args=["c", 1000, 3, keys.channel, "", "0", "", 0, 0, 0, 0])
         stats = await r.info("commandstats")
         calls = stats["cmdstat_evalsha"]["calls"]
-        count, limit, leader, lost, claimed, live, _ = await renew(
+        count, limit, leader, lost, claimed, live, *_ = await renew(
             keys=keys.all,
-            args=["a", 1000, 3, keys.channel, "", "0", "", 3, 0, 1, *ids, "a:4"],
+            args=["a", 1000, 3, keys.channel, "", "0", "", 3, 0, 1, 0, *ids, "a:4"],
         )
         stats = await r.info("commandstats")
         assert stats["cmdstat_evalsha"]["calls"] - calls == 1  # one round trip for all
@@ -315,14 +338,14 @@ def test_a_release_nobody_waits_for_costs_no_round_trip(redis_server: RedisServe
 
 
 @pytest.mark.redis  # a server of its own, not the fixture's
-def test_redis_gone_falls_back_to_local_shares_and_rejoins_without_overshoot(
+def test_redis_gone_holds_the_leases_then_admits_nobody_and_rejoins_within_the_limit(
     tmp_path: Any,
 ) -> None:
-    """Three replicas under load on a pool of 6. Redis is killed: each holds its leases
-    until they expire, then runs on 6 / 3 = 2. Redis comes back empty: they rejoin, and the
-    sum of running requests never passes the limit plus the documented slack (each replica's
-    running requests above its share when its leases expired). Each stage is watched for a
-    number of the load's admissions, not for a time."""
+    """Three replicas under load on a pool of 6. Redis is killed: each runs on the leases it
+    holds until they expire, then admits nobody (its local limit 0) while its running
+    requests end; the sum of running requests never passes the limit. Redis comes back empty:
+    they rejoin, and the load runs within the limit again. Each stage is watched for a number
+    of the load's admissions or for a fact, not for a time."""
     limit, admissions = 6, 40
 
     async def main() -> None:
@@ -357,22 +380,23 @@ def test_redis_gone_falls_back_to_local_shares_and_rejoins_without_overshoot(
             task = asyncio.create_task(load())
             await served("the load runs")
             assert peak <= limit
-            slack = sum(max(0, m.held - local_share(limit, m.replicas, m.replica)) for m, _ in ms)
             server.kill()
             await until(lambda: all(m.mode is Mode.DEGRADED for m, _ in ms), "all degraded")
             await until(
-                lambda: all(m.debug()["phase"] == "local_share" and p.held == 2 for m, p in ms),
-                "local shares",
+                lambda: all(m.debug()["phase"] == "expired" and p.held == 0 for m, p in ms),
+                "their leases expired: nobody admitted",
             )
-            await served("the load runs on the local shares")
-            assert peak <= limit + slack, (peak, slack)
-            peak = 0
+            admitted = [len(p.admitted) for p in pools]
+            await until(lambda: all(p.running == 0 for p in pools), "the running ones ended")
+            assert [len(p.admitted) for p in pools] == admitted
+            assert peak <= limit, peak  # no slack with Redis gone for everyone
             server.start()
             await until(lambda: all(m.mode is Mode.SHARED for m, _ in ms), "rejoined")
             await until(
                 lambda: all(m.known().grace.until <= loop.time() for m, _ in ms),
                 "the rejoin grace over",
             )
+            peak = 0
             await served("the load runs in plain shared mode")
             stop = True
             await task
@@ -410,5 +434,279 @@ def test_one_leader_publishes_the_limit_and_another_takes_over(
         await until(lambda: follower.is_leader, "takeover")
         assert follower.limit == 9  # carries on from the limit in force
         await follower.close()
+
+    run(main())
+
+
+# --- the pool's epoch: a state lost or reset in Redis -----------------------------------------
+
+
+def test_a_pool_found_reset_grants_nothing_until_the_replicas_re_registered(
+    redis_server: RedisServer,
+) -> None:
+    """a holds 3 of 4, b 1; Redis loses everything (FLUSHALL). Counting the empty set, an
+    ACQUIRE would grant the whole limit while a's requests still run: the new epoch's fence
+    grants nothing until every replica named live has renewed (re-registered what it runs),
+    then the pool goes on from what they hold."""
+
+    async def main() -> None:
+        r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        keys = Keys.for_prefix("t")
+        acquire, renew = r.register_script(ACQUIRE), r.register_script(RENEW)
+
+        async def ask(me: str, ids: list[str]) -> list[Any]:
+            args = [me, 1000, 4, keys.channel, f"0:{len(ids)}", *ids]
+            return await acquire(keys=keys.all, args=args)  # type: ignore[no-any-return]
+
+        async def renew_all(
+            me: str, ids: list[str], known: list[str], wants: str = ""
+        ) -> list[Any]:
+            args = [me, 1000, 4, keys.channel, wants, "0", "", len(ids), 0, 0, len(known)]
+            return await renew(keys=keys.all, args=[*args, *ids, *known])  # type: ignore[no-any-return]
+
+        first = (await register(r, keys, "a"))[7]
+        assert (await ask("a", ["a:1", "a:2", "a:3"]))[:2] == [3, 3]
+        assert (await ask("b", ["b:1"]))[:2] == [1, 4]
+        await r.flushall()
+        granted, count, _, _, epoch, fenced = await ask("b", ["b:2", "b:3", "b:4", "b:5"])
+        assert (granted, count, fenced) == (0, 0, 1) and epoch != first
+        assert 0 < await r.pttl(keys.fence) <= 1000  # one lease at most
+        reply = await renew_all("b", ["b:1"], ["a", "b"], "0:4")  # b re-registers, a expected
+        assert reply[0] == 1 and reply[7:9] == [epoch, 1]
+        assert (await ask("b", ["b:6"]))[0] == 0  # a has not re-registered yet
+        async with r.pubsub() as sub:
+            await sub.subscribe(keys.channel)
+            reply = await renew_all("a", ["a:1", "a:2", "a:3"], ["a", "b"])
+            assert (reply[0], reply[3], reply[7:9]) == (4, [], [epoch, 0])  # the fence ends
+            message = None
+            for _ in range(50):  # (the subscription's confirmation first)
+                message = message or await sub.get_message(True, timeout=0.1)
+            assert message is not None and message["data"].startswith("freed a")  # b waits
+        assert (await ask("b", ["b:7"]))[:2] == [0, 4]  # full with what runs
+        await r.aclose()
+
+    run(main())
+
+
+def test_a_fence_lapses_after_one_lease_and_other_losses_start_an_epoch(
+    redis_server: RedisServer,
+) -> None:
+    """A replica named live that never renews holds the fence for one lease only. The leases
+    set lost alone (evicted) while leases live starts a new epoch too, and so does a lease
+    with no script at all (every replica cut off; a restore from an old snapshot)."""
+
+    async def main() -> None:
+        r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        keys = Keys.for_prefix("t")
+        acquire = r.register_script(ACQUIRE)
+
+        async def ask(me: str, lease_ms: int = 1000) -> list[Any]:
+            args = [me, lease_ms, 4, keys.channel, "0:1", f"{me}:{random.random()}"]
+            return await acquire(keys=keys.all, args=args)  # type: ignore[no-any-return]
+
+        await register(r, keys, "a")
+        assert (await ask("a"))[0] == 1
+        await r.delete(keys.leases)  # evicted, while a's lease lives
+        reply = await ask("b")
+        assert reply[0] == 0 and reply[5] == 1
+        epoch = reply[4]
+        await register(r, keys, "b", "a", "b")  # a never renews
+        for _ in range(500):  # bounded: the fence lasts one lease (1 s)
+            if (reply := await ask("b"))[0]:
+                break
+            await asyncio.sleep(0.01)  # (the subject: the fence's lease passing)
+        sec, usec = await r.time()
+        assert sec * 1000 + usec // 1000 >= epoch + 1000  # only once the lease had passed
+        assert reply[4] == epoch and reply[5] == 0
+        # No script for a lease (50 ms here): the count no longer covers what runs.
+        await ask("b", 50)
+        await asyncio.sleep(0.1)  # the subject: a lease with no call
+        reply = await ask("b", 50)
+        assert reply[0] == 0 and reply[4] > epoch and reply[5] == 1
+        await r.aclose()
+
+    run(main())
+
+
+def test_managers_re_register_after_a_flush_and_the_limit_holds(
+    redis_server: RedisServer,
+) -> None:
+    """a runs 3 of 4, b 1 with 3 waiting, polling. FLUSHALL: b's next ACQUIRE gets nothing
+    (a's requests still run), b hears the new epoch and re-registers at once; when a renews,
+    the pool holds their 4 again. The two never run more than 4 together."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        (a, pa), (b, pb) = await connected(redis_server, 4, "a", "b")
+        pa.arrive(0, 3)
+        await until(lambda: pa.running == 3, "a runs 3")
+        pb.arrive(0, 4)
+        await until(lambda: pb.running == 1, "b runs 1")
+        r = aioredis.Redis.from_url(redis_server.url)
+        await r.flushall()
+        flushed = loop.time()
+        await until(lambda: asked_since(b, flushed), "b asked")
+        assert pa.running + pb.running == 4  # (counting the empty set: 7)
+        await until(lambda: not b._renewing and b.known().valid_until > flushed, "b renewed")
+        assert pa.running + pb.running == 4 and b.fenced
+        a._kick()  # a's renewal, due within lease / 3 anyway
+        await until(lambda: a.epoch == b.epoch and not a.fenced, "a re-registered")
+        assert await held_in_redis(redis_server) == 4
+        assert pa.running + pb.running == 4
+        pa.finish()
+        await until(lambda: pb.running == 2, "the slot a frees goes to b")
+        assert pa.running + pb.running == 4
+        await r.aclose()
+        await a.close()
+        await b.close()
+
+    run(main())
+
+
+def test_a_degraded_replicas_doubtful_ids_stay_bounded() -> None:
+    """Redis never answers (nothing listens on the port); 20 requests run without leases, so
+    every probe (lease / 3) claims 20 new ids and fails. The ids a failed call carried are
+    kept for one lease at most: some 4 probes' worth, however long the outage (it grew by 20
+    a probe: 60 -> 200 ids in 2 s)."""
+
+    async def main() -> None:
+        failed: list[str] = []
+        m, pool = replica(
+            f"redis://127.0.0.1:{free_port()}", "a", 40, lease_s=0.3, on_error=failed.append
+        )
+        pool.running = 20  # admitted before: claims for them go with each probe
+        m.start()
+        await until(lambda: failed.count("renew") >= 20, "20 probes failed")
+        assert 0 < len(m._doubtful) <= 20 * 5, len(m._doubtful)
+        await m.close()
+
+    run(main())
+
+
+# --- leadership with a term -------------------------------------------------------------------
+
+
+def test_a_limit_is_published_only_in_the_term_it_was_computed_in(
+    redis_server: RedisServer,
+) -> None:
+    async def main() -> None:
+        r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        keys = Keys.for_prefix("t")
+        renew = r.register_script(RENEW)
+
+        async def call(me: str, volunteer: str, publish: str = "") -> list[Any]:
+            args = [me, 1000, "4:1:100", keys.channel, "", volunteer, publish, 0, 0, 0, 0]
+            return await renew(keys=keys.all, args=args)  # type: ignore[no-any-return]
+
+        reply = await call("a", "1")
+        leader, term = reply[2], reply[9]
+        assert leader == "a" and term > 0
+        assert (await call("a", "1", f"50@{term}"))[1] == 50
+        assert (await call("a", "1", f"60@{term - 1}"))[1] == 50  # another term: refused
+        assert (await call("a", "1", "70"))[1] == 50  # no term: refused
+        await call("a", "0")  # a steps down, b wins a new term
+        reply = await call("b", "1")
+        assert reply[2] == "b" and reply[9] > term
+        assert (await call("a", "1", f"80@{term}"))[1] == 50  # not the leader
+        await r.aclose()
+
+    run(main())
+
+
+def test_a_replica_that_wins_the_leadership_back_does_not_republish_its_old_limit(
+    redis_server: RedisServer,
+) -> None:
+    """a leads and publishes 200; b takes over and publishes 40; a wins back: its new term
+    starts from the limit in force, 40 (it published its old 200 again)."""
+
+    async def main() -> None:
+        r = aioredis.Redis.from_url(redis_server.url)
+        leader_key = Keys.for_prefix(KEY_PREFIX).leader
+        # Renewals every 10 s: only those the test asks for (``_kick``) in between.
+        a, _ = manager(redis_server, "a", 4, adaptive=True, lease=30.0)
+        b, _ = manager(redis_server, "b", 4, adaptive=True, lease=30.0)
+        for m in (a, b):
+            m.adaptive_bounds = (1, 500)
+        a.start()
+        await until(lambda: a.is_leader, "a leads")
+        b.start()
+        await until(lambda: b.connected, "b reached Redis")
+        a.publish_limit(200)
+        await until(lambda: not a._renewing and a.known().limit == 200, "200 published")
+        b._kick()
+        await until(lambda: b.limit == 200, "b heard it")
+        await r.delete(leader_key)  # a's leadership lapses (it was slow, say)
+        b._kick()
+        await until(lambda: b.is_leader, "b leads")
+        b.publish_limit(40)
+        await until(lambda: not b._renewing and b.known().limit == 40, "40 published")
+        a._kick()
+        await until(lambda: a.limit == 40 and a.leader == "b", "a heard it")
+        await r.delete(leader_key)  # b's lapses, a wins it back with its next renewal
+        a._kick()
+        await until(lambda: a.is_leader, "a leads again")
+        assert a.limit == 40
+        b._kick()
+        await until(lambda: b.leader == "a" and b.term == a.term, "b heard the new term")
+        assert b.limit == 40
+        await r.aclose()
+        for m in (a, b):
+            await m.close()
+
+    run(main())
+
+
+# --- two policies on one key_prefix -----------------------------------------------------------
+
+
+def test_two_policies_with_other_limits_on_one_key_prefix_are_warned_of(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two deployments (limits 4 and 8) left on the default key_prefix make one pool, the
+    limit of whichever called last: each replica says so (logged once, counted every
+    renewal as ``on_error("policy")``, ``other_policies`` in /debug/queues)."""
+
+    async def main() -> None:
+        counted: list[str] = []
+        a, _ = replica(redis_server.url, "a", 4, lease_s=STEADY_LEASE_S, on_error=counted.append)
+        b, _ = replica(redis_server.url, "b", 8, lease_s=STEADY_LEASE_S)
+        c, _ = replica(redis_server.url, "c", 4, lease_s=STEADY_LEASE_S)  # a's own policy
+        for m in (a, b, c):
+            m.start()
+        await until(lambda: all(m.connected for m in (a, b, c)), "all reached Redis")
+        a._kick()  # (b may have renewed after a's first renewal)
+        await until(lambda: a.other_policies == 1, "a heard of b's policy")
+        assert a.debug()["other_policies"] == 1 and "policy" in counted
+        for m in (a, b, c):
+            await m.close()
+
+    with caplog.at_level(logging.WARNING, logger="extproc.shared"):
+        run(main())
+    warned = [r.getMessage() for r in caplog.records if "other policy" in r.getMessage()]
+    assert warned and "key_prefix 't'" in warned[0], warned
+
+
+def test_over_admission_drains_before_a_lease_is_handed_on(redis_server: RedisServer) -> None:
+    """a holds the pool (4) and runs 2 more that hold no lease (admitted while degraded, the
+    pool had no room for them at the rejoin); b waits. A request that ends on a while it runs
+    more than it holds frees no lease: b gets one only once a runs within its leases, so the
+    two never run more than they did (it handed leases on: 6 in flight stayed 6)."""
+
+    async def main() -> None:
+        (a, pa), (b, pb) = await connected(redis_server, 4, "a", "b")
+        pa.arrive(0, 4)
+        await until(lambda: pa.running == 4 and a.held == 4, "a holds the pool")
+        pa.running += 2  # uncovered: running > held
+        pb.arrive(0, 3)
+        await until(lambda: "b" in a.known().others, "a heard that b waits")
+        for running in (5, 4):
+            pa.finish()
+            await asyncio.sleep(0)  # (a loop turn: a hand-over would be on its way)
+            assert (pa.running, a.held, pb.running) == (running, 4, 0)
+        pa.finish()  # within its leases now: the lease goes to b
+        await until(lambda: pb.running == 1, "b admitted")
+        assert pa.running + pb.running == 4
+        for m in (a, b):
+            await m.close()
 
     run(main())

@@ -21,13 +21,17 @@ def test_shared_resolves_with_its_defaults_and_hides_the_password() -> None:
     )
     assert p.pool is not None and p.pool.shared is not None
     s = p.pool.shared
-    assert (s.key_prefix, s.lease_s, s.timeout_s, s.replicas) == ("llm-extproc:pool", 10, 0.25, 1)
+    assert (s.key_prefix, s.lease_s, s.timeout_s, s.replicas) == (
+        "llm-extproc:pool",
+        10,
+        0.25,
+        None,
+    )
     assert p.to_dict()["pool"]["shared"] == {
         "redis": "redis://:***@redis:6379/2",
         "key_prefix": "llm-extproc:pool",
         "lease": "10s",
         "timeout": "250ms",
-        "replicas": 1,
     }
 
 

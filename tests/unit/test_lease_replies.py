@@ -10,20 +10,32 @@ import pytest
 
 from extproc.config.policy import SharedPolicy
 from extproc.pool.shared import replies
-from extproc.pool.shared.decide import Grace, Mode, View
-from extproc.pool.shared.ledger import Ledger, Renewed
+from extproc.pool.shared.decide import RENEW_BATCH, Grace, Mode, View
+from extproc.pool.shared.ledger import MAX_DOUBTFUL, Ledger, Renewed
 from extproc.pool.shared.replies import DemandChanged, Freed, ReplyError
 
 
 def test_replies_decode_as_redis_py_reads_them() -> None:
-    reply = [2, 5, 8, [b"a", b"0:1,5:2", b"c", b""]]
+    reply = [2, 5, 8, [b"a", b"0:1,5:2", b"c", b""], 7, 0]
     assert replies.acquired(reply, asked=2) == replies.Acquired(
-        granted=2, count=5, limit=8, others={"a": {0: 1, 5: 2}}
+        granted=2, count=5, limit=8, others={"a": {0: 1, 5: 2}}, epoch=7
     )
-    assert replies.returned([1, 4, 8], sent=1) == replies.Returned(given=1, count=4, limit=8)
-    reply = [3, 8, b"a", [b"b:7"], 1, [b"c", b"a"], []]
+    assert replies.returned([1, 4, 8, 7, 0], sent=1) == replies.Returned(
+        given=1, count=4, limit=8, epoch=7
+    )
+    reply = [3, 8, b"a", [b"b:7"], 1, [b"c", b"a"], [], 7, 1, 5, 2]
     assert replies.renewed(reply, renewing=1, claiming=1) == replies.Renewed(
-        count=3, limit=8, leader="a", lost=("b:7",), claimed=1, live=("c", "a"), others={}
+        count=3,
+        limit=8,
+        leader="a",
+        lost=("b:7",),
+        claimed=1,
+        live=("c", "a"),
+        others={},
+        epoch=7,
+        fenced=True,
+        term=5,
+        policies=2,
     )
 
 
@@ -45,21 +57,21 @@ def _renewed(reply: object) -> object:
         (_returned, None, "RETURN reply: expected a list, got NoneType"),
         (
             _returned,
-            [1, 2],
-            r"RETURN reply: expected 3 items \(given, count, limit\), got 2",
+            [1, 2, 7, 0],
+            r"RETURN reply: expected 5 items \(given, count, limit, epoch, fenced\), got 4",
         ),
-        (_returned, [1, b"x", 3], "RETURN reply: count should be an integer, got b'x'"),
-        (_returned, [1, True, 3], "RETURN reply: count should be an integer, got True"),
-        (_acquired, [1, 2, 3, [b"a"]], "ACQUIRE reply: others' demand has an odd length 1"),
-        (_acquired, [1, 2, 3, b"a"], "ACQUIRE reply: others' demand should be a list"),
+        (_returned, [1, b"x", 3, 7, 0], "RETURN reply: count should be an integer, got b'x'"),
+        (_returned, [1, True, 3, 7, 0], "RETURN reply: count should be an integer, got True"),
+        (_acquired, [1, 2, 3, [b"a"], 7, 0], "ACQUIRE reply: others' demand has an odd length 1"),
+        (_acquired, [1, 2, 3, b"a", 7, 0], "ACQUIRE reply: others' demand should be a list"),
         (
             _renewed,
-            [3, 8, None, [], 0, [], []],
+            [3, 8, None, [], 0, [], [], 7, 0, 3, 0],
             "RENEW reply: leader should be a string, got None",
         ),
         (
             _renewed,
-            [3, 8, b"", [b"x", 7], 0, [], []],
+            [3, 8, b"", [b"x", 7], 0, [], [], 7, 0, 3, 0],
             r"RENEW reply: lost\[1\] should be a string, got 7",
         ),
     ],
@@ -129,7 +141,7 @@ def test_a_hostile_event_is_refused_with_the_reason(text: bytes, why: str) -> No
 
 def test_a_hostile_demand_table_in_a_reply_counts_as_none_and_is_reported() -> None:
     flat = [b"evil", b"0:" + HUGE, b"odd", b"0:1,,", b"b", b"0:2"]
-    reply = replies.renewed([3, 8, b"", [], 0, [b"b"], flat], renewing=0, claiming=0)
+    reply = replies.renewed([3, 8, b"", [], 0, [b"b"], flat, 7, 0, 3, 0], renewing=0, claiming=0)
     assert reply.others == {"b": {0: 2}}
     assert reply.refused == (
         "RENEW reply: the demand of 'evil' refused (as none): a table of 5002 bytes (at most 4096)",
@@ -142,24 +154,44 @@ def test_a_hostile_demand_table_in_a_reply_counts_as_none_and_is_reported() -> N
     [
         (
             _returned,
-            [1, HUGE, 8],
+            [1, HUGE, 8, 7, 0],
             r"RETURN reply: count should be an integer, got b'9{24}'\.\.\. \(5000 bytes\)",
         ),
-        (_returned, [1, -1, 8], "RETURN reply: count should be at least 0, got -1"),
-        (_returned, [1, 2, b"-4"], "RETURN reply: limit should be at least 0, got -4"),
-        (_returned, [2, 2, 8], "RETURN reply: given should be between 0 and 1, got 2"),
-        (_acquired, [3, 5, 8, []], "ACQUIRE reply: granted should be between 0 and 1, got 3"),
+        (_returned, [1, -1, 8, 7, 0], "RETURN reply: count should be at least 0, got -1"),
+        (_returned, [1, 2, b"-4", 7, 0], "RETURN reply: limit should be at least 0, got -4"),
+        (_returned, [2, 2, 8, 7, 0], "RETURN reply: given should be between 0 and 1, got 2"),
+        (_acquired, [3, 5, 8, [], 7, 0], "ACQUIRE reply: granted should be between 0 and 1, got 3"),
         (
             _renewed,
-            [3, 8, b"\xff", [], 0, [], []],
+            [3, 8, b"\xff", [], 0, [], [], 7, 0, 3, 0],
             r"RENEW reply: leader is not UTF-8 \(invalid start byte at byte 0\)",
         ),
-        (_renewed, [3, 8, b"x" * 600, [], 0, [], []], "RENEW reply: leader is longer than 512"),
-        (_renewed, [3, 8, b"", [b"a:1"] * 3, 0, [], []], r"RENEW reply: lost has 3 items \(at"),
-        (_renewed, [3, 8, b"", [], 1, [], []], "RENEW reply: claimed should be between 0 and 0"),
-        (_renewed, [3, 8, b"", [], 0, [b"r"] * 1025, []], r"live has 1025 items \(at most 1024"),
-        (_renewed, [3, 8, b"", [], 0, [], [b"r", b""] * 1025], "has 1025 entries"),
-        (_renewed, [3, 8, b"", [], 0, [], [b"r", 7]], "the demand of 'r' should be a string"),
+        (
+            _renewed,
+            [3, 8, b"x" * 600, [], 0, [], [], 7, 0, 3, 0],
+            "RENEW reply: leader is longer than 512",
+        ),
+        (
+            _renewed,
+            [3, 8, b"", [b"a:1"] * 3, 0, [], [], 7, 0, 3, 0],
+            r"RENEW reply: lost has 3 items \(at",
+        ),
+        (
+            _renewed,
+            [3, 8, b"", [], 1, [], [], 7, 0, 3, 0],
+            "RENEW reply: claimed should be between 0 and 0",
+        ),
+        (
+            _renewed,
+            [3, 8, b"", [], 0, [b"r"] * 1025, [], 7, 0, 3, 0],
+            r"live has 1025 items \(at most 1024",
+        ),
+        (_renewed, [3, 8, b"", [], 0, [], [b"r", b""] * 1025, 7, 0, 3, 0], "has 1025 entries"),
+        (
+            _renewed,
+            [3, 8, b"", [], 0, [], [b"r", 7], 7, 0, 3, 0],
+            "the demand of 'r' should be a string",
+        ),
     ],
 )
 def test_a_reply_no_script_returns_is_refused(
@@ -209,8 +241,27 @@ def test_ids_go_back_newest_first_and_failed_ones_stay_doubtful() -> None:
     book.acquired(ids, {0: 3}, replies.Acquired(granted=3, count=3, limit=8, others={}))
     assert book.pop_ids(2) == ["me:3", "me:2"] and book.held == 1
     assert book.pop_ids(5) == ["me:1"] and book.pop_ids(1) == []
-    book.doubt(["me:9"])
-    assert book.take_doubtful() == ["me:9"] and book.take_doubtful() == []
+    book.doubt(["me:9"], 10.0)
+    assert book.doubtful(12.9) == ["me:9"]  # until a call gave it back
+    book.cleared(["me:9"])
+    assert book.doubtful(12.9) == []
+
+
+def test_doubtful_ids_are_bounded_and_go_back_in_batches() -> None:
+    """Degraded, every failed renewal carried new claims: the list grew without bound (60 ->
+    200 ids in 2 s with a short lease) and went back in one RENEW. An id is forgotten a lease
+    after the call that carried it (Redis dropped it by then), the oldest past
+    ``MAX_DOUBTFUL``, and a renewal carries ``RENEW_BATCH`` at most."""
+    book = ledger()  # lease 3 s
+    book.doubt([f"old:{i}" for i in range(50)], 0.0)
+    book.doubt([f"new:{i}" for i in range(MAX_DOUBTFUL)], 1.0)
+    assert len(book._doubtful) == MAX_DOUBTFUL  # the oldest forgotten
+    batch = book.doubtful(3.5)
+    assert batch == [f"new:{i}" for i in range(RENEW_BATCH)]
+    book.doubt(batch, 3.5)  # carried by a call that failed too: no longer kept for that
+    book.cleared(batch[:10])
+    assert book.doubtful(3.5)[0] == "new:10"  # the rest of the batch next time
+    assert book.doubtful(4.0) == []  # a lease after: Redis holds none of them
 
 
 def test_an_acquire_keeps_the_granted_ids_and_publishes_the_rest() -> None:
@@ -248,7 +299,8 @@ def test_a_renewal_drops_lost_ids_keeps_claims_and_rejoins() -> None:
     after = book.renewed(20.0, claim, {0: 1}, reply)
     assert after == Renewed(raised=True, leader_changed=True, uncovered=2)
     assert book.held == 3 and book.replicas == ["me", "x"] and book.is_leader
-    assert book.known().valid_until == pytest.approx(20.0 + 3.0 * 0.98)
+    # lease x 0.98 less the timeout (decide rule 7)
+    assert book.known().valid_until == pytest.approx(20.0 + 3.0 * 0.98 - book.policy.timeout_s)
     assert book.known().replicas == ["me", "x"]
     assert book.rejoin(21.5, share) == pytest.approx(11.5)
     assert book.degraded_since is None
@@ -260,7 +312,7 @@ def test_leaving_forgets_every_id_held_or_doubtful() -> None:
     book = ledger()
     ids = book.new_ids(2)
     book.acquired(ids, {0: 2}, replies.Acquired(granted=1, count=1, limit=8, others={}))
-    book.doubt(ids[1:])
+    book.doubt(ids[1:], 0.0)
     assert book.take_all() == ["me:1", "me:2"] and book.held == 0
     book.gave_back(["me:1"], "a")
     assert book.known().count == 1  # held for another replica: still counted
@@ -285,3 +337,40 @@ def test_refusals_are_all_counted_and_each_reason_logged_once_a_minute(
     assert logged[0] == "shared pool: refused from Redis: the same entry"
     assert logged[60] == "shared pool: more input refused this minute: counted only"
     assert len(logged) == 62 and logged[61] == logged[0]  # a new minute
+
+
+def test_a_new_epoch_is_a_reset_and_the_end_of_its_fence_wakes_the_replica() -> None:
+    book = ledger()
+    assert not book.acquired(
+        [], {}, replies.Acquired(granted=0, count=0, limit=8, others={}, epoch=5)
+    )
+    assert book.take_notices() == ()  # a first reply is no reset
+    assert not book.returned(replies.Returned(given=0, count=0, limit=8, epoch=5))
+    assert book.returned(replies.Returned(given=0, count=0, limit=8, epoch=9, fenced=True))
+    (notice,) = book.take_notices()
+    assert notice.startswith("its state in Redis was lost or reset (a new epoch, 9)")
+    assert book.fenced and book.debug_view(0.0, 0, {})["fenced"] is True
+    reply = replies.Renewed(
+        count=0, limit=8, leader="", lost=(), claimed=0, live=("me",), others={}, epoch=9
+    )
+    after = book.renewed(1.0, [], {}, reply)
+    assert after.raised and not after.reset and not book.fenced  # the fence ended: ask now
+    assert book.take_notices() == ()
+
+
+def test_other_policies_on_the_prefix_are_noticed_when_their_number_changes() -> None:
+    book = ledger()
+
+    def renew(policies: int) -> None:
+        reply = replies.Renewed(
+            count=0, limit=8, leader="", lost=(), claimed=0, live=(), others={}, policies=policies
+        )
+        book.renewed(1.0, [], {}, reply)
+
+    renew(1)
+    (notice,) = book.take_notices()
+    assert notice.startswith("1 other policy(ies) with other limits than ours (8:8:8)")
+    renew(1)
+    assert book.take_notices() == () and book.other_policies == 1
+    renew(0)
+    assert book.take_notices() == () and book.other_policies == 0

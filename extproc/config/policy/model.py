@@ -174,8 +174,9 @@ class SharedPolicy:
     key_prefix: str = "llm-extproc:pool"
     lease_s: float = 10.0
     timeout_s: float = 0.25
-    # Before Redis was ever reached, each replica takes limit / replicas.
-    replicas: int = 1
+    # Before Redis was ever reached, each replica takes limit // replicas (at least 1); unset,
+    # 1: the most any replica may take whatever the number running (decide.share).
+    replicas: int | None = None
 
     @property
     def redis_display(self) -> str:

@@ -346,7 +346,7 @@ def _shared(msg: policy_pb2.Shared) -> SharedPolicy:
     # A renewal goes out every lease / 3: a call must end well within that.
     if not 0 < shared.timeout_s <= shared.lease_s / 4:
         raise PolicyError("pool.shared.timeout: must be above 0 and at most a quarter of the lease")
-    if shared.replicas < 1:
+    if shared.replicas is not None and shared.replicas < 1:
         raise PolicyError("pool.shared.replicas: must be at least 1")
     return shared
 

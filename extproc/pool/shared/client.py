@@ -10,13 +10,21 @@ started also loads it (NOSCRIPT, two more round trips, once). A pooled connectio
 is retried once, at once (a Redis that restarted fails the first use of every old connection);
 a timeout never is, so the deadline holds.
 
+The node lost (``node_lost``): a connection error, or a node that no longer takes writes
+(``READONLY``: a primary demoted to a replica by a failover; ``MASTERDOWN``). Then every
+pooled connection is dropped (``refresh``), the subscription is made again, and the next
+connection is opened to the URL's address again: behind an address that follows the primary
+(a Kubernetes Service, a DNS name, a proxy) that is the promoted one. A call refused with
+``READONLY`` is sent once more at once, on a fresh connection, under the same deadline (the
+node ran none of its writes). A timeout drops nothing: a slow call fails alone.
+
 A URL redis-py cannot use (a port that is not a number or out of range, a malformed address:
 what policy validation should have refused) does not stop the client from being made: it is
-``unusable`` (the reason, for the log), and every call and subscription fails at once with
+``unusable`` (the reason), and every call and subscription fails at once with
 that reason, as if Redis could not be reached.
 
 Pub/sub has a connection of its own, without a socket timeout (it waits for messages as
-long as it likes).
+long as it likes); ``listen`` returns when a refresh drops it.
 """
 
 from __future__ import annotations
@@ -31,16 +39,21 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import ReadOnlyError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.config.policy import SharedPolicy
 from extproc.pool.shared import replies
 from extproc.pool.shared.scripts import ACQUIRE, RENEW, RETURN, Keys, encode_demand
 
-__all__ = ["CallFailed", "PoolClient"]
+__all__ = ["CallFailed", "PoolClient", "node_lost"]
 
 _R = TypeVar("_R")
 _NOWHERE = "/nonexistent/llm-extproc-unusable-redis-url"
+# What a node that no longer takes writes answers (Redis 6 wraps a script's in ``ERR ...``).
+_NOT_PRIMARY = ("READONLY", "MASTERDOWN")
+# How long the listener waits for a message before it looks for a refresh.
+_LISTEN_POLL_S = 0.25
 
 log = logging.getLogger("extproc.shared")
 
@@ -53,6 +66,18 @@ class CallFailed(Exception):
         super().__init__(f"{call}: {type(cause).__name__}: {cause}")
         self.call = call
         self.cause = cause
+        # Past its deadline (ours, or the socket's): a slow call, not a lost node.
+        self.timed_out = isinstance(cause, TimeoutError | RedisTimeoutError)
+
+
+def node_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` says the connection's node is gone or no longer the primary (not a
+    timeout: a slow call says nothing of the others)."""
+    if isinstance(exc, TimeoutError):
+        return False
+    if isinstance(exc, RedisConnectionError | OSError | ReadOnlyError):
+        return True
+    return isinstance(exc, ResponseError) and any(w in str(exc) for w in _NOT_PRIMARY)
 
 
 class PoolClient:
@@ -68,17 +93,12 @@ class PoolClient:
             "client_name": f"llm-extproc:{replica}",
         }
         self.unusable: ValueError | None = None
+        self.refreshes = 0  # the pooled connections dropped for a lost node
         try:
             self._redis = aioredis.Redis.from_url(policy.redis, socket_timeout=t, **common)
             self._sub = aioredis.Redis.from_url(policy.redis, **common)
-        except ValueError as e:  # redis-py's own check of the URL
-            self.unusable = e
-            log.error(
-                "shared pool: pool.shared.redis %s cannot be used (%s): degraded on a local "
-                "share until a policy names one that can be",
-                policy.redis_display,
-                e,
-            )
+        except ValueError as e:  # redis-py's own check of the URL (``unusable``: logged, or
+            self.unusable = e  # a reload refused for it, by ``extproc.pool.lease_switch``)
             # Never used (every call and subscription fails first); were it, no server there.
             self._redis = self._sub = aioredis.Redis(unix_socket_path=_NOWHERE)
         self._acquire = self._redis.register_script(ACQUIRE)
@@ -114,42 +134,61 @@ class PoolClient:
         demand: Mapping[int, int],
         volunteer: bool,
         publish: int | None,
+        term: int = 0,
         renew: Sequence[str],
         back: Sequence[str],
         claim: Sequence[str],
+        known: Sequence[str] = (),
         limit: str,
     ) -> replies.Renewed:
         """Renew ``renew``, give ``back`` back, claim ``claim`` while there is room, write
-        ``demand``; ``volunteer``: lead if nobody does; ``publish``: the limit, if leading."""
+        ``demand``; ``volunteer``: lead if nobody does; ``publish``: the limit, if leading in
+        ``term`` (the leader's as last heard: the script refuses it in another);
+        ``known``: the replicas last seen live (expected to re-register in a new epoch)."""
         fields = [
             encode_demand(demand),
             "1" if volunteer else "0",
-            "" if publish is None else str(publish),
+            "" if publish is None else f"{publish}@{term}",
             len(renew),
             len(back),
             len(claim),
+            len(known),
         ]
-        raw = await self._call("renew", self._renew, limit, fields, [*renew, *back, *claim])
+        ids = [*renew, *back, *claim, *known]
+        raw = await self._call("renew", self._renew, limit, fields, ids)
         return self._decode("renew", replies.renewed, raw, renewing=len(renew), claiming=len(claim))
 
     async def listen(self, on_message: Callable[[bytes], None]) -> None:
-        """One subscription to the events channel: every message to ``on_message`` until the
-        connection fails, which raises ``CallFailed`` ("events")."""
+        """One subscription to the events channel: every message to ``on_message`` until a
+        refresh drops it (returns) or its connection fails (raises ``CallFailed``,
+        "events"), which drops the pooled connections too when the node is lost."""
         if self.unusable is not None:
             raise CallFailed("events", self.unusable)
         pubsub = self._sub.pubsub()
+        since = self.refreshes
         try:
             async with asyncio.timeout(self._policy.timeout_s):
                 await pubsub.subscribe(self.keys.channel)
-            while True:
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            while self.refreshes == since:
+                msg = await pubsub.get_message(
+                    ignore_subscribe_messages=True, timeout=_LISTEN_POLL_S
+                )
                 if msg is not None and msg.get("type") == "message":
                     on_message(msg["data"])  # what it raises is the listener's guard's
         except (RedisError, OSError, TimeoutError) as e:
+            if node_lost(e):
+                await self.refresh()
             raise CallFailed("events", e) from e
         finally:
             with contextlib.suppress(Exception):
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def refresh(self) -> None:
+        """Drop every pooled connection, and the subscription: the next ones are opened to
+        the URL's address again."""
+        self.refreshes += 1
+        with contextlib.suppress(Exception):
+            await self._redis.connection_pool.disconnect()
 
     async def aclose(self) -> None:
         for client in (self._redis, self._sub):
@@ -165,8 +204,16 @@ class PoolClient:
         args = [self._replica, int(policy.lease_s * 1000), limit, self.keys.channel, *fields]
         try:
             async with asyncio.timeout(policy.timeout_s):
-                return await script(keys=self.keys.all, args=[*args, *ids])
+                try:
+                    return await script(keys=self.keys.all, args=[*args, *ids])
+                except ResponseError as e:
+                    if not node_lost(e):
+                        raise
+                    await self.refresh()  # a demoted primary: once more, on a fresh one
+                    return await script(keys=self.keys.all, args=[*args, *ids])
         except (RedisError, OSError, TimeoutError) as e:
+            if node_lost(e):
+                await self.refresh()
             raise CallFailed(call, e) from e
 
     @staticmethod

@@ -36,7 +36,9 @@ Rules (each a function here, each with its table in ``tests/unit/test_lease_deci
    that band's waiters, so replicas in one band are served in proportion to their waiters
    (keeping every lease while a local queue lasts would freeze the split forever). Otherwise
    the lease stays and the local core hands the slot on: no round trip. A request that ends
-   while a spare is held only makes another spare (rule 2 and rule 5 deal with spares).
+   while a spare is held only makes another spare (rule 2 and rule 5 deal with spares); one
+   that ends while more run here than the leases held (after a rejoin) gives nothing back
+   and lets nobody in: the over-admission drains, one request at a time.
 4. **Recipient** (``recipient``): a lease given back while others wait is *for* one replica
    of the others' most urgent band, drawn in proportion to its waiters there; Redis keeps it
    for that replica for ``HANDOFF_S`` and tells it (``freed``). Given back for anyone, it
@@ -45,31 +47,50 @@ Rules (each a function here, each with its table in ``tests/unit/test_lease_deci
 5. **Renew** (``renewal``, every lease / 3, one ``RENEW`` for all the leases): renew every id;
    give back the spares when nobody waits here (degraded: every lease beyond the running
    requests, since re-adding them would take what another replica's running requests need);
-   claim one lease per running request that holds none; write the unmet demand.
+   claim one lease per running request that holds none (``RENEW_BATCH`` at most: the rest
+   with the next renewals); write the unmet demand.
 6. **Stale demand** (``step``): when the published demand overstates the unmet one (a band
    gone, or no more than half of it left), one ``RETURN`` without ids writes it again, so the
    others stop holding slots back for waiters we no longer have.
-7. **Local limit** (``local_limit``): in shared mode, the leases held. Degraded, the leases
-   held while Redis still counts them (until the last successful renewal's send time plus
-   ``lease x 0.98``, the clocks' rates may differ: phase ``HOLDING``), then the local share
-   (phase ``LOCAL_SHARE``).
+7. **Local limit** (``local_limit``): in shared mode, the leases held. Degraded, never more
+   than the leases held while Redis still counts them (phase ``HOLDING``), and from the moment
+   they expire none at all (phase ``EXPIRED``): the running requests run to their end, nobody
+   new is admitted until a renewal succeeds. The expiry is this replica's, on its monotonic
+   clock: the send time of the last successful renewal plus ``lease x 0.98`` less ``timeout``
+   (``holding_until``): Redis, which scores a lease from its own clock when it runs the call,
+   expires it no earlier, clock rates within 2% and a step of Redis's clock within ``timeout``.
+   ``EXPIRED`` holds in shared mode too: leases not renewed in time count for nothing. A
+   replica that has not reached Redis since it started runs on its local share (phase
+   ``LOCAL_SHARE``, rule 8): it holds nothing to go by.
 8. **Local share** (``share``, ``local_share``): ``limit // live`` plus one for the first
    ``limit % live`` live replicas by id, so the shares add up to the limit; a replica that
-   never reached Redis takes ``limit // pool.shared.replicas``, at least 1. ``limit`` is the
+   never reached Redis takes ``limit // pool.shared.replicas``, at least 1, and with
+   ``replicas`` unset 1: not knowing how many run, one is the most each may take that stays
+   within its share for any number up to the limit (the whole limit, as a default of 1
+   gave, made N replicas that never reached Redis run N x the limit). ``limit`` is the
    pool's as last heard; degraded, an adaptive pool's is what the replica's own controller
-   finds (``extproc.pool.control``).
+   finds (``extproc.pool.control``). Only a replica that never reached Redis runs on it.
 9. **Rejoin** (``rejoin``): the first successful renewal while degraded ends degraded mode.
    For one lease after it, the replica acquires no more than ``max(held, share)``, the share
    as computed from the replicas seen before the outage (a restarted Redis knows only those
-   that rejoined already): replicas still degraded run their shares without leases, and
-   taking their part would overshoot.
+   that rejoined already): replicas still degraded run the leases they held, which a restarted
+   Redis does not count, and replicas that never reached Redis run their shares.
 
-Slack: requests at the backend exceed the limit only (1) when a replica runs more than its
-local share at the moment it moves to it (at most ``sum(max(0, running - share))``, draining
-as those requests end; zero only when every replica held exactly its share), (2) in a
-partition longer than the lease, where some replicas reach Redis and others do not (at most
-the unreachable replicas' shares), (3) when the live count a degraded replica last saw was
-too low.
+10. **A failed call** (``degrades``, ``retry_after``): a call that failed otherwise than by its
+   deadline (an error, the node lost, a reply refused), or the second failure in a row, makes
+   the replica degraded. One call over ``timeout`` after a success fails alone: its ids are
+   doubtful and go back with a renewal sent at once; acquisition goes on. A failed renewal is
+   sent again ``POLL_S`` later, then after twice as long each time, at most the interval:
+   the leases age meanwhile, and rule 7 stops admission at their expiry in either mode.
+
+Slack: requests at the backend exceed the limit only (1) in a partition, where some replicas
+reach Redis and others do not: once a cut-off replica's leases expire in Redis the others may
+take them, while the requests it admitted before its own expiry still run (at most the leases
+it held, and only for as long as those requests last: it admits nobody after its expiry),
+(2) when a replica that never reached Redis runs its share, (3) after a Redis restarted empty,
+for the leases the replicas still degraded hold. With Redis unreachable for every replica
+(stopped, not restarted) there is none: each runs on leases Redis still counts, then on none.
+``docs/scaling.md`` ("Redis unreachable: degraded mode") states the bound as a formula.
 
 Nothing here reads a clock, draws a random number or does I/O: ``now`` and the uniforms ``u``
 in [0, 1) come from the caller, the asyncio shell ``extproc.pool.shared.leases``, which does what
@@ -85,6 +106,7 @@ from enum import StrEnum
 __all__ = [
     "NO_GRACE",
     "POLL_S",
+    "RENEW_BATCH",
     "Acquire",
     "GiveBack",
     "Grace",
@@ -94,6 +116,7 @@ __all__ = [
     "Renewal",
     "Step",
     "View",
+    "degrades",
     "holding_until",
     "local_limit",
     "local_share",
@@ -104,6 +127,7 @@ __all__ = [
     "recipient",
     "rejoin",
     "renewal",
+    "retry_after",
     "return_decision",
     "share",
     "step",
@@ -113,7 +137,11 @@ __all__ = [
 
 # A replica with unmet demand asks again at least this often (lost 'freed' messages).
 POLL_S = 0.25
-# The leases' expiry as this replica sees it, a little early (clock rates differ).
+# At most this many ids claimed, and as many doubtful ones given back, in one renewal (the
+# rest with the next ones): one RENEW stays short for Redis and within the call's timeout.
+RENEW_BATCH = 256
+# The leases' expiry as this replica sees it, a little early (clock rates differ; and the
+# call's timeout less again: ``holding_until``).
 _EXPIRY_MARGIN = 0.98
 
 Demand = Mapping[int, int]  # band -> waiters
@@ -125,10 +153,11 @@ class Mode(StrEnum):
 
 
 class Phase(StrEnum):
-    """Where a degraded replica is (rule 7)."""
+    """Where a replica is that runs on something else than leases Redis counts (rule 7)."""
 
-    HOLDING = "holding"
-    LOCAL_SHARE = "local_share"
+    HOLDING = "holding"  # degraded, on the leases held while Redis still counts them
+    EXPIRED = "expired"  # the leases expired: nobody new admitted
+    LOCAL_SHARE = "local_share"  # degraded, never reached Redis: on its local share
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,7 +186,7 @@ class View:
     count: int
     replicas: Sequence[str]
     connected: bool  # a renewal succeeded since the start
-    expected_replicas: int  # ``pool.shared.replicas``: the split before Redis was reached
+    expected_replicas: int | None  # ``pool.shared.replicas``: the split before Redis was reached
     valid_until: float  # our leases are counted in Redis at least until then
     others: Mapping[str, Demand]  # the other replicas' demand, as last heard
     published: Demand  # our unmet demand as our last call wrote it
@@ -300,8 +329,11 @@ def recipient(others: Mapping[str, Demand], u: float) -> str | None:
 def on_release(
     v: View, *, held: int, running: int, demand: Demand, u_back: float, u_whom: float
 ) -> GiveBack | None:
-    """A local slot is about to be freed (rule 3): None keeps its lease here."""
-    if v.mode is not Mode.SHARED or held == 0 or running < held:
+    """A local slot is about to be freed (rule 3): None keeps its lease here. While more
+    run here than the leases held (``running > held``: requests the pool had no room for at
+    a rejoin), the request that ends is counted as one of those: its slot held no lease, and
+    handing one on would keep the over-admission from draining."""
+    if v.mode is not Mode.SHARED or held == 0 or running != held:
         return None
     if v.count > v.limit:
         return GiveBack(n=1, to=None)
@@ -344,7 +376,7 @@ def renewal(v: View, *, held: int, running: int, demand: Demand) -> Renewal:
     held -= back
     return Renewal(
         back=back,
-        claim=max(0, running - held),
+        claim=min(RENEW_BATCH, max(0, running - held)),
         unmet=minus(demand, max(0, held - running)),
     )
 
@@ -369,30 +401,50 @@ def local_share(limit: int, replicas: Sequence[str], me: str) -> int:
 def share(v: View) -> int:
     """The local share (rule 8)."""
     if not v.connected:
+        if v.expected_replicas is None:
+            return min(1, v.limit)
         return max(1, v.limit // v.expected_replicas)
     return local_share(v.limit, v.replicas, v.me)
 
 
 def phase(v: View, now: float) -> Phase | None:
-    """None in shared mode; degraded, whether the leases still count (rule 7)."""
+    """None in shared mode while the leases count; else where the replica is (rule 7)."""
+    if v.connected and now >= v.valid_until:
+        return Phase.EXPIRED
     if v.mode is Mode.SHARED:
         return None
-    return Phase.HOLDING if now < v.valid_until else Phase.LOCAL_SHARE
+    return Phase.HOLDING if v.connected else Phase.LOCAL_SHARE
 
 
 def local_limit(v: View, *, now: float, held: int) -> int:
     """What the local pool may run now (rule 7)."""
-    if phase(v, now) is Phase.LOCAL_SHARE:
-        return share(v)
-    return held
+    match phase(v, now):
+        case Phase.EXPIRED:
+            return 0
+        case Phase.LOCAL_SHARE:
+            return share(v)
+        case _:
+            return held
 
 
-def holding_until(sent: float, lease_s: float) -> float:
-    """Leases renewed by a call sent at ``sent`` are counted in Redis at least until then."""
-    return sent + lease_s * _EXPIRY_MARGIN
+def holding_until(sent: float, lease_s: float, timeout_s: float) -> float:
+    """Leases renewed by a call sent at ``sent`` are counted in Redis at least until then
+    (rule 7)."""
+    return sent + lease_s * _EXPIRY_MARGIN - timeout_s
 
 
 def rejoin(now: float, lease_s: float, held: int, share_before: int) -> Grace:
     """The grace after a rejoin (rule 9); ``share_before``: the share computed from the
     replicas seen before the rejoining renewal's answer."""
     return Grace(until=now + lease_s, cap=max(held, share_before))
+
+
+def degrades(*, timed_out: bool, in_a_row: int) -> bool:
+    """Whether a failed call makes the replica degraded (rule 10): ``timed_out``, it ran
+    past its deadline; ``in_a_row``, the failed calls in a row, this one included."""
+    return not timed_out or in_a_row > 1
+
+
+def retry_after(failed: int, interval_s: float) -> float:
+    """When the next renewal goes after ``failed`` ones in a row (rule 10)."""
+    return min(interval_s, POLL_S * 2.0 ** min(failed - 1, 32))

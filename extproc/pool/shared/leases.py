@@ -16,7 +16,7 @@ When it decides
   it comes while an ``ACQUIRE`` is in flight, the forced step follows that call's answer.
 - Every ``TICK_S``: a ``RENEW`` when one is due (every ``lease / 3``; at once after a new
   static limit or a leader's new limit); in shared mode a step once ``POLL_S`` has passed
-  since the last acquire; degraded, the local limit again (holding -> local share).
+  since the last acquire; degraded, the local limit again.
 
 At most one ``ACQUIRE``, one ``RENEW`` and one demand-only ``RETURN`` are in flight at once.
 
@@ -27,20 +27,14 @@ with the next renewal); every script reads it from Redis, so nobody acquires abo
 limit. If the leader dies, another replica takes over within the lease from the limit in
 force; ``on_leader`` hears of every change.
 
-Redis unreachable: a failed call (error, timeout, a reply refused, a URL redis-py cannot use)
-makes the replica **degraded** (logged once, counted in ``degraded_transitions``, every
-failure counted by ``on_error``, ``on_mode``, /debug/queues); the ids that call carried may
-be held and go back with the next renewal. Renewals go on every interval as probes; the
-first that succeeds rejoins (``decide`` rules 5 and 9, ``on_mode`` again). Whatever running
-requests the pool had no room for stay uncovered, and since the local limit is the leases
-held, the replica admits nobody until its running requests fit in them. Degraded, the limit
-its local share is of is the last heard, or what its own adaptive controller finds
-(``publish_limit``: the controller runs on a degraded replica too, ``extproc.pool.control``).
+Redis unreachable: a failed call makes the replica **degraded** unless it only ran past its
+deadline once (``decide`` rule 10; the changes of mode, their log and the expiry timer:
+``extproc.pool.shared.outage``); the ids it carried may be held and go back with the next
+renewal. It runs on the leases it holds, from their expiry on none (rule 7). Renewals go on
+as probes (rule 10's pace); the first that succeeds rejoins (rules 5 and 9).
 
-Untrusted input (``extproc.pool.shared.replies``): a message of the events channel or
-another replica's demand table that is refused is logged (``replies.Refusals``) and counted
-(``on_error("events")``, ``on_error("demand")``); the message is dropped, the table counts as
-no demand.
+Untrusted input (``extproc.pool.shared.replies``): what is refused is logged and counted
+(``on_error("events")``, ``on_error("demand")``), a message dropped, a table taken as none.
 
 Tasks: the ticker and the listener run under guards (``extproc.ops.loops``: a failed round
 is logged and counted, ``on_loop_error``, and the loop goes on) and are cancelled by
@@ -67,6 +61,7 @@ from extproc.pool.shared import decide, replies
 from extproc.pool.shared.client import CallFailed, PoolClient
 from extproc.pool.shared.decide import POLL_S, Acquire, GiveBack, Mode, PublishDemand
 from extproc.pool.shared.ledger import UNBOUNDED, Ledger, LocalPool
+from extproc.pool.shared.outage import Outage
 
 __all__ = ["HANDOFF_S", "POLL_S", "TICK_S", "LeaseManager", "LocalPool", "Mode"]
 
@@ -81,7 +76,7 @@ HANDOFF_S = 3 * POLL_S
 
 
 class _Unreachable(Exception):
-    """A Redis call failed; the manager is degraded already."""
+    """A Redis call failed; the manager has counted it (and is degraded, if rule 10 says)."""
 
 
 class LeaseManager(Ledger):
@@ -107,11 +102,11 @@ class LeaseManager(Ledger):
         super().__init__(policy, me, limit=limit, adaptive=adaptive, bounds=bounds)
         self._loop = asyncio.get_running_loop()
         self._client = PoolClient(policy, me)  # (logs a URL it cannot use)
-        self.keys = self._client.keys
+        self.keys, self.unusable = self._client.keys, self._client.unusable
         self._pool = pool
         self._rand = rand
-        self._on_mode = on_mode
         self._on_error = on_error
+        self._outage = Outage(self, self._apply, log, on_mode=on_mode, on_error=on_error)
         self._on_leader = on_leader
         self._guards = (
             Guard("shared-pool", log, on_loop_error),
@@ -129,12 +124,17 @@ class LeaseManager(Ledger):
         self._runner: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
         self._closed = False
+        self.retiring = False  # a reload replaced it: lead no more (``pool.lease_switch``)
+        # A reload moved the replica to another pool: until then every lease held is kept
+        # (none given back or handed on), so that the replicas not moved yet cannot take them
+        # while this one runs on as many in the new pool (``Ledger.moved_from``).
+        self.keeps_until = float("-inf")
 
     # --- life --------------------------------------------------------------------------------
 
     @property
     def interval_s(self) -> float:
-        """Between renewals (and probes while degraded)."""
+        """Between renewals (and, at most, probes while degraded: ``decide.retry_after``)."""
         return self.policy.lease_s / 3
 
     def start(self) -> None:
@@ -144,9 +144,11 @@ class LeaseManager(Ledger):
         self._listener = listener.start(self._listen, self.interval_s)
 
     async def close(self, give_back: bool = True) -> None:
-        """Stop; give every lease back and leave the pool (when Redis answers). Without
-        ``give_back`` the leases are left to expire, as when the process dies."""
+        """Stop; give every lease back but those of the requests still running, and leave the
+        pool (when Redis answers). Without ``give_back`` the leases are left to expire, as
+        when the process dies."""
         self._closed = True
+        self._outage.close()
         if self._pump_handle is not None:
             self._pump_handle.cancel()
         for task in (self._runner, self._listener):
@@ -162,8 +164,11 @@ class LeaseManager(Ledger):
                 await asyncio.wait(late)
         ids = self.take_all()
         if give_back:
+            # Past a shutdown's grace, requests may still run (Envoy goes on relaying a
+            # stream): their leases are left to expire, the others go back.
+            running, _ = self._pool.shared_view()
             with contextlib.suppress(_Unreachable):
-                await self._call(self._client.leave(ids, limit=self.limit_arg))
+                await self._call(self._client.leave(ids[running:], limit=self.limit_arg))
         await self._client.aclose()
 
     def set_static_limit(self, limit: int) -> None:
@@ -192,7 +197,7 @@ class LeaseManager(Ledger):
     def on_release(self) -> None:
         """A local slot is about to be freed: keep its lease for a local waiter, or give it
         back now because someone elsewhere is more urgent (or the pool is above its limit)."""
-        if self.mode is not Mode.SHARED or not self._ids:
+        if self.mode is not Mode.SHARED or not self._ids or self._keeps_all():
             return  # nothing to decide: no view to take
         running, demand = self._pool.shared_view()
         known, held = self.known(), len(self._ids)
@@ -215,7 +220,7 @@ class LeaseManager(Ledger):
         (they run their shares too): the pool's count as last heard is out of date."""
         running, mine = self._pool.shared_view()
         if self.mode is Mode.DEGRADED:
-            n = max(1, len(self.replicas)) if self.connected else self.policy.replicas
+            n = max(1, len(self.replicas)) if self.connected else self.policy.replicas or 1
             return running * n, sum(mine.values()) * n
         return self.count, sum(mine.values()) + sum(self.known().theirs.values())
 
@@ -242,13 +247,16 @@ class LeaseManager(Ledger):
             self._applied = wanted
             self._pool.set_leases(*wanted)
 
+    def _keeps_all(self) -> bool:
+        return self._loop.time() < self.keeps_until
+
     def _kick(self) -> None:
         self._next_renew = 0.0
 
     def _pump(self, force: bool = False) -> None:
         """Take a step for the demand: acquire, give spares back, correct stale demand."""
         self._pump_handle = None
-        if self._closed or self.mode is not Mode.SHARED:
+        if self._closed or self.mode is not Mode.SHARED or self._keeps_all():
             return
         if force and self._acquiring:
             self._rewake = True
@@ -291,10 +299,13 @@ class LeaseManager(Ledger):
     async def _call(self, call: Awaitable[_T]) -> _T:
         """One call; a failure makes us degraded and raises ``_Unreachable``."""
         try:
-            return await call
+            reply = await call
         except CallFailed as e:
-            self._failed(e.call, e.cause)
+            if self._outage.failed(e):
+                self._kick()  # it failed alone: its ids, doubtful, go back with a renewal now
             raise _Unreachable from e
+        self._outage.succeeded()
+        return reply
 
     async def _acquire(self, ask: Mapping[int, int]) -> None:
         self._acquiring, self._last_acquire = True, self._loop.time()
@@ -303,12 +314,12 @@ class LeaseManager(Ledger):
         try:
             reply = await self._call(self._client.acquire(ask, ids, limit=self.limit_arg))
         except _Unreachable:
-            self.doubt(ids)
+            self.doubt(ids, self._loop.time())
             return
         finally:
             self._acquiring = False
             self.changed()
-        self.acquired(ids, ask, reply)
+        self._heard(reset=self.acquired(ids, ask, reply))
         self._refused("demand", reply.refused)
         self._apply()
         rewake, self._rewake = self._rewake, False
@@ -321,9 +332,9 @@ class LeaseManager(Ledger):
                 self._client.give_back(ids, to=to, hold_ms=hold_ms, limit=self.limit_arg)
             )
         except _Unreachable:
-            self.doubt(ids)
+            self.doubt(ids, self._loop.time())
             return
-        self.returned(reply)
+        self._heard(reset=self.returned(reply))
 
     async def _update_demand(self) -> None:
         self._updating = True
@@ -343,74 +354,57 @@ class LeaseManager(Ledger):
         self._renewing = True
         sent = self._loop.time()
         running, demand = self._pool.shared_view()
+        if self._keeps_all():
+            running, demand = max(running, len(self._ids)), {}
         plan = decide.renewal(self.known(), held=len(self._ids), running=running, demand=demand)
         back = self.pop_ids(plan.back)
         if back:
             self._apply()
         claim = self.new_ids(plan.claim)
-        doubtful = self.take_doubtful()
+        doubtful = self.doubtful(sent)
         call = self._client.renew(
             demand=plan.unmet,
-            volunteer=self.adaptive,
+            volunteer=self.adaptive and not self.retiring,
             publish=self._leader_limit,
+            term=self.term,
             renew=list(self._ids),
             back=[*back, *doubtful],
             claim=claim,
+            known=self.replicas,
             limit=self.limit_arg,
         )
         try:
             reply = await self._call(call)
         except _Unreachable:
-            self.doubt([*back, *doubtful, *claim])
+            self.doubt([*back, *claim], sent)
+            self._next_renew = self._outage.renewal_failed(self.interval_s)
             return
         finally:
             self._renewing = False
         share = self.local_share()  # from the replicas seen before: a restarted Redis knows
         # only those that rejoined already
+        self.cleared(doubtful)
         after = self.renewed(sent, claim, plan.unmet, reply)
+        self._heard(renewed=True)
         self._refused("demand", reply.refused)
         if self.mode is Mode.DEGRADED:
-            self._rejoin(running, after.uncovered, share)
+            self._outage.rejoin(running, after.uncovered, share)
+        self._outage.renewed()
         self._apply()
-        if after.leader_changed and self._on_leader is not None:
-            self._on_leader(self.is_leader)
+        if after.leader_changed:  # a new term starts from the limit in force
+            self._leader_limit = None
+            if self._on_leader is not None:
+                self._on_leader(self.is_leader)
         self._pump(force=after.raised)
 
-    # --- internals: degraded mode ------------------------------------------------------------
-
-    def _failed(self, call: str, exc: BaseException) -> None:
-        self.last_error = f"{call}: {type(exc).__name__}: {exc}"
-        if self._on_error is not None:
-            self._on_error(call)
-        if self.mode is Mode.DEGRADED or self._closed:
-            return
-        now = self._loop.time()
-        self.degrade(now)
-        if self._on_mode is not None:
-            self._on_mode(Mode.DEGRADED)
-        log.warning(
-            "shared pool degraded, Redis unreachable (%s): holding %d lease(s) for %.1f s, "
-            "then a local share of %d of the limit %d (%d live replicas)",
-            self.last_error,
-            self.held,
-            max(0.0, self._valid_until - now),
-            self.local_share(),
-            self.limit,
-            max(1, len(self.replicas)),
-        )
-        self._apply()
-
-    def _rejoin(self, running: int, uncovered: int, share: int) -> None:
-        took = self.rejoin(self._loop.time(), share)
-        log.warning(
-            "shared pool rejoined after %.1f s: %d lease(s) for %d running request(s)%s",
-            took,
-            self.held,
-            running,
-            f", {uncovered} not covered (no new admissions until they end)" if uncovered else "",
-        )
-        if self._on_mode is not None:
-            self._on_mode(Mode.SHARED)
+    def _heard(self, *, reset: bool = False, renewed: bool = False) -> None:
+        """A reply applied: log the ledger's notices; a new epoch: re-register at once."""
+        for text in self.take_notices():
+            log.warning("shared pool: %s", text)
+        if reset:
+            self._kick()
+        if renewed and self.other_policies and self._on_error is not None:
+            self._on_error("policy")
 
     # --- internals: the clock and the events -------------------------------------------------
 
@@ -421,18 +415,20 @@ class LeaseManager(Ledger):
             self._next_renew = now + self.interval_s
             self._spawn(self._renew(), "renew")
         if self.mode is Mode.DEGRADED:
-            self._apply()  # holding -> local share when our leases expire
+            self._apply()  # (the expiry has its timer; a local share follows the limit)
         elif not self._acquiring and now - self._last_acquire >= POLL_S:
             self._pump()
 
-    async def _listen(self) -> None:
-        """One subscription of the listener, until its connection fails (then again an
+    async def _listen(self) -> float | None:
+        """One subscription, until a refresh drops it (again at once) or it fails (again an
         interval later: polling carries on, renewals tell whether Redis is back)."""
         try:
             await self._client.listen(self._on_message)
         except CallFailed as e:
             if self._on_error is not None:
                 self._on_error(e.call)
+            return None
+        return 0.0
 
     def _on_message(self, data: str | bytes) -> None:
         event = replies.event(data)

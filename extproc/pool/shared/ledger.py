@@ -5,7 +5,10 @@ A ``Ledger`` holds
 - the lease ids this replica holds, an ordered set: the newest goes back first; ids are
   ``<replica>:<n>``, ``n`` counting up from 1;
 - the *doubtful* ids: those a failed call carried, which Redis may or may not hold; they go
-  back with the next renewal;
+  back with the next renewals, ``decide.RENEW_BATCH`` at most each. Bounded however long
+  Redis stays away: one is forgotten a lease after the call that carried it (Redis drops it
+  by then if it held it), and past ``MAX_DOUBTFUL`` the oldest go first. Forgetting one
+  never admits more: a lease Redis still holds only counts as taken until it expires;
 - the pool as the last reply or message told it: its limit (clamped to the replica's
   ``bounds``: an adaptive pool's ``min`` and ``max``, a static pool's own limit; the scripts
   clamp a published limit the same way), the leases held by everyone,
@@ -13,7 +16,12 @@ A ``Ledger`` holds
   in place, so a ``View`` made from them stays as it was), and our demand as our last call
   wrote it;
 - its mode and clocks: degraded since when, until when Redis counts our leases, the grace
-  after a rejoin.
+  after a rejoin;
+- the pool's epoch as last heard, and whether its fence stands (``scripts``): a reply of
+  another epoch than the one heard before says the pool's state in Redis was lost or reset,
+  and the replica re-registers what it runs with a renewal at once;
+- the other policies (limits) live on its ``key_prefix``, as the last renewal said;
+- what the shell is to log (``take_notices``): a reset heard, other policies appearing.
 
 Its methods apply one decoded reply (``extproc.pool.shared.replies``) or one change of mode, with
 the time passed in, and say what the caller must act on. ``known`` is what the decisions
@@ -37,10 +45,12 @@ from extproc.pool.shared import decide, replies
 from extproc.pool.shared.decide import NO_GRACE, Mode, View
 from extproc.pool.shared.scripts import encode_limit
 
-__all__ = ["UNBOUNDED", "Ledger", "LocalPool", "Renewed"]
+__all__ = ["MAX_DOUBTFUL", "UNBOUNDED", "Ledger", "LocalPool", "Renewed"]
 
 Demand = Mapping[int, int]
 
+# Doubtful ids kept at most (the oldest forgotten first).
+MAX_DOUBTFUL = 4 * decide.RENEW_BATCH
 # The bounds of an adaptive pool whose policy gave none (a test's manager).
 UNBOUNDED = (1, 2**31 - 1)
 
@@ -62,9 +72,10 @@ class LocalPool(Protocol):
 class Renewed:
     """What a renewal's answer changed that the caller acts on."""
 
-    raised: bool  # the limit went up: look at the demand at once
-    leader_changed: bool  # we gained or lost the leadership
+    raised: bool  # the limit went up, or the fence ended: look at the demand at once
+    leader_changed: bool  # we gained or lost the leadership, or lead in a new term
     uncovered: int  # running requests that hold no lease (ids lost, claims refused)
+    reset: bool = False  # the pool's state was lost or reset since the last reply
 
 
 class Ledger:
@@ -88,10 +99,11 @@ class Ledger:
         self.count = 0
         self.replicas: list[str] = []
         self.leader = ""
+        self.term = 0  # the leader's (``scripts``: a limit is published in its term only)
         self._others: Mapping[str, Demand] = {}  # the others' demand as last heard
         self._published: Demand = {}  # our demand as our last call wrote it
         self._ids: dict[str, None] = {}  # leases held (an ordered set)
-        self._doubtful: list[str] = []
+        self._doubtful: dict[str, float] = {}  # id -> when it stops mattering
         self._seq = itertools.count(1)
         self.mode = Mode.SHARED
         self.connected = False  # a renewal succeeded since the start
@@ -100,6 +112,10 @@ class Ledger:
         self.last_error: str | None = None
         self._valid_until = -math.inf  # our leases live in Redis at least until then
         self._grace = NO_GRACE
+        self.epoch: int | None = None  # the pool's epoch in Redis, as last heard
+        self.fenced = False  # its fence stands: nobody acquires
+        self.other_policies = 0  # other limits live on our key_prefix (a mistake)
+        self._notices: list[str] = []  # for the shell to log, in order
         # The calls in flight, which the shell sets (then calls ``changed``).
         self._acquiring = False
         self._updating = False
@@ -185,19 +201,31 @@ class Ledger:
             out.append(lease)
         return out
 
-    def doubt(self, ids: Sequence[str]) -> None:
-        """A failed call carried ``ids``: Redis may hold them."""
-        self._doubtful.extend(ids)
+    def doubt(self, ids: Sequence[str], now: float) -> None:
+        """A call that failed at ``now`` carried ``ids``: Redis may hold them, for a lease
+        (one doubtful already: as long as it was)."""
+        until = now + self.policy.lease_s
+        for lease in ids:
+            self._doubtful.setdefault(lease, until)
+        while len(self._doubtful) > MAX_DOUBTFUL:
+            del self._doubtful[next(iter(self._doubtful))]
 
-    def take_doubtful(self) -> list[str]:
-        doubtful, self._doubtful = self._doubtful, []
-        return doubtful
+    def doubtful(self, now: float) -> list[str]:
+        """The oldest doubtful ids that may still matter, ``decide.RENEW_BATCH`` at most, for
+        a renewal to give back; they stay doubtful (as long as they were) until ``cleared``."""
+        self._doubtful = {lease: t for lease, t in self._doubtful.items() if t > now}
+        return list(itertools.islice(self._doubtful, decide.RENEW_BATCH))
+
+    def cleared(self, ids: Sequence[str]) -> None:
+        """A call that gave ``ids`` back succeeded: no longer doubtful."""
+        for lease in ids:
+            self._doubtful.pop(lease, None)
 
     def take_all(self) -> list[str]:
         """Every id held or doubtful, forgotten here (leaving the pool)."""
         ids = [*self._ids, *self._doubtful]
         self._ids.clear()
-        self._doubtful = []
+        self._doubtful = {}
         return ids
 
     # --- what the pool told us -----------------------------------------------------------------
@@ -206,6 +234,26 @@ class Ledger:
         """A reply's count and limit (every script answers both)."""
         self.count, self.limit = count, self.clamped(limit)
         self.changed()
+
+    def _heard_epoch(self, epoch: int, fenced: bool) -> bool:
+        """A reply's epoch and fence; True when the pool's state was lost or reset since the
+        last reply (a first reply is no reset)."""
+        reset = self.epoch is not None and epoch != self.epoch
+        self.epoch, self.fenced = epoch, fenced
+        if reset:
+            self._notices.append(
+                f"its state in Redis was lost or reset (a new epoch, {epoch}): re-registering "
+                f"{self.held} lease(s); nobody acquires until the live replicas have, or for "
+                "one lease"
+            )
+        return reset
+
+    def take_notices(self) -> Sequence[str]:
+        """What to log since the last call (nothing allocated when there is nothing)."""
+        if not self._notices:
+            return ()
+        notices, self._notices = self._notices, []
+        return notices
 
     def computed_limit(self, limit: int) -> None:
         """Degraded, the limit this replica's own adaptive controller found: its local share
@@ -232,17 +280,21 @@ class Ledger:
             self.count -= len(ids)
             self.changed()
 
-    def acquired(self, ids: Sequence[str], ask: Demand, reply: replies.Acquired) -> None:
-        """An ``ACQUIRE`` for ``ask`` with ``ids`` answered."""
+    def acquired(self, ids: Sequence[str], ask: Demand, reply: replies.Acquired) -> bool:
+        """An ``ACQUIRE`` for ``ask`` with ``ids`` answered; True when the pool was reset
+        (re-register now)."""
         for lease in ids[: reply.granted]:
             self._ids[lease] = None
         self._heard_pool(reply.count, reply.limit)
         self.heard_others(reply.others)
         self._published = decide.minus(ask, reply.granted)
         self.changed()
+        return self._heard_epoch(reply.epoch, reply.fenced)
 
-    def returned(self, reply: replies.Returned) -> None:
+    def returned(self, reply: replies.Returned) -> bool:
+        """A ``RETURN`` answered; True when the pool was reset (re-register now)."""
         self._heard_pool(reply.count, reply.limit)
+        return self._heard_epoch(reply.epoch, reply.fenced)
 
     def wrote_demand(self, demand: Demand) -> None:
         self._published = demand
@@ -256,19 +308,30 @@ class Ledger:
             self._ids.pop(lease, None)
         for lease in claim[: reply.claimed]:
             self._ids[lease] = None
-        was_leader, raised = self.is_leader, self.clamped(reply.limit) > self.limit
+        was_leader, was_term = self.is_leader, self.term
+        raised = self.clamped(reply.limit) > self.limit
+        raised |= self.fenced and not reply.fenced
+        reset = self._heard_epoch(reply.epoch, reply.fenced)
         self._heard_pool(reply.count, reply.limit)
-        self.leader = reply.leader
+        self.leader, self.term = reply.leader, reply.term
+        if reply.policies and reply.policies != self.other_policies:
+            self._notices.append(
+                f"{reply.policies} other policy(ies) with other limits than ours "
+                f"({self.limit_arg}) use the key_prefix {self.policy.key_prefix!r} on this "
+                "Redis: two deployments make one pool; give each its own key_prefix"
+            )
+        self.other_policies = reply.policies
         self.replicas = sorted(reply.live)
         self.heard_others(reply.others)
         self._published = unmet
-        self._valid_until = decide.holding_until(sent, self.policy.lease_s)
+        self._valid_until = decide.holding_until(sent, self.policy.lease_s, self.policy.timeout_s)
         self.connected = True
         self.changed()
         return Renewed(
             raised=raised,
-            leader_changed=self.is_leader != was_leader,
+            leader_changed=self.is_leader != was_leader or (was_leader and self.term != was_term),
             uncovered=len(reply.lost) + len(claim) - reply.claimed,
+            reset=reset,
         )
 
     # --- mode ----------------------------------------------------------------------------------
@@ -288,6 +351,26 @@ class Ledger:
         self._grace = decide.rejoin(now, self.policy.lease_s, self.held, share_before)
         self.changed()
         return now - since
+
+    def moved_from(self, now: float, held_before: int) -> None:
+        """A reload moved this replica here from another pool (another Redis or
+        ``key_prefix``) in which it held ``held_before`` leases: for one lease it acquires no
+        more than that (the rejoin's grace, ``decide`` rule 9), while replicas that have not
+        reloaded yet still run on their leases in the old pool. A rollout that reaches every
+        replica within the lease keeps the backend within the limit."""
+        self._grace = decide.Grace(until=now + self.policy.lease_s, cap=held_before)
+
+    def outage_plan(self, now: float) -> str:
+        """What the replica runs on, degraded at ``now`` (for the log)."""
+        if not self.connected:
+            return (
+                f"Redis never reached: a local share of {decide.share(self.known())} of the "
+                f"limit {self.limit} until Redis answers"
+            )
+        return (
+            f"holding {self.held} lease(s) for {max(0.0, self._valid_until - now):.1f} s, "
+            "then admitting nobody new until Redis answers"
+        )
 
     # --- views ---------------------------------------------------------------------------------
 
@@ -318,5 +401,8 @@ class Ledger:
             "degraded_for_s": None if self.degraded_since is None else now - self.degraded_since,
             "degraded_transitions": self.degraded_transitions,
             "rejoin_grace_s": max(0.0, self._grace.until - now),
+            "epoch": self.epoch,
+            "fenced": self.fenced,
+            "other_policies": self.other_policies,
             "last_error": self.last_error,
         }

@@ -77,23 +77,28 @@ class Acquired:
     count: int
     limit: int
     others: Mapping[str, Mapping[int, int]]
+    epoch: int = 0  # the pool's epoch (``scripts``: a new one when its state was lost)
+    fenced: bool = False  # the new epoch's fence stands: nothing granted
     refused: tuple[str, ...] = ()  # the others' demand tables refused (counted as none)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Returned:
-    """``RETURN``: how many of the ids were held and are given back; count and limit."""
+    """``RETURN``: how many of the ids were held and are given back; count and limit; the
+    epoch and its fence."""
 
     given: int
     count: int
     limit: int
+    epoch: int = 0
+    fenced: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Renewed:
     """``RENEW``: count and limit after it; the leader ('' none); the renewed ids that could
     not be kept (expired with no room left); how many of the claimed ids are held; the live
-    replicas; the other replicas' demand."""
+    replicas; the other replicas' demand; the epoch and its fence."""
 
     count: int
     limit: int
@@ -102,6 +107,10 @@ class Renewed:
     claimed: int
     live: tuple[str, ...]
     others: Mapping[str, Mapping[int, int]]
+    epoch: int = 0
+    fenced: bool = False
+    term: int = 0  # the leader's term (0: no leader)
+    policies: int = 0  # other policies (limits) live on this key_prefix
     refused: tuple[str, ...] = ()  # the others' demand tables refused (counted as none)
 
 
@@ -218,13 +227,16 @@ def _others(script: str, value: object) -> tuple[dict[str, dict[int, int]], tupl
 def acquired(reply: object, *, asked: int) -> Acquired:
     """``ACQUIRE``'s reply to a call that sent ``asked`` ids."""
     s = "ACQUIRE"
-    granted, count, limit, flat = _items(s, reply, ("granted", "count", "limit", "others"))
+    names = ("granted", "count", "limit", "others", "epoch", "fenced")
+    granted, count, limit, flat, epoch, fenced = _items(s, reply, names)
     others, refused = _others(s, flat)
     return Acquired(
         granted=_int(s, "granted", granted, asked),
         count=_int(s, "count", count),
         limit=_int(s, "limit", limit),
         others=others,
+        epoch=_int(s, "epoch", epoch),
+        fenced=bool(_int(s, "fenced", fenced, 1)),
         refused=refused,
     )
 
@@ -232,19 +244,25 @@ def acquired(reply: object, *, asked: int) -> Acquired:
 def returned(reply: object, *, sent: int) -> Returned:
     """``RETURN``'s reply to a call that gave ``sent`` ids back."""
     s = "RETURN"
-    given, count, limit = _items(s, reply, ("given", "count", "limit"))
+    given, count, limit, epoch, fenced = _items(
+        s, reply, ("given", "count", "limit", "epoch", "fenced")
+    )
     return Returned(
         given=_int(s, "given", given, sent),
         count=_int(s, "count", count),
         limit=_int(s, "limit", limit),
+        epoch=_int(s, "epoch", epoch),
+        fenced=bool(_int(s, "fenced", fenced, 1)),
     )
 
 
 def renewed(reply: object, *, renewing: int, claiming: int) -> Renewed:
     """``RENEW``'s reply to a call that renewed ``renewing`` and claimed ``claiming`` ids."""
     s = "RENEW"
-    names = ("count", "limit", "leader", "lost", "claimed", "live", "others")
-    count, limit, leader, lost, claimed, live, flat = _items(s, reply, names)
+    names: tuple[str, ...] = ("count", "limit", "leader", "lost", "claimed", "live", "others")
+    names += ("epoch", "fenced", "term", "policies")
+    items = _items(s, reply, names)
+    count, limit, leader, lost, claimed, live, flat, epoch, fenced, term, policies = items
     others, refused = _others(s, flat)
     return Renewed(
         count=_int(s, "count", count),
@@ -254,6 +272,10 @@ def renewed(reply: object, *, renewing: int, claiming: int) -> Renewed:
         claimed=_int(s, "claimed", claimed, claiming),
         live=_strs(s, "live", live, MAX_REPLICAS),
         others=others,
+        epoch=_int(s, "epoch", epoch),
+        fenced=bool(_int(s, "fenced", fenced, 1)),
+        term=_int(s, "term", term),
+        policies=_int(s, "policies", policies, MAX_REPLICAS),
         refused=refused,
     )
 

@@ -11,7 +11,11 @@ in one slot, which a script needs):
 - ``{prefix}:demand``: hash, replica id -> ``band:count,band:count`` (bands are bucket
   priorities, lower = more urgent): the replica's waiters that a lease would let in and that
   hold none. Removed with the replica's entry when it expires.
-- ``{prefix}:leader``: the replica that computes the adaptive limit (``SET NX PX lease``).
+- ``{prefix}:leader``: ``<term>:<replica>``, the replica that computes the adaptive limit
+  (``SET NX PX lease``) and its term (the server time in ms when it won). A limit is
+  published with the term it was computed in, and only in the term in force: a replica that
+  wins the leadership back does not publish what it computed in an earlier term, nor a
+  stale leader over a new one.
 - ``{prefix}:limit``: the limit the leader publishes (``PX 3 x lease``); absent (a static pool,
   or no leader for that long) or not a number, each caller's own limit applies (ARGV); each
   caller clamps it to its own bounds (ARGV: a static pool's are its own limit, so it ignores
@@ -20,6 +24,23 @@ in one slot, which a script needs):
   reserved for its next ``ACQUIRE`` until the (short) expiry, then free for anyone. They count
   as taken. Without it, a freed slot would go to whichever replica's ``ACQUIRE`` arrives first,
   which pub/sub delivery order decides (the same replica every time).
+- ``{prefix}:epoch``: ``<epoch>:<seen>:<lives>``: the pool's epoch (the server time in ms
+  when this state began), when a script last ran, and until when the leases it left live.
+  A script that finds it missing (Redis restarted empty, FLUSHALL, the key evicted), finds no
+  script ran for a lease (every replica cut off, or a restore from an old snapshot), or finds
+  the leases set gone while leases should live (the set evicted) starts a new epoch: the
+  count in Redis no longer covers what the replicas run.
+- ``{prefix}:fence``: hash, replica id -> ``1`` (re-registered in this epoch) or ``0``
+  (expected), and ``#`` until a first ``RENEW`` said who runs; made by a new epoch with
+  ``PX lease``. While it exists, ``ACQUIRE`` grants nothing: the replicas re-register what
+  they run (every ``RENEW`` carries every lease held and claims one per running request), and
+  each ``RENEW`` names the replicas it last saw live; the fence ends when every replica named
+  (and every one that called meanwhile) has renewed, or after the lease, and its ``RENEW``
+  publishes ``freed``. A whole new pool ends it with its first ``RENEW`` (it names nobody).
+- ``{prefix}:policies``: hash, ``least:most`` (the bounds of a caller's limit: a static
+  pool's limit twice, an adaptive pool's ``min:max``) -> expiry (ms): the policies whose
+  replicas renewed within the lease. ``RENEW`` reports how many others than the caller's
+  are live: two deployments with different limits on one ``key_prefix`` make one pool.
 - channel ``{prefix}:events``: ``freed <replica> <n> [<for>]`` (leases given back, for one
   replica or anyone) and ``demand <replica> <table>`` (a replica's demand changed).
 
@@ -42,6 +63,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from extproc.pool.shared.prelude import PRELUDE
 
 __all__ = [
     "ACQUIRE",
@@ -75,6 +98,9 @@ class Keys:
     leader: str
     limit: str
     handoff: str
+    epoch: str
+    fence: str
+    policies: str
     channel: str
 
     @classmethod
@@ -87,13 +113,26 @@ class Keys:
             leader=f"{tag}:leader",
             limit=f"{tag}:limit",
             handoff=f"{tag}:handoff",
+            epoch=f"{tag}:epoch",
+            fence=f"{tag}:fence",
+            policies=f"{tag}:policies",
             channel=f"{tag}:events",
         )
 
     @property
     def all(self) -> list[str]:
         """KEYS of every script, in this order."""
-        return [self.leases, self.replicas, self.demand, self.leader, self.limit, self.handoff]
+        return [
+            self.leases,
+            self.replicas,
+            self.demand,
+            self.leader,
+            self.limit,
+            self.handoff,
+            self.epoch,
+            self.fence,
+            self.policies,
+        ]
 
 
 def encode_demand(demand: Mapping[int, int]) -> str:
@@ -148,100 +187,12 @@ def _digits(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
-# ARGV common to every script: 1 replica id, 2 lease (ms), 3 the caller's limit (used when
-# no leader publishes one), alone or as ``limit:least:most`` (``encode_limit``: a published
-# limit is clamped to least..most, one that is not a number ignored), 4 the events channel.
-_PRELUDE = """
-if redis.replicate_commands then redis.replicate_commands() end
-local me, lease_ms, channel = ARGV[1], tonumber(ARGV[2]), ARGV[4]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local expired = redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local dead = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
-for _, r in ipairs(dead) do redis.call('HDEL', KEYS[3], r) end
-if #dead > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now) end
-redis.call('ZADD', KEYS[2], now + lease_ms, me)
-local own, least, most = string.match(ARGV[3], '^(%d+):(%d+):(%d+)$')
-if own then
-  own, least, most = tonumber(own), tonumber(least), tonumber(most)
-else
-  own, least, most = tonumber(ARGV[3]), 0, math.huge
-end
-local limit = tonumber(redis.call('GET', KEYS[5]) or '')
-if limit == nil or limit ~= limit then limit = own end
-limit = math.floor(math.min(most, math.max(least, limit)))
--- Slots handed to a replica: reserved (they count as taken) until their expiry; an entry no
--- replica writes is dropped.
-local handoffs, reserved = {}, 0
-local ho = redis.call('HGETALL', KEYS[6])
-for i = 1, #ho, 2 do
-  local n, exp = string.match(ho[i + 1], '^(%d+):(%d+)$')
-  if not n or #n > MAX_DIGITS or #exp > MAX_DIGITS or tonumber(exp) <= now then
-    redis.call('HDEL', KEYS[6], ho[i])
-  else
-    handoffs[ho[i]] = tonumber(n)
-    reserved = reserved + tonumber(n)
-  end
-end
-
-local function parse(s, into)
-  for b, c in string.gmatch(s, '(%d+):(%d+)') do
-    if #b <= MAX_DIGITS and #c <= MAX_DIGITS then
-      b = tonumber(b)
-      into[b] = (into[b] or 0) + tonumber(c)
-    end
-  end
-  return into
-end
-
--- Everyone else's demand: the merged table and the raw entries (for the caller's view).
-local function others()
-  local merged, flat = {}, {}
-  local all = redis.call('HGETALL', KEYS[3])
-  for i = 1, #all, 2 do
-    if all[i] ~= me then
-      parse(all[i + 1], merged)
-      flat[#flat + 1] = all[i]
-      flat[#flat + 1] = all[i + 1]
-    end
-  end
-  return merged, flat
-end
-
-local function encode(tbl)
-  local bands = {}
-  for b, n in pairs(tbl) do if n > 0 then bands[#bands + 1] = b end end
-  table.sort(bands)
-  local parts = {}
-  for _, b in ipairs(bands) do parts[#parts + 1] = b .. ':' .. tbl[b] end
-  return table.concat(parts, ',')
-end
-
--- Write the caller's demand; tell the others when it changed.
-local function set_demand(text)
-  local old = redis.call('HGET', KEYS[3], me)
-  if text == '' then
-    if old then
-      redis.call('HDEL', KEYS[3], me)
-      redis.call('PUBLISH', channel, 'demand ' .. me .. ' ')
-    end
-  elseif old ~= text then
-    redis.call('HSET', KEYS[3], me, text)
-    redis.call('PUBLISH', channel, 'demand ' .. me .. ' ' .. text)
-  end
-end
-
--- Whether anybody else waits (a 'freed' message is worth sending).
-local function others_wait()
-  local n = redis.call('HLEN', KEYS[3])
-  if redis.call('HEXISTS', KEYS[3], me) == 1 then n = n - 1 end
-  return n > 0
-end
-""".replace("MAX_DIGITS", str(MAX_DIGITS))  # (Lua has no constants of ours)
+_PRELUDE = PRELUDE.replace("MAX_DIGITS", str(MAX_DIGITS))  # (Lua has no constants of ours)
 
 # ACQUIRE: ARGV 5 the caller's ask (``band:count,...``), 6.. candidate lease ids, as many as
-# the ask's total. Grants the first ``granted`` ids. Returns {granted, count, limit, others'
-# demand as [replica, table, ...]}.
+# the ask's total. Grants the first ``granted`` ids (none while the fence stands: the caller
+# is expected to re-register). Returns {granted, count, limit, others' demand as [replica,
+# table, ...], epoch, fenced (1 or 0)}.
 ACQUIRE = (
     _PRELUDE
     + """
@@ -252,13 +203,14 @@ for b, _ in pairs(mine) do if not seen[b] then seen[b] = true; bands[#bands + 1]
 for b, _ in pairs(theirs) do if not seen[b] then seen[b] = true; bands[#bands + 1] = b end end
 table.sort(bands)
 -- Slots handed to me first (what I no longer want of them is free again).
-local handed = handoffs[me] or 0
+expect(me)
+local handed = fenced and 0 or (handoffs[me] or 0)
 if handed > 0 then
   redis.call('HDEL', KEYS[6], me)
   reserved = reserved - handed
 end
 local count = redis.call('ZCARD', KEYS[1]) + reserved
-local free = limit - count
+local free = fenced and 0 or limit - count
 local granted = 0
 local left = {}
 for _, b in ipairs(bands) do
@@ -281,15 +233,16 @@ for _, b in ipairs(bands) do
 end
 for i = 1, granted do redis.call('ZADD', KEYS[1], now + lease_ms, ARGV[5 + i]) end
 set_demand(encode(left))
-return {granted, count, limit, flat}
+return {granted, count, limit, flat, epoch, seal()}
 """
 )
 
 # RETURN: ARGV 5 the caller's demand (``band:count,...``), '-' to leave it, or 'bye' (the
 # replica stops: forget its demand, its entry and its leadership); 6 the replica the slots are
 # for ('' anyone), 7 how long they are kept for it (ms); 8.. lease ids to give back.
-# Publishes 'freed' when it gave any back and somebody else waits.
-# Returns {given back, count, limit}.
+# Publishes 'freed' when it gave any back and somebody else waits. While the fence stands the
+# caller is expected to re-register, unless it leaves.
+# Returns {given back, count, limit, epoch, fenced}.
 RETURN = (
     _PRELUDE
     + """
@@ -307,53 +260,61 @@ if to ~= '' and n > 0 then
     to = ''
   end
 end
+local ended = false
 if ARGV[5] == 'bye' then
+  if fenced then redis.call('HDEL', KEYS[8], me) end
+  ended = settle()
   set_demand('')
   redis.call('ZREM', KEYS[2], me)
-  if redis.call('GET', KEYS[4]) == me then redis.call('DEL', KEYS[4]) end
-elseif ARGV[5] ~= '-' then
-  set_demand(ARGV[5])
+  if leader_of() == me then redis.call('DEL', KEYS[4]) end
+else
+  expect(me)
+  if ARGV[5] ~= '-' then set_demand(ARGV[5]) end
 end
-if n > 0 and to == '' and others_wait() then
+if ((n > 0 and to == '') or ended) and others_wait() then
   redis.call('PUBLISH', channel, 'freed ' .. me .. ' ' .. n)
 end
-return {n, redis.call('ZCARD', KEYS[1]) + reserved, limit}
+return {n, redis.call('ZCARD', KEYS[1]) + reserved, limit, epoch, seal()}
 """
 )
 
 # RENEW, the one call per interval: ARGV 5 the caller's demand, 6 '1' if it would lead (an
-# adaptive pool), 7 the limit it publishes if it leads ('' none), 8 how many ids to renew,
-# 9 to give back, 10 to claim; then those ids in that order. Renewed ids that have expired
-# (Redis was unreachable for longer than the lease, or restarted) and claimed ids (running
-# requests that hold no lease: the replica rejoins) are added while the pool has room; the
-# rest are reported lost. Returns {count, limit, leader, lost ids, claimed, live replicas,
-# others' demand as [replica, table, ...]}.
+# adaptive pool), 7 the limit it publishes if it leads, ``<limit>@<term>`` ('' none; another
+# term than the one in force: refused), 8 how many ids to renew,
+# 9 to give back, 10 to claim, 11 how many replicas it last saw live; then those ids and
+# replicas in that order. Renewed ids that have expired (Redis was unreachable for longer than
+# the lease, or restarted) and claimed ids (running requests that hold no lease: the replica
+# rejoins) are added while the pool has room; the rest are reported lost. While the fence
+# stands, this re-registers the caller, and the replicas it names are expected. Returns
+# {count, limit, leader, lost ids, claimed, live replicas, others' demand as [replica, table,
+# ...], epoch, fenced, the leader's term (0 none), other policies live on this prefix}.
 RENEW = (
     _PRELUDE
     + """
 local n_renew, n_back, n_claim = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local first = 11
+local first = 12
 local back = 0
 for i = first + n_renew, first + n_renew + n_back - 1 do
   back = back + redis.call('ZREM', KEYS[1], ARGV[i])
 end
-local leader = redis.call('GET', KEYS[4])
+local leader, term = leader_of()
 if ARGV[6] == '1' then
   if not leader then
-    redis.call('SET', KEYS[4], me, 'PX', lease_ms)
-    leader = me
+    leader, term = me, now
+    redis.call('SET', KEYS[4], term .. ':' .. me, 'PX', lease_ms)
   elseif leader == me then
     redis.call('PEXPIRE', KEYS[4], lease_ms)
   end
 elseif leader == me then
   redis.call('DEL', KEYS[4])
-  leader = false
+  leader, term = false, 0
 end
 local raised = false
-if leader == me and ARGV[7] ~= '' then
-  local new = tonumber(ARGV[7])
+local new, of_term = string.match(ARGV[7], '^(%d+)@(%d+)$')
+if leader == me and new and #new <= max_digits and tonumber(of_term) == term then
+  new = math.floor(math.min(most, math.max(least, tonumber(new))))
   raised = new > limit
-  redis.call('SET', KEYS[5], ARGV[7], 'PX', 3 * lease_ms)
+  redis.call('SET', KEYS[5], new, 'PX', 3 * lease_ms)
   limit = new
 end
 local missing = {}
@@ -381,12 +342,36 @@ for i = first + n_renew + n_back, first + n_renew + n_back + n_claim - 1 do
   count = count + 1
   claimed = claimed + 1
 end
+local ended = false
+if fenced then
+  redis.call('HDEL', KEYS[8], '#')
+  redis.call('HSET', KEYS[8], me, '1')
+  local known = first + n_renew + n_back + n_claim
+  for i = known, known + tonumber(ARGV[11]) - 1 do
+    redis.call('HSETNX', KEYS[8], ARGV[i], '0')
+  end
+  ended = settle()
+end
 set_demand(ARGV[5])
-if (back > 0 or expired > 0 or #dead > 0 or raised) and others_wait() then
+if (back > 0 or expired > 0 or #dead > 0 or raised or ended) and others_wait() then
   redis.call('PUBLISH', channel, 'freed ' .. me .. ' ' .. back)
+end
+local policies = 0
+if string.match(ARGV[3], '^%d+:%d+:%d+$') then
+  local mine = least .. ':' .. most
+  redis.call('HSET', KEYS[9], mine, now + lease_ms)
+  local p = redis.call('HGETALL', KEYS[9])
+  for i = 1, #p, 2 do
+    local exp = tonumber(p[i + 1])
+    if not exp or exp <= now then
+      redis.call('HDEL', KEYS[9], p[i])
+    elseif p[i] ~= mine then
+      policies = policies + 1
+    end
+  end
 end
 local _, flat = others()
 local live = redis.call('ZRANGEBYSCORE', KEYS[2], now, '+inf')
-return {count, limit, leader or '', lost, claimed, live, flat}
+return {count, limit, leader or '', lost, claimed, live, flat, epoch, seal(), term, policies}
 """
 )
