@@ -233,6 +233,11 @@ CASES: tuple[Case, ...] = (
         inject=_slow_call,
         proxied=True,
         stays_shared=True,
+        # Measured, not asserted: the delayed proxy slows every call queued behind the slow
+        # one too, so on a loaded machine two can time out in a row, which degrades by design
+        # (rule 10; 1 run of 3 full suites). tests/shared/test_slow_call.py pins the rule
+        # with exactly one slow call (DEBUG SLEEP).
+        suite=False,
     ),
     # Today at most 12 in 2 runs of 3, 18 in the third: the replicas rejoin in an order of
     # chance, and one that rejoins while the other still runs on its local share takes the

@@ -198,7 +198,8 @@ SHARED_POLICY = policy_yaml(
     {
         **_COMMON,
         "pool": {"max_concurrency": 8192,
-                 "shared": {"redis": REDIS_PLACEHOLDER, "key_prefix": "overhead"}},
+                 "shared": {"redis": REDIS_PLACEHOLDER, "key_prefix": "overhead",
+                            "replicas": 1}},
         "buckets": [
             {"name": "interactive", "match": _INTERACTIVE, "priority": 0, "queue_timeout": "5s",
              "max_queue": 4096},
