@@ -13,11 +13,14 @@ SIGKILL. A missing binary raises: the tests that need Redis fail, never skip.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -61,6 +64,23 @@ def redis_binary() -> str:
     return str(found)
 
 
+@functools.cache
+def _major(binary: str) -> int:
+    """The server's major version (``redis-server --version`` prints ``v=7.0.15``)."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    m = re.search(r"v=(\d+)\.", out)
+    if m is None:
+        raise RuntimeError(f"{binary} --version: no version in {out!r}")
+    return int(m.group(1))
+
+
+def _debug_args(binary: str) -> list[str]:
+    """Redis 7 (and Valkey) refuse ``DEBUG`` unless ``enable-debug-command`` allows it; 6.2
+    allows it always and does not know the option. The tests use ``DEBUG SLEEP`` to make
+    one call slow (tests/shared/test_slow_call.py)."""
+    return ["--enable-debug-command", "local"] if _major(binary) >= 7 else []
+
+
 class RedisServer:
     def __init__(self, log_dir: Path, port: int | None = None) -> None:
         self.log_dir = log_dir
@@ -75,8 +95,10 @@ class RedisServer:
     def start(self) -> RedisServer:
         self._starts += 1
         note_started("redis")  # tests/conftest.py: a test that starts Redis says so
+        binary = redis_binary()
         argv = [
-            redis_binary(),
+            binary,
+            *_debug_args(binary),
             "--port",
             str(self.port),
             "--bind",

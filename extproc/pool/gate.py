@@ -314,10 +314,10 @@ class Gate:
         self._closed = True
         now = self._loop.time()
         for ticket_id, fut in list(self._waiters.items()):
-            waiter_ticket = self._core.ticket(ticket_id)
-            self._core.cancel(ticket_id, now)
-            if not fut.done() and waiter_ticket is not None:
-                fut.set_exception(self._shutting_down(waiter_ticket.bucket))
+            ticket = self._core.ticket(ticket_id)
+            if not fut.done() and ticket is not None:  # done: handed a slot, it runs on too
+                self._core.cancel(ticket_id, now)
+                fut.set_exception(self._shutting_down(ticket.bucket))
 
     async def drained(self) -> None:
         """Return once no request holds a slot."""

@@ -32,7 +32,8 @@ def pause(server: RedisServer) -> socket.socket:
                 probe.recv(16)
             except TimeoutError:
                 return busy  # the PING waits: Redis runs the sleep
-    raise AssertionError("redis-server never got busy")
+    busy.settimeout(1)
+    raise AssertionError(f"redis-server never got busy; DEBUG SLEEP answered {busy.recv(200)!r}")
 
 
 async def started(server: RedisServer) -> tuple[LeaseManager, FakePool, list[str]]:

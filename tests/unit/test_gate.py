@@ -218,6 +218,28 @@ def test_close_refuses_waiters_and_newcomers_but_keeps_running_slots() -> None:
     run(main())
 
 
+def test_close_keeps_a_slot_handed_over_but_not_yet_taken() -> None:
+    """A waiter handed a slot in the same loop turn as ``close`` (its task has not run yet)
+    is admitted: it holds the slot to its end, like any running request. Found by the fault
+    suite (shutdown_past_grace: 15 in flight on 12, the slot went back while it ran)."""
+
+    async def main() -> None:
+        gate = Gate(POLICY)
+        holder = gate.enter("b", 5)
+        waiter = gate.enter("b", 5)
+        assert isinstance(holder, Slot) and isinstance(waiter, Waiter)
+        holder.release()  # hands the slot to the waiter; its future is done, not yet awaited
+        gate.close()
+        assert stats(gate) == (1, 0)
+        slot = await waiter.admitted()
+        assert stats(gate) == (1, 0)
+        slot.release()
+        assert stats(gate) == (0, 0)
+        await gate.drained()
+
+    run(main())
+
+
 def test_retry_after_is_capped_at_the_queue_timeout() -> None:
     """A long standing queue turns over within one queue timeout (everyone in it is admitted
     or evicted by then), so Retry-After never sends clients further away than that."""
