@@ -186,6 +186,11 @@ class Sidecar:
                     if s.pool is not None
                     else {}
                 ),
+                **(
+                    {"tenants": s.tenants, "heaviest": self.gate.heaviest(name)}
+                    if s.tenants
+                    else {}
+                ),
             }
             for name, s in self.gate.statistics().items()
         }

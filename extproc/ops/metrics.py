@@ -71,6 +71,11 @@ class _QueueCollector(Collector):
                 "Bytes of request bodies held by the bucket's queued requests.",
                 labels=["bucket"],
             ),
+            "tenants": GaugeMetricFamily(
+                "llm_extproc_tenants",
+                "Tenants the bucket's fair order remembers (at most its tenant.max_tracked).",
+                labels=["bucket"],
+            ),
         }
         for name, s in self._stats().items():
             families["queue_depth"].add_metric([name], s.queued)
@@ -78,6 +83,7 @@ class _QueueCollector(Collector):
             families["capacity"].add_metric([name], s.capacity)
             families["max_queue"].add_metric([name], s.max_queue)
             families["queued_bytes"].add_metric([name], s.queued_bytes)
+            families["tenants"].add_metric([name], s.tenants)
         yield from families.values()
 
 

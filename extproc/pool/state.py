@@ -257,6 +257,7 @@ class BucketState:
             evicted_total=self.evicted_total,
             refused_total=self.refused_total,
             client_expired_total=self.client_expired_total,
+            tenants=self.order.tenants(),
         )
 
     def compact(self) -> None:
