@@ -6,29 +6,31 @@ lists no pod to scrape. Here Envoy's `backend` cluster reads its endpoints from 
 (file-based EDS, as Istio's would come over xDS), first empty, then with the backend in it:
 the replica that became ready. The adaptive pool's metrics URL has nobody listening.
 
-What this pins, as of today: the sidecar does not know that there is no backend (a failed
+What the first test pins, by default: the sidecar does not know that there is no backend (a failed
 scrape is no data, and the limit never drops to 0: extproc/pool/adaptive.py), so it admits
 every request at once, and Envoy answers each with 503 `backend_unavailable`
 (`no_healthy_upstream`), with no Retry-After; nothing is ever queued, so a queue-based
 activation cannot see the demand, while `llm_extproc_requests_total` does. Once the endpoint
-is there, requests are served. docs/autoscaling.md ("Scale from zero") says what a queueing
-answer would need.
+is there, requests are served. The second test turns on `pool.adaptive.queue_while_no_backend`:
+then the requests queue to their deadline and get 429 with Retry-After, never a 5xx.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from testing.clients import chat, post
 from testing.envoy import cluster_named
 from testing.harness import debug_queues, outcomes, running_stack, scrape
 from testing.stack import Stack, free_port
-from testing.wait import until
+from testing.wait import until, until_async
 
 ASSIGNMENT = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 
@@ -136,3 +138,50 @@ buckets:
         warm = asyncio.run(burst(4))
         assert [r.status for r in warm] == [200] * 4
         assert outcomes(stack) == {("all", "admitted"): 12}
+
+
+def test_with_queue_while_no_backend_requests_wait_and_get_429_never_5xx(tmp_path: Path) -> None:
+    """The opt-in: `backend.metrics` names a host with no address (``.invalid`` never has
+    one, RFC 6761; a headless Service with no ready pod answers NXDOMAIN the same way), so the
+    limit is 0: each request waits to its deadline and gets 429 with Retry-After, and the queue
+    shows the demand. (The way back, a backend's page read and the limit at ``initial``, is
+    pinned with a fake resolver: tests/unit/test_adaptive.py, test_backend_scrape.py.)"""
+    host = "vllm-headless.llm.invalid"
+    with pytest.raises(socket.gaierror) as info:
+        socket.getaddrinfo(host, 8000)
+    assert info.value.errno == socket.EAI_NONAME, f"this machine's DNS: {info.value}"
+    eds = tmp_path / "eds"
+    eds.mkdir()
+    write_endpoints(eds, [])
+    policy = f"""
+pool:
+  max_concurrency: 4
+  adaptive: {{min: 1, max: 16, initial: 4, interval: 100ms, window: 1s, stale_after: 500ms,
+             fallback_after: 1s, queue_while_no_backend: true}}
+backend: {{metrics: ["http://{host}:8000/metrics"]}}
+buckets:
+  - {{name: all, queue_timeout: 1s, max_queue: 50}}
+"""
+    with running_stack(tmp_path / "stack", policy, envoy_patch=file_eds(eds)) as stack:
+        url = f"{stack.url}/v1/chat/completions"
+        until(
+            lambda: debug_queues(stack)["/pool"]["adaptive"]["state"] == "no_backend",
+            "the limit at 0: no backend",
+        )
+        assert debug_queues(stack)["/pool"]["limit"] == 0
+
+        async def burst(n: int) -> list[Any]:
+            async with aiohttp.ClientSession() as s:
+                sent = [asyncio.ensure_future(post(s, url, chat())) for _ in range(n)]
+                await until_async(
+                    lambda: pool_series(stack)["llm_extproc_pool_queued"] == n, "all queued"
+                )
+                return list(await asyncio.gather(*sent))
+
+        cold = asyncio.run(burst(6))
+        assert [r.status for r in cold] == [429] * 6, [(r.status, r.body) for r in cold]
+        for r in cold:
+            assert r.json()["error"]["code"] == "queue_timeout"
+            assert int(r.headers["retry-after"]) >= 1
+        assert outcomes(stack) == {("all", "evicted_timeout"): 6}
+        assert stack.envoy_stat("cluster.backend.upstream_rq_total") == 0

@@ -178,6 +178,8 @@ class AdaptivePolicy:
     max_kv_usage: float = 0.9
     stale_after_s: float = 5.0
     fallback_after_s: float = 30.0
+    # While no host of backend.metrics has an address: limit 0 (scale from zero).
+    queue_while_no_backend: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

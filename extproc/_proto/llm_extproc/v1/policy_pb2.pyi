@@ -104,7 +104,7 @@ class Slo(_message.Message):
     def __init__(self, ttft: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., ttft_quantile: _Optional[float] = ..., inter_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., inter_token_quantile: _Optional[float] = ...) -> None: ...
 
 class Adaptive(_message.Message):
-    __slots__ = ("min", "max", "initial", "slo", "interval", "window", "max_kv_usage", "stale_after", "fallback_after")
+    __slots__ = ("min", "max", "initial", "slo", "interval", "window", "max_kv_usage", "stale_after", "fallback_after", "queue_while_no_backend")
     MIN_FIELD_NUMBER: _ClassVar[int]
     MAX_FIELD_NUMBER: _ClassVar[int]
     INITIAL_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class Adaptive(_message.Message):
     MAX_KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     STALE_AFTER_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_AFTER_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WHILE_NO_BACKEND_FIELD_NUMBER: _ClassVar[int]
     min: int
     max: int
     initial: int
@@ -123,7 +124,8 @@ class Adaptive(_message.Message):
     max_kv_usage: float
     stale_after: _duration_pb2.Duration
     fallback_after: _duration_pb2.Duration
-    def __init__(self, min: _Optional[int] = ..., max: _Optional[int] = ..., initial: _Optional[int] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., window: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_kv_usage: _Optional[float] = ..., stale_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fallback_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    queue_while_no_backend: bool
+    def __init__(self, min: _Optional[int] = ..., max: _Optional[int] = ..., initial: _Optional[int] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., window: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_kv_usage: _Optional[float] = ..., stale_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fallback_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., queue_while_no_backend: _Optional[bool] = ...) -> None: ...
 
 class Overload(_message.Message):
     __slots__ = ("enabled", "tighten_eviction_rate", "step_hold", "window")
