@@ -140,6 +140,8 @@ class TenantPolicy:
     # A trusted header naming the tenant's class, and the classes' weights (others: 1).
     class_header: str | None = None
     weights: tuple[tuple[str, float], ...] = ()
+    # The heaviest tenants whose backlog is exported with a tenant label (0: none).
+    export_top: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -156,7 +156,7 @@ class ClientDeadline(_message.Message):
     def __init__(self, headers: _Optional[_Iterable[str]] = ..., margin: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Tenant(_message.Message):
-    __slots__ = ("header", "authorization", "max_tracked", "idle_ttl", "max_queue", "max_share", "class_header", "weights")
+    __slots__ = ("header", "authorization", "max_tracked", "idle_ttl", "max_queue", "max_share", "class_header", "weights", "export_top")
     class WeightsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class Tenant(_message.Message):
     MAX_SHARE_FIELD_NUMBER: _ClassVar[int]
     CLASS_HEADER_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_TOP_FIELD_NUMBER: _ClassVar[int]
     header: str
     authorization: bool
     max_tracked: int
@@ -180,7 +181,8 @@ class Tenant(_message.Message):
     max_share: float
     class_header: str
     weights: _containers.ScalarMap[str, float]
-    def __init__(self, header: _Optional[str] = ..., authorization: _Optional[bool] = ..., max_tracked: _Optional[int] = ..., idle_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_queue: _Optional[int] = ..., max_share: _Optional[float] = ..., class_header: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    export_top: int
+    def __init__(self, header: _Optional[str] = ..., authorization: _Optional[bool] = ..., max_tracked: _Optional[int] = ..., idle_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_queue: _Optional[int] = ..., max_share: _Optional[float] = ..., class_header: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ..., export_top: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("chars_per_token", "tokenizer", "non_text_part_tokens", "message_overhead_tokens")
