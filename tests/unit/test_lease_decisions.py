@@ -193,6 +193,18 @@ _HEARD = {"published": {0: 3}}  # the pool knows of our 3 waiters
             Acquire(ask={0: 1, 10: 1}),
         ),
         ({"held": 4, "running": 4, "demand": {0: 3}, "grace": Grace(until=101, cap=4)}, True, None),
+        # ... counting the running requests that hold no lease yet (the next RENEW claims
+        # them): a move to an empty pool with 5 running and a cap of 5 acquires nothing more.
+        (
+            {"held": 0, "running": 5, "demand": {0: 24}, "grace": Grace(until=101, cap=5)},
+            True,
+            None,
+        ),
+        (
+            {"held": 1, "running": 3, "demand": {0: 9}, "grace": Grace(until=101, cap=5)},
+            True,
+            Acquire(ask={0: 2}),
+        ),
         (
             {"held": 4, "running": 4, "demand": {0: 3}, "grace": Grace(until=100, cap=4)},
             True,
@@ -322,3 +334,16 @@ def test_after_a_rejoin_acquire_up_to_the_share_for_one_lease(
 ) -> None:
     assert decide.rejoin(50.0, 2.0, held, share) == Grace(until=52.0, cap=cap)
     assert decide.NO_GRACE.until == -math.inf
+
+
+def test_a_move_to_another_pool_caps_acquisition_even_after_a_view_was_made() -> None:
+    """``Ledger.moved_from`` after the manager's build had read its view: the grace is in the
+    next view (it used to stay out, and a replica moved to an empty pool took up to its whole
+    share at once: 17 on 12 in the fault suite's reload_another_pool)."""
+    from extproc.config.policy import SharedPolicy
+    from extproc.pool.shared.ledger import Ledger
+
+    ledger = Ledger(SharedPolicy(redis="redis://x"), "a", limit=12, adaptive=False)
+    assert ledger.known().grace == decide.NO_GRACE  # the view the build made
+    ledger.moved_from(100.0, held_before=5)
+    assert ledger.known().grace == decide.Grace(until=100.0 + 10.0, cap=5)

@@ -71,7 +71,8 @@ Rules (each a function here, each with its table in ``tests/unit/test_lease_deci
    pool's as last heard; degraded, an adaptive pool's is what the replica's own controller
    finds (``extproc.pool.control``). Only a replica that never reached Redis runs on it.
 9. **Rejoin** (``rejoin``): the first successful renewal while degraded ends degraded mode.
-   For one lease after it, the replica acquires no more than ``max(held, share)``, the share
+   For one lease after it, the replica acquires no more than ``max(held, share)``, counting
+   its running requests that hold no lease (the next renewal claims them), the share
    as computed from the replicas seen before the outage (a restarted Redis knows only those
    that rejoined already): replicas still degraded run the leases they held, which a restarted
    Redis does not count, and replicas that never reached Redis run their shares.
@@ -359,8 +360,8 @@ def step(
     if v.acquiring:
         return None
     if want:
-        if now < v.grace.until:
-            want = _cap(want, v.grace.cap - held)
+        if now < v.grace.until:  # the running requests without a lease claim one (rule 5)
+            want = _cap(want, v.grace.cap - max(held, running))
         if want and (force or _understated(want, v.published) or now - v.last_acquire >= POLL_S):
             return Acquire(ask=want)
     if not v.updating and _overstated(want, v.published):

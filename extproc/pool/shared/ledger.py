@@ -359,6 +359,7 @@ class Ledger:
         reloaded yet still run on their leases in the old pool. A rollout that reaches every
         replica within the lease keeps the backend within the limit."""
         self._grace = decide.Grace(until=now + self.policy.lease_s, cap=held_before)
+        self.changed()  # a view made before (at the manager's build) would not cap it
 
     def outage_plan(self, now: float) -> str:
         """What the replica runs on, degraded at ``now`` (for the log)."""
