@@ -10,7 +10,7 @@ Errors found in a request are ``RequestError``: each carries its ``Outcome`` (40
 are ``REJECTED_INVALID``, an oversize prompt ``REJECTED_TOO_LARGE``) and its own code and
 message; its status comes from the table unless the error names another (415). Queue outcomes
 (full, evicted, expired at the client's own deadline, a wait too long, shutting down, too many
-large bodies) are answered by
+large bodies, a tenant over its bounds) are answered by
 ``queue_rejection`` from the table's templates.
 Bodies are ``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``.
 """
@@ -46,6 +46,10 @@ class Outcome(StrEnum):
     REJECTED_WAIT_TOO_LONG = "rejected_wait_too_long"  # 429 at once: the wait would pass it
     REJECTED_SHUTTING_DOWN = "rejected_shutting_down"  # 503: the sidecar is stopping
     REJECTED_BUSY = "rejected_busy"  # 429: too many large bodies being parsed
+    # 429 at once: the request's tenant has its bucket's per-tenant max_queue waiting, or its
+    # max_share of the bucket waiting and running (extproc.pool.tenants)
+    REJECTED_TENANT_QUEUE_FULL = "rejected_tenant_queue_full"
+    REJECTED_TENANT_OVER_SHARE = "rejected_tenant_over_share"
     # The stream ended before an answer: the client left.
     CANCELLED_WHILE_QUEUED = "cancelled_while_queued"
     CANCELLED_BEFORE_BODY = "cancelled_before_body"
@@ -144,6 +148,22 @@ OUTCOMES: dict[Outcome, OutcomeInfo] = {
         "Retry after {retry:.0f}s.",
         log_level=_INFO,
         label="rejected_busy",
+    ),
+    Outcome.REJECTED_TENANT_QUEUE_FULL: OutcomeInfo(
+        status=429,
+        error_type=_RATE,
+        code="tenant_queue_full",
+        message="Your requests fill your share of the {bucket} queue. Retry after {retry:.0f}s.",
+        log_level=_INFO,
+        label="rejected_tenant_queue_full",
+    ),
+    Outcome.REJECTED_TENANT_OVER_SHARE: OutcomeInfo(
+        status=429,
+        error_type=_RATE,
+        code="tenant_over_share",
+        message="Your requests hold your share of the {bucket} slots. Retry after {retry:.0f}s.",
+        log_level=_INFO,
+        label="rejected_tenant_over_share",
     ),
     Outcome.CANCELLED_WHILE_QUEUED: OutcomeInfo(
         status=None,

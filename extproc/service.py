@@ -59,6 +59,7 @@ from extproc.request.deadline import Deadline, deadline_of
 from extproc.request.offload import INLINE_BODY_BYTES, Busy, Offload, Parsed, parse_and_classify
 from extproc.request.parse import Endpoint, check_content_headers, endpoint_for_path
 from extproc.request.routes import Route, RouteCache
+from extproc.request.tenant import NO_TENANT, Tenant, tenant_of
 
 __all__ = ["ExtProcService"]
 
@@ -194,12 +195,13 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         # A queued request may wait long, thousands at once: keep only the classification.
         # Its body is still held (by Envoy, and by us when rewritten): count its size.
         size = len(body)
+        tenant = tenant_of(cls.bucket.tenant, headers) if cls is not None else NO_TENANT
         del msg, headers, body
         if shadow:
-            await self._shadow(context, st, cls, size)
+            await self._shadow(context, st, cls, size, tenant)
         else:
             assert cls is not None
-            await self._enforce(context, st, cls, size, route.share)
+            await self._enforce(context, st, cls, size, route.share, tenant)
 
     async def _parse(
         self,
@@ -239,6 +241,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         cls: Classification,
         size: int,
         share: Share | None,
+        tenant: Tenant,
     ) -> None:
         rec = st.rec
         rec.classified(cls)
@@ -264,7 +267,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         got = await self._slot(
             context,
             st,
-            lambda: self._gate.enter(cls.bucket.name, remaining, size, cost, client_deadline=own),
+            lambda: self._gate.enter(
+                cls.bucket.name, remaining, size, cost, own, *tenant, cls.max_tokens
+            ),
             timeout,
             read,
         )
@@ -303,14 +308,20 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return None if slot is None else (slot, read)
 
     async def _shadow(
-        self, context: stream.Stream, st: stream.State, cls: Classification | None, size: int
+        self,
+        context: stream.Stream,
+        st: stream.State,
+        cls: Classification | None,
+        size: int,
+        tenant: Tenant,
     ) -> None:
         """Shadow mode: take the decisions enforcement would, then let the request through."""
         if cls is not None:
             st.rec.classified(cls)
             try:
+                cost = cls.prompt_tokens + cls.max_tokens
                 entry = self._gate.enter(
-                    cls.bucket.name, cls.queue_timeout_s, size, cls.prompt_tokens + cls.max_tokens
+                    cls.bucket.name, cls.queue_timeout_s, size, cost, False, *tenant, cls.max_tokens
                 )
             except Refused as r:
                 self._note_shadow(st.rec, r.outcome, r.code)

@@ -60,12 +60,16 @@ Rules (the invariants tests check):
    ``extproc.pool.lease_adapter``): then it admits nobody.
 5. ``queued_bytes`` is the sum of ``held_bytes`` over waiting tickets, never more than
    ``max_queued_bytes``.
+6. A bucket with tenant bounds (``extproc.pool.tenants``) refuses a tenant's request before
+   it joins when the tenant has ``max_queue`` waiting, or ``max_share`` of the bucket's
+   largest number of slots waiting and running (TENANT_QUEUE_FULL, TENANT_OVER_SHARE);
+   nothing is held, and the bucket's ``refused_total`` does not count it.
 
 Every call takes ``now`` from the caller and returns what changed; nothing here sleeps, reads a
 clock or knows about asyncio (the asyncio shell is ``extproc.pool.gate``). Tests drive it
 with plain numbers. Costs: enqueue, hand-over and cancel are O(log n + buckets in the pool);
 eviction is O(log n) through one heap of deadlines across buckets, with lazy deletion and
-compaction.
+compaction (``extproc.pool.deadlines``); a tenant's bounds are O(1).
 """
 
 from __future__ import annotations
@@ -73,7 +77,8 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from extproc.config.policy import Order
+from extproc.config.policy import Order, TenantPolicy
+from extproc.pool.deadlines import Deadlines
 from extproc.pool.demand import cut_band
 from extproc.pool.order import QUEUE_ORDERS, BucketChoice
 from extproc.pool.state import BucketState, PoolState, ewma
@@ -94,7 +99,7 @@ class Admission:
         self.max_queued_bytes = max_queued_bytes
         self.queued_bytes = 0
         self._where: dict[int, BucketState] = {}  # every live ticket (waiting or running)
-        self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, ticket id)
+        self._deadlines = Deadlines(self._waits)
         self._ids = itertools.count(1)
         self._admitted_by_expiry: list[Ticket] = []
         for name, (capacity, max_queue) in limits.items():
@@ -110,9 +115,14 @@ class Admission:
         held_bytes: int = 0,
         cost: int = 0,
         client_deadline: bool = False,
+        tenant: str | None = None,
+        weight: float = 1.0,
+        output: int = 0,
     ) -> Decision:
         """``client_deadline``: ``timeout_s`` is the client's own deadline, sooner than the
-        bucket's queue timeout (rule 3: it expires there rather than being evicted)."""
+        bucket's queue timeout (rule 3: it expires there rather than being evicted);
+        ``tenant``, ``weight``, ``output``: who it is for, for the fair order and the
+        tenant's bounds (rule 6)."""
         b = self._buckets[bucket]
         pool = b.pool
         ticket = Ticket(
@@ -123,7 +133,16 @@ class Admission:
             held_bytes=held_bytes,
             cost=cost,
             client_deadline=client_deadline,
+            tenant=tenant,
+            weight=weight,
+            output=output,
         )
+        counts = b.tenants
+        if counts is not None and tenant is not None:
+            refusal = counts.refusal(tenant, b.max_slots(pool.limit, None))
+            if refusal is not None:
+                return Decision(verdict=refusal, ticket=ticket)
+            counts.joined(tenant)
         # Join the queue, then let the rules decide: admitted at once when they pick it now.
         self._where[ticket.id] = b
         b.waiting[ticket.id] = ticket
@@ -146,7 +165,7 @@ class Admission:
                 self._drop(b, ticket)
                 b.refused_total += 1
                 return Decision(verdict=Verdict.WAIT_TOO_LONG, ticket=ticket, predicted_wait_s=wait)
-        heapq.heappush(self._deadlines, (ticket.deadline, ticket.id))
+        self._deadlines.push(ticket.deadline, ticket.id)
         return Decision(verdict=Verdict.QUEUED, ticket=ticket)
 
     def release(self, ticket_id: int, now: float) -> list[Ticket]:
@@ -161,6 +180,8 @@ class Admission:
         pool.running -= 1
         pool.tokens -= ticket.cost
         b.tokens -= ticket.cost
+        if b.tenants is not None and ticket.tenant is not None:
+            b.tenants.released(ticket.tenant)
         if b.observer is not None:
             b.observer.released(ticket, now)
         hold = max(0.0, now - admitted_at)
@@ -184,13 +205,9 @@ class Admission:
     def expire(self, now: float) -> list[Ticket]:
         """Evict every waiter whose deadline is at or before ``now``, earliest first."""
         evicted: list[Ticket] = []
-        heap = self._deadlines
         pools: set[PoolState] = set()
-        while heap and heap[0][0] <= now:
-            _, tid = heapq.heappop(heap)
-            b = self._where.get(tid)
-            if b is None or tid not in b.waiting:
-                continue  # admitted or cancelled since: a stale heap entry
+        for tid in self._deadlines.due(now):
+            b = self._where[tid]
             ticket = b.waiting[tid]
             self._drop(b, ticket)
             if ticket.client_deadline:
@@ -210,14 +227,7 @@ class Admission:
         return out
 
     def next_deadline(self) -> float | None:
-        heap = self._deadlines
-        while heap:
-            deadline, tid = heap[0]
-            b = self._where.get(tid)
-            if b is not None and tid in b.waiting:
-                return deadline
-            heapq.heappop(heap)
-        return None
+        return self._deadlines.next()
 
     # --- configuration -----------------------------------------------------------------------
 
@@ -288,6 +298,7 @@ class Admission:
         max_share: float = 1.0,
         cap: int | None = None,
         order: Order = Order.FIFO,
+        tenant: TenantPolicy | None = None,
     ) -> list[Ticket]:
         """Create a bucket in a shared pool (``set_pool`` first), or change it; a bucket that
         had slots of its own, or another pool, moves with its running and waiting requests."""
@@ -309,6 +320,7 @@ class Admission:
             max_share=max_share,
             cap=cap or None,
             order=QUEUE_ORDERS[order],
+            tenant=tenant,
         )
         target.buckets.sort(key=lambda x: x.priority)
         return admitted + self._fill(target, now)
@@ -387,8 +399,9 @@ class Admission:
                     best, (best_key, ticket) = b, head  # alone so far: no rank needed
                     continue
                 if best_rank is None:
-                    best_rank = rank(best, best_key, limit)
-                r = rank(b, head[0], limit)
+                    assert ticket is not None
+                    best_rank = rank(best, best.order.band_key(best_key, ticket), limit)
+                r = rank(b, b.order.band_key(*head), limit)
                 if r < best_rank:
                     best, best_rank = b, r
                     best_key, ticket = head
@@ -400,13 +413,13 @@ class Admission:
                 and pool.tokens + ticket.cost > pool.max_tokens
             ):
                 break  # the token bound holds it; nobody passes it
-            self._admit(best, ticket, now)
+            self._admit(best, ticket, best_key, now)
             admitted.append(ticket)
         if admitted:
             self._maybe_compact()
         return admitted
 
-    def _admit(self, b: BucketState, ticket: Ticket, now: float) -> None:
+    def _admit(self, b: BucketState, ticket: Ticket, key: float, now: float) -> None:
         del b.waiting[ticket.id]
         self._unqueue(b, ticket)  # its body goes upstream with the admission
         b.running[ticket.id] = (ticket, now)
@@ -415,14 +428,18 @@ class Admission:
         b.tokens += ticket.cost
         b.admitted_total += 1
         b.waits.append(now - ticket.enqueued_at)
+        if b.tenants is not None and ticket.tenant is not None:
+            b.tenants.admitted(ticket.tenant)
         if b.observer is not None:
-            b.observer.admitted(ticket, now)
+            b.observer.admitted(ticket, key, now)
 
     def _drop(self, b: BucketState, ticket: Ticket) -> None:
         """A waiter leaves the queue without a slot."""
         del b.waiting[ticket.id]
         self._unqueue(b, ticket)
         del self._where[ticket.id]
+        if b.tenants is not None and ticket.tenant is not None:
+            b.tenants.left(ticket.tenant)
 
     def _unqueue(self, b: BucketState, ticket: Ticket) -> None:
         self.queued_bytes -= ticket.held_bytes
@@ -433,16 +450,11 @@ class Admission:
         old = b.move(target)
         return self._fill(old, now) if old.buckets else []
 
+    def _waits(self, ticket_id: int) -> bool:
+        b = self._where.get(ticket_id)
+        return b is not None and ticket_id in b.waiting
+
     def _maybe_compact(self) -> None:
-        # Heap entries of tickets that left the queue early stay until their deadline. Rebuild
-        # when they outnumber live tickets, so memory stays O(tickets) at O(1) amortised cost.
-        live = len(self._where)
-        if len(self._deadlines) > 64 and len(self._deadlines) > 2 * live:
-            self._deadlines = [
-                (d, tid)
-                for d, tid in self._deadlines
-                if (b := self._where.get(tid)) is not None and tid in b.waiting
-            ]
-            heapq.heapify(self._deadlines)
+        self._deadlines.compact(len(self._where))
         for b in self._buckets.values():
             b.compact()

@@ -38,26 +38,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from extproc.config.policy import BucketPolicy, Policy
-from extproc.outcome import OUTCOMES, Outcome
+from extproc.outcome import Outcome
 from extproc.pool.core import Admission
+from extproc.pool.refused import EXPIRED, REFUSED, Refused, retry_after_s
 from extproc.pool.values import BucketStats, PoolStats, Ticket, Verdict
 
 __all__ = ["POOL", "Gate", "LimitOwner", "Refused", "Slot", "Waiter", "retry_after_s"]
 
 # The name of the policy's shared pool (one per sidecar: the backend behind it).
 POOL = "pool"
-
-_REFUSED = {
-    Verdict.QUEUE_FULL: Outcome.REJECTED_QUEUE_FULL,
-    Verdict.WAIT_TOO_LONG: Outcome.REJECTED_WAIT_TOO_LONG,
-}
-_EXPIRED = {False: Outcome.EVICTED_TIMEOUT, True: Outcome.EXPIRED_CLIENT_DEADLINE}
-
-
-def retry_after_s(estimate_s: float, min_s: float, max_s: float, jitter: float, u: float) -> float:
-    """Retry-After in seconds: the drain estimate times a random factor in [1, 1 + jitter]
-    (``u`` uniform in [0, 1)), clamped to [min_s, max_s]."""
-    return min(max_s, max(min_s, estimate_s * (1.0 + jitter * u)))
 
 
 class LimitOwner(Protocol):
@@ -79,21 +68,6 @@ class LimitOwner(Protocol):
     def changed(self) -> None:
         """Waiters or slots of the pool changed."""
         ...
-
-
-class Refused(Exception):
-    """Queue full or evicted; carries what the 429 needs."""
-
-    def __init__(
-        self, outcome: Outcome, bucket: str, retry_after_s: float, queued: int, waited_s: float
-    ) -> None:
-        super().__init__(f"{outcome} in {bucket}")
-        self.outcome = outcome
-        self.code = OUTCOMES[outcome].code
-        self.bucket = bucket
-        self.retry_after_s = retry_after_s
-        self.queued = queued
-        self.waited_s = waited_s
 
 
 class Slot:
@@ -249,6 +223,7 @@ class Gate:
                 max_share=max_share,
                 cap=cap,
                 order=b.order,
+                tenant=b.tenant,
             )
         )
 
@@ -335,21 +310,28 @@ class Gate:
         held_bytes: int = 0,
         cost: int = 0,
         client_deadline: bool = False,
+        tenant: str | None = None,
+        weight: float = 1.0,
+        output: int = 0,
     ) -> Slot | Waiter:
         """A slot now, a place in the queue, or ``Refused`` (queue full, the bytes held by
-        queued requests past the policy's bound, or a predicted wait over ``timeout_s``).
-        ``cost``: estimated prompt + max_tokens (the token bound, the ``cost`` order);
-        ``client_deadline``: ``timeout_s`` is the client's own (``EXPIRED_CLIENT_DEADLINE``)."""
+        queued requests past the policy's bound, a predicted wait over ``timeout_s``, or the
+        tenant over its bounds). ``cost``: estimated prompt + max_tokens (the token bound,
+        the ``cost`` and ``fair`` orders); ``client_deadline``: ``timeout_s`` is the client's
+        own (``EXPIRED_CLIENT_DEADLINE``); ``tenant``, ``weight``, ``output`` (max_tokens):
+        for the ``fair`` order and the tenant's bounds."""
         if self._closed:
             raise self._shutting_down(bucket)
         now = self._loop.time()
-        decision = self._core.enqueue(bucket, now, timeout_s, held_bytes, cost, client_deadline)
+        decision = self._core.enqueue(
+            bucket, now, timeout_s, held_bytes, cost, client_deadline, tenant, weight, output
+        )
         if decision.verdict is Verdict.ADMITTED:
             self._changed()
             return Slot(self, decision.ticket)
-        if decision.verdict is not Verdict.QUEUED:  # full, or the predicted wait too long
+        if decision.verdict is not Verdict.QUEUED:  # refused at once
             raise Refused(
-                _REFUSED[decision.verdict],
+                REFUSED[decision.verdict],
                 bucket,
                 self._retry_after(bucket),
                 self._core.queued(bucket),
@@ -438,7 +420,7 @@ class Gate:
             if fut is not None and not fut.done():
                 fut.set_exception(
                     Refused(
-                        _EXPIRED[ticket.client_deadline],
+                        EXPIRED[ticket.client_deadline],
                         ticket.bucket,
                         self._retry_after(ticket.bucket),
                         self._core.queued(ticket.bucket),

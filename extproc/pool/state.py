@@ -12,7 +12,9 @@ import math
 from collections import deque
 from typing import Final
 
+from extproc.config.policy import TenantPolicy
 from extproc.pool.order import BucketChoice, FifoOrder, GuaranteeBandHead, QueueOrder
+from extproc.pool.tenants import TenantBounds, TenantCounts
 from extproc.pool.values import BucketStats, PoolStats, Ticket
 
 __all__ = [
@@ -108,6 +110,7 @@ class BucketState:
         "refused_total",
         "running",
         "shared",
+        "tenants",
         "tokens",
         "waiting",
         "waits",
@@ -124,6 +127,7 @@ class BucketState:
         self.cap: int | None = None
         self.order: QueueOrder = FifoOrder()
         self.observer: QueueOrder | None = None  # the order, when it observes
+        self.tenants: TenantCounts | None = None  # with tenant bounds only
         self.waiting: dict[int, Ticket] = {}
         self.heap: list[tuple[float, int]] = []  # (order key, ticket id), lazy deletion
         # ticket id -> (ticket, admitted_at)
@@ -154,14 +158,24 @@ class BucketState:
         max_share: float = 1.0,
         cap: int | None = None,
         order: type[QueueOrder] = FifoOrder,
+        tenant: TenantPolicy | None = None,
     ) -> None:
         """Its settings (the defaults: a bucket with slots of its own). An order of the same
-        class keeps its state (the cost order's running mean)."""
+        class keeps its state (the cost order's running mean, the fair order's tags), and the
+        tenants' counts stay while the bucket has tenant bounds."""
         self.max_queue, self.priority, self.cap = max_queue, priority, cap
         self.min_share, self.max_share = min_share, max_share
         if type(self.order) is not order:
             self.order = order()
+        self.order.tune(tenant)
         self.observer = self.order if order.observes else None
+        bounds = TenantBounds(tenant.max_queue, tenant.max_share) if tenant else TenantBounds()
+        if bounds == TenantBounds():
+            self.tenants = None
+        elif self.tenants is None:
+            self.tenants = TenantCounts(bounds)
+        else:
+            self.tenants.bounds = bounds
 
     def move(self, target: PoolState | None) -> PoolState:
         """Move to another pool with its running requests' slots and tokens (None: a pool of

@@ -19,6 +19,8 @@ class Verdict(StrEnum):
     QUEUED = "queued"
     QUEUE_FULL = "queue_full"
     WAIT_TOO_LONG = "wait_too_long"
+    TENANT_QUEUE_FULL = "tenant_queue_full"
+    TENANT_OVER_SHARE = "tenant_over_share"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,6 +36,11 @@ class Ticket:
     # Its deadline is its client's own, sooner than its queue timeout: when it passes, the
     # ticket expires (``client_expired_total``) rather than being evicted.
     client_deadline: bool = False
+    # Who it is for (None: the bucket's one tenant), its weight in the fair order, and its
+    # effective max_tokens (the fair order weighs output tokens more than prompt tokens).
+    tenant: str | None = None
+    weight: float = 1.0
+    output: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -27,6 +27,8 @@ def test_refusals_and_evictions_log_at_info_the_rest_at_debug() -> None:
         Outcome.EXPIRED_CLIENT_DEADLINE,
         Outcome.REJECTED_BUSY,
         Outcome.REJECTED_WAIT_TOO_LONG,
+        Outcome.REJECTED_TENANT_QUEUE_FULL,
+        Outcome.REJECTED_TENANT_OVER_SHARE,
     }
 
 

@@ -75,7 +75,7 @@ def test_embedded_default_matches_the_documented_example() -> None:
     """README.md's first policy block is the embedded default with every key spelled out: it
     resolves to exactly the embedded policy. The second holds what the default leaves off,
     at the defaults where a setting has one (the objectives have none)."""
-    from extproc.config.policy import AdaptivePolicy, BackendPolicy
+    from extproc.config.policy import AdaptivePolicy, BackendPolicy, TenantPolicy
 
     default_block, off_block = readme_policy_blocks()[:2]
     p = default_policy()
@@ -91,6 +91,12 @@ def test_embedded_default_matches_the_documented_example() -> None:
     assert off.pool.adaptive == AdaptivePolicy(ttft_slo_s=2.0, itl_slo_s=0.1)
     assert off.backend.scrape_timeout_s == BackendPolicy().scrape_timeout_s
     assert off.bucket("all").vllm_priority == 0
+    tenant = off.bucket("all").tenant
+    assert tenant is not None and off.bucket("all").order.value == "fair"
+    assert (tenant.max_tracked, tenant.idle_ttl_s) == (
+        TenantPolicy().max_tracked,
+        TenantPolicy().idle_ttl_s,
+    )
 
 
 def test_on_excess_reject_and_header_names_lowercased() -> None:

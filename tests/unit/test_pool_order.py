@@ -12,6 +12,7 @@ from extproc.pool.order import (
     QUEUE_ORDERS,
     BucketChoice,
     CostOrder,
+    FairOrder,
     FifoOrder,
     GuaranteeBandHead,
     QueueOrder,
@@ -25,7 +26,7 @@ def ticket(at: float = 0.0, cost: int = 0, tid: int = 1) -> Ticket:
 
 
 def test_the_policy_order_maps_to_one_class_each() -> None:
-    assert QUEUE_ORDERS == {Order.FIFO: FifoOrder, Order.COST: CostOrder}
+    assert QUEUE_ORDERS == {Order.FIFO: FifoOrder, Order.COST: CostOrder, Order.FAIR: FairOrder}
     assert set(QUEUE_ORDERS) == set(Order)
 
 
@@ -112,7 +113,7 @@ def test_an_observing_order_hears_its_admissions_and_releases() -> None:
     class Observed(FifoOrder):
         observes = True
 
-        def admitted(self, ticket: Ticket, now: float) -> None:
+        def admitted(self, ticket: Ticket, key: float, now: float) -> None:
             heard.append(("admitted", ticket.id, now))
 
         def released(self, ticket: Ticket, now: float) -> None:

@@ -37,6 +37,7 @@ from extproc.config.policy.model import (
     RetryAfterPolicy,
     RouteOverride,
     SharedPolicy,
+    TenantPolicy,
     TokenPolicy,
     is_retry,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "RetryAfterPolicy",
     "RouteOverride",
     "SharedPolicy",
+    "TenantPolicy",
     "TokenPolicy",
     "is_retry",
     "load_policy",

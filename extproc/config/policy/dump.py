@@ -7,10 +7,11 @@ taken off (the value printed as ``250ms`` below a second, ``5s`` from one up), u
 out:
 
 1. a value that is None (unset), except the ones in ``_NULL_SHOWN``, printed as null;
-2. a bucket's pool settings (priority, shares, order) when there is no pool: a file without
+2. a bucket's pool settings (priority, shares, order, tenant) when there is no pool: a file without
    one may not state them;
 3. an SLO quantile whose objective is unset;
-4. a match's headers when it has none (``_SHOWN_AS``, which also prints the Redis URL with
+4. a match's headers when it has none, a tenant's weights and ``authorization`` unless set
+   (``_SHOWN_AS``, which also prints the Redis URL with
    its passwords masked, ``extproc.config.urls.redact``).
 
 What is printed is itself a policy file that resolves to the same policy
@@ -24,7 +25,13 @@ from dataclasses import fields, is_dataclass
 from enum import Enum
 from typing import Any, Final
 
-from extproc.config.policy.model import BucketPolicy, MatchRule, Policy, SharedPolicy
+from extproc.config.policy.model import (
+    BucketPolicy,
+    MatchRule,
+    Policy,
+    SharedPolicy,
+    TenantPolicy,
+)
 
 __all__ = ["duration", "policy_to_dict"]
 
@@ -43,11 +50,13 @@ _SHOWN_WITH: Final[Mapping[str, str]] = {
     "itl_quantile": "itl_slo_s",
 }
 _NULL_SHOWN: Final = frozenset({"tokenizer", "max_tokens_in_flight"})
-_POOL_ONLY: Final = frozenset({"priority", "min_share", "max_share", "order"})
+_POOL_ONLY: Final = frozenset({"priority", "min_share", "max_share", "order", "tenant"})
 # Values printed as something other than the field's own value (None: left out).
 _SHOWN_AS: Final[Mapping[tuple[type, str], Callable[[Any], object]]] = {
     (MatchRule, "headers"): lambda match: dict(match.headers) or None,
     (SharedPolicy, "redis"): lambda shared: shared.redis_display,
+    (TenantPolicy, "weights"): lambda tenant: dict(tenant.weights) or None,
+    (TenantPolicy, "authorization"): lambda tenant: tenant.authorization or None,
 }
 
 

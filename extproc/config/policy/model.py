@@ -32,6 +32,7 @@ __all__ = [
     "RetryAfterPolicy",
     "RouteOverride",
     "SharedPolicy",
+    "TenantPolicy",
     "TokenPolicy",
     "is_retry",
 ]
@@ -50,6 +51,7 @@ class Mode(StrEnum):
 class Order(StrEnum):
     FIFO = "fifo"
     COST = "cost"
+    FAIR = "fair"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,6 +123,26 @@ class MatchRule:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TenantPolicy:
+    """Who a request is for within its bucket (``extproc.request.tenant``), how many tenants
+    the fair order remembers (``extproc.pool.order.FairOrder``) and each one's bounds
+    (``extproc.pool.tenants``)."""
+
+    # The trusted header naming the tenant; None: the Authorization header, hashed.
+    header: str | None = None
+    authorization: bool = False
+    max_tracked: int = 10_000
+    idle_ttl_s: float = 60.0
+    # Per tenant within the bucket: waiting at once; waiting and running, as a share of the
+    # bucket's largest number of slots. None: no bound of its own.
+    max_queue: int | None = None
+    max_share: float | None = None
+    # A trusted header naming the tenant's class, and the classes' weights (others: 1).
+    class_header: str | None = None
+    weights: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BucketPolicy:
     name: str
     match: MatchRule = field(default_factory=MatchRule)
@@ -136,6 +158,8 @@ class BucketPolicy:
     order: Order = Order.FIFO
     # Written into the forwarded body as `priority` (vLLM's --scheduling-policy priority).
     vllm_priority: int | None = None
+    # Who each request is for (None: all one tenant).
+    tenant: TenantPolicy | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

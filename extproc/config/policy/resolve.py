@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Any, TypeVar
 
 import yaml
-from google.protobuf import duration_pb2
 
 from extproc._proto.llm_extproc.v1 import policy_pb2
+from extproc.config.policy.fields import default as _default
+from extproc.config.policy.fields import duration_or as _duration_or
+from extproc.config.policy.fields import header_name as _header_name
+from extproc.config.policy.fields import set_or as _set_or
 from extproc.config.policy.model import (
     AdaptivePolicy,
     BackendPolicy,
@@ -39,6 +40,7 @@ from extproc.config.policy.model import (
     SharedPolicy,
     TokenPolicy,
 )
+from extproc.config.policy.tenant import tenant_policy
 from extproc.config.schema import PolicyError, fill
 from extproc.config.urls import UrlError, check_redis_url, http_url
 
@@ -49,39 +51,10 @@ __all__ = [
     "route_override_from_mapping",
 ]
 
-_T = TypeVar("_T")
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
-_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9a-z-]+$")
+_ORDERS = {policy_pb2.COST: Order.COST, policy_pb2.FAIR: Order.FAIR}
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
-
-
-def _default(cls: type[Any], name: str) -> Any:
-    """The default the model writes for ``cls.name``."""
-    (f,) = [f for f in fields(cls) if f.name == name]
-    if f.default is MISSING:
-        raise TypeError(f"{cls.__name__}.{name} has no plain default")
-    return f.default
-
-
-def _set_or(msg: Any, name: str, default: Any) -> Any:
-    """A proto3 ``optional`` field's value when the file set it, else the default."""
-    return getattr(msg, name) if msg.HasField(name) else default
-
-
-def _duration_or(msg: Any, name: str, default: _T) -> float | _T:
-    """A duration field's seconds when the file set it, else the default."""
-    if not msg.HasField(name):
-        return default
-    d: duration_pb2.Duration = getattr(msg, name)
-    return float(d.ToNanoseconds()) / 1e9
-
-
-def _header_name(name: str, where: str) -> str:
-    """A header name, lower-cased; ``where`` is its key, named when it is not valid."""
-    if not _HEADER_NAME.match(name.lower()):
-        raise PolicyError(f"{where}: {name!r} is not a valid header name")
-    return name.lower()
 
 
 def _url(check: Callable[[str], object], url: str, where: str) -> None:
@@ -192,8 +165,9 @@ def _bucket(
         for name in ("priority", "min_share", "max_share"):
             if msg.HasField(name):
                 raise PolicyError(f"{where}.{name}: needs a `pool` (the buckets' shared slots)")
-        if msg.order != policy_pb2.ORDER_UNSPECIFIED:
-            raise PolicyError(f"{where}.order: needs a `pool` (the buckets' shared slots)")
+        if msg.order != policy_pb2.ORDER_UNSPECIFIED or msg.HasField("tenant"):
+            key = "order" if msg.order != policy_pb2.ORDER_UNSPECIFIED else "tenant"
+            raise PolicyError(f"{where}.{key}: needs a `pool` (the buckets' shared slots)")
     min_share = _set_or(msg, "min_share", _default(BucketPolicy, "min_share"))
     max_share = _set_or(msg, "max_share", _default(BucketPolicy, "max_share"))
     if not 0.0 <= min_share <= 1.0 or not 0.0 < max_share <= 1.0 or min_share > max_share:
@@ -204,6 +178,9 @@ def _bucket(
     if not msg.HasField("queue_timeout"):
         raise PolicyError(f"{where}.queue_timeout: required (e.g. 5s)")
     match = _match(msg.match, f"{where}.match")
+    tenant = tenant_policy(msg, where, trusted_headers)
+    if msg.order == policy_pb2.FAIR and tenant is None:
+        raise PolicyError(f"{where}.order: fair needs a `tenant` (who each request is for)")
     if msg.trusted:
         untrusted = [name for name, _ in match.headers if name not in trusted_headers]
         if not match.headers or untrusted:
@@ -222,8 +199,9 @@ def _bucket(
         priority=_set_or(msg, "priority", _default(BucketPolicy, "priority")),
         min_share=min_share,
         max_share=max_share,
-        order=Order.COST if msg.order == policy_pb2.COST else _default(BucketPolicy, "order"),
+        order=_ORDERS.get(msg.order, _default(BucketPolicy, "order")),
         vllm_priority=_set_or(msg, "vllm_priority", _default(BucketPolicy, "vllm_priority")),
+        tenant=tenant,
     )
 
 

@@ -15,6 +15,7 @@ class Order(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ORDER_UNSPECIFIED: _ClassVar[Order]
     FIFO: _ClassVar[Order]
     COST: _ClassVar[Order]
+    FAIR: _ClassVar[Order]
 
 class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -30,6 +31,7 @@ class OnExcess(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 ORDER_UNSPECIFIED: Order
 FIFO: Order
 COST: Order
+FAIR: Order
 MODE_UNSPECIFIED: Mode
 ENFORCE: Mode
 SHADOW: Mode
@@ -151,6 +153,33 @@ class ClientDeadline(_message.Message):
     margin: _duration_pb2.Duration
     def __init__(self, headers: _Optional[_Iterable[str]] = ..., margin: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
+class Tenant(_message.Message):
+    __slots__ = ("header", "authorization", "max_tracked", "idle_ttl", "max_queue", "max_share", "class_header", "weights")
+    class WeightsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    AUTHORIZATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_TRACKED_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TTL_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SHARE_FIELD_NUMBER: _ClassVar[int]
+    CLASS_HEADER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    header: str
+    authorization: bool
+    max_tracked: int
+    idle_ttl: _duration_pb2.Duration
+    max_queue: int
+    max_share: float
+    class_header: str
+    weights: _containers.ScalarMap[str, float]
+    def __init__(self, header: _Optional[str] = ..., authorization: _Optional[bool] = ..., max_tracked: _Optional[int] = ..., idle_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_queue: _Optional[int] = ..., max_share: _Optional[float] = ..., class_header: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
 class Tokens(_message.Message):
     __slots__ = ("chars_per_token", "tokenizer", "non_text_part_tokens", "message_overhead_tokens")
     CHARS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -207,7 +236,7 @@ class Match(_message.Message):
     def __init__(self, headers: _Optional[_Mapping[str, str]] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., retried: _Optional[bool] = ...) -> None: ...
 
 class Bucket(_message.Message):
-    __slots__ = ("name", "match", "max_concurrency", "queue_timeout", "max_queue", "trusted", "priority", "min_share", "max_share", "order", "vllm_priority")
+    __slots__ = ("name", "match", "max_concurrency", "queue_timeout", "max_queue", "trusted", "priority", "min_share", "max_share", "order", "vllm_priority", "tenant")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +248,7 @@ class Bucket(_message.Message):
     MAX_SHARE_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
     VLLM_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     name: str
     match: Match
     max_concurrency: int
@@ -230,7 +260,8 @@ class Bucket(_message.Message):
     max_share: float
     order: Order
     vllm_priority: int
-    def __init__(self, name: _Optional[str] = ..., match: _Optional[_Union[Match, _Mapping]] = ..., max_concurrency: _Optional[int] = ..., queue_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_queue: _Optional[int] = ..., trusted: _Optional[bool] = ..., priority: _Optional[int] = ..., min_share: _Optional[float] = ..., max_share: _Optional[float] = ..., order: _Optional[_Union[Order, str]] = ..., vllm_priority: _Optional[int] = ...) -> None: ...
+    tenant: Tenant
+    def __init__(self, name: _Optional[str] = ..., match: _Optional[_Union[Match, _Mapping]] = ..., max_concurrency: _Optional[int] = ..., queue_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_queue: _Optional[int] = ..., trusted: _Optional[bool] = ..., priority: _Optional[int] = ..., min_share: _Optional[float] = ..., max_share: _Optional[float] = ..., order: _Optional[_Union[Order, str]] = ..., vllm_priority: _Optional[int] = ..., tenant: _Optional[_Union[Tenant, _Mapping]] = ...) -> None: ...
 
 class RouteOverride(_message.Message):
     __slots__ = ("bucket", "max_concurrency", "max_queue", "queue_timeout", "max_prompt_tokens", "max_output_tokens", "default_max_tokens", "timeout")

@@ -1,0 +1,171 @@
+"""Fairness between tenants within a bucket: the fair order (start-time fair queueing on
+weighted tokens) alone and in the core, and the tenants' bounds. Pure: no event loop."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.config.policy import Order, TenantPolicy
+from extproc.pool.core import Admission
+from extproc.pool.order import OUTPUT_WEIGHT, FairOrder
+from extproc.pool.values import Ticket, Verdict
+
+
+def ticket(tenant: str | None, at: float = 0.0, cost: int = 100, **kw: object) -> Ticket:
+    return Ticket(
+        id=1, bucket="b", enqueued_at=at, deadline=at + 60, cost=cost, tenant=tenant, **kw
+    )  # type: ignore[arg-type]
+
+
+def pool(limit: int = 1, tenant: TenantPolicy | None = None, max_queue: int = 1000) -> Admission:
+    a = Admission({})
+    a.set_pool("p", limit, 0.0, fail_fast=False)
+    a.set_bucket(
+        "b", 0.0, pool="p", max_queue=max_queue, order=Order.FAIR, tenant=tenant or TenantPolicy()
+    )
+    return a
+
+
+def drain(a: Admission, holder: int, now: float = 1.0) -> list[str | None]:
+    """Release one at a time from ``holder`` on; the tenants in the order they were admitted."""
+    order: list[str | None] = []
+    while True:
+        admitted = a.release(holder, now)
+        if not admitted:
+            return order
+        (t,) = admitted
+        order.append(t.tenant)
+        holder = t.id
+
+
+def test_one_tenant_alone_is_first_come_first_served() -> None:
+    order = FairOrder()
+    keys = [order.key(ticket("a", at=float(i), cost=10 * (i % 3 + 1)), 5.0) for i in range(6)]
+    assert keys == sorted(keys) and len(set(keys)) == 6
+
+
+def test_output_tokens_weigh_more_and_a_weight_divides() -> None:
+    order = FairOrder()
+    order.key(ticket("a", cost=300, output=100), 5.0)  # 200 prompt + 100 output
+    assert order.tags["a"][0] == 300 + (OUTPUT_WEIGHT - 1) * 100
+    order.key(ticket("b", cost=300, output=100, weight=2.0), 5.0)
+    assert order.tags["b"][0] == (300 + (OUTPUT_WEIGHT - 1) * 100) / 2
+
+
+def test_a_light_tenant_waits_behind_at_most_one_request_of_a_heavy_queue() -> None:
+    a = pool()
+    holder = a.enqueue("b", 0.0, 60, cost=100, tenant="heavy").ticket
+    for _ in range(20):
+        a.enqueue("b", 0.0, 60, cost=100, tenant="heavy")
+    a.enqueue("b", 0.5, 60, cost=100, tenant="light")
+    order = drain(a, holder.id)
+    assert order.index("light") <= 1 and order.count("heavy") == 20
+
+
+def test_two_busy_tenants_share_tokens_not_requests() -> None:
+    """Tenant "big" asks 4x the tokens per request: while both wait, "small" gets about four
+    requests for each of big's, so both get the same tokens."""
+    a = pool()
+    holder = a.enqueue("b", 0.0, 60, cost=1, tenant="x").ticket
+    for _ in range(10):
+        a.enqueue("b", 0.0, 60, cost=400, tenant="big")
+    for _ in range(40):
+        a.enqueue("b", 0.0, 60, cost=100, tenant="small")
+    first = drain(a, holder.id)[:25]
+    assert first.count("big") in (5, 6) and first.count("small") in (19, 20)
+
+
+def test_weights_share_in_proportion() -> None:
+    a = pool()
+    holder = a.enqueue("b", 0.0, 60, tenant="x").ticket
+    for _ in range(30):
+        a.enqueue("b", 0.0, 60, cost=100, tenant="gold", weight=2.0)
+        a.enqueue("b", 0.0, 60, cost=100, tenant="free")
+    first = drain(a, holder.id)[:30]
+    assert first.count("gold") in (19, 20, 21)
+
+
+def test_no_credit_is_banked_by_an_idle_tenant() -> None:
+    """A tenant that sent nothing while another was served starts at the virtual time, not
+    before it: it goes ahead of the busy tenant's queue, but does not jump it by the service
+    the busy one had while alone."""
+    a = pool()
+    holder = a.enqueue("b", 0.0, 60, tenant="busy").ticket
+    for _ in range(10):
+        a.enqueue("b", 0.0, 60, cost=100, tenant="busy")
+    for _ in range(5):
+        holder = a.release(holder.id, 1.0)[0]  # busy alone: served five
+    for _ in range(3):
+        a.enqueue("b", 2.0, 60, cost=100, tenant="late")
+    order = drain(a, holder.id, 3.0)
+    assert order[:6].count("late") == 3 and order[:6].count("busy") == 3  # interleaved
+
+
+def test_state_is_bounded_by_max_tracked_and_idle_ttl() -> None:
+    order = FairOrder()
+    order.tune(TenantPolicy(max_tracked=100, idle_ttl_s=10.0))
+    for i in range(10_000):
+        order.key(ticket(f"t{i}", at=0.0), 5.0)
+    assert len(order.tags) == 100 and "t9999" in order.tags and "t0" not in order.tags
+    order.key(ticket("late", at=11.0), 5.0)  # everyone else idle past the TTL
+    assert list(order.tags) == ["late"]
+
+
+def test_a_forgotten_tenant_starts_at_the_virtual_time() -> None:
+    order = FairOrder()
+    order.tune(TenantPolicy(max_tracked=1))
+    order.key(ticket("a", cost=1000), 5.0)
+    order.key(ticket("b"), 5.0)  # "a" forgotten
+    assert order.key(ticket("a"), 5.0) == order.virtual == 0.0
+
+
+def test_across_buckets_the_fair_bucket_competes_by_arrival() -> None:
+    """Its keys are tokens, not times: across buckets its head competes by when it came."""
+    a = Admission({})
+    a.set_pool("p", 1, 0.0, fail_fast=False)
+    a.set_bucket("fair", 0.0, pool="p", max_queue=10, order=Order.FAIR, tenant=TenantPolicy())
+    a.set_bucket("fifo", 0.0, pool="p", max_queue=10)
+    holder = a.enqueue("fair", 0.0, 60, cost=10_000, tenant="t").ticket
+    fair = a.enqueue("fair", 1.0, 60, cost=10_000, tenant="t").ticket  # tagged 10,000
+    a.enqueue("fifo", 2.0, 60)
+    assert FairOrder().band_key(10_000.0, fair) == 1.0
+    assert a.release(holder.id, 3.0) == [fair]
+
+
+@pytest.mark.parametrize(
+    ("bounds", "verdicts"),
+    [
+        (TenantPolicy(max_queue=2), ["admitted", "queued", "queued", "tenant_queue_full"]),
+        # max_share 0.5 of 4 slots: two in the bucket at once, waiting and running together.
+        (TenantPolicy(max_share=0.5), ["admitted", "admitted", "tenant_over_share"]),
+    ],
+)
+def test_a_tenant_over_its_bounds_is_refused_before_it_joins(
+    bounds: TenantPolicy, verdicts: list[str]
+) -> None:
+    a = pool(limit=4 if bounds.max_share else 1, tenant=bounds)
+    got = [a.enqueue("b", 0.0, 60, tenant="t").verdict for _ in verdicts]
+    assert got == [Verdict(v) for v in verdicts]
+    assert a.enqueue("b", 0.0, 60, tenant="other").verdict in (Verdict.ADMITTED, Verdict.QUEUED)
+    assert a.statistics()["b"].refused_total == 0  # a tenant's bound is not the pool's
+
+
+def test_tenant_counts_go_back_to_nothing_whatever_ends_a_request() -> None:
+    a = pool(limit=2, tenant=TenantPolicy(max_queue=5), max_queue=3)
+    counts = a._buckets["b"].tenants
+    assert counts is not None
+    tickets = [a.enqueue("b", 0.0, 1.0, tenant=f"t{i % 3}") for i in range(8)]
+    assert {t.verdict for t in tickets} == {Verdict.ADMITTED, Verdict.QUEUED, Verdict.QUEUE_FULL}
+    queued = [t.ticket for t in tickets if t.verdict is Verdict.QUEUED]
+    a.cancel(queued[0].id, 0.5)  # left
+    a.expire(1.0)  # the rest evicted
+    for t in tickets:
+        if t.verdict is Verdict.ADMITTED:
+            a.release(t.ticket.id, 2.0)
+    assert (counts.waiting, counts.running, len(counts)) == ({}, {}, 0)
+
+
+def test_no_tenant_key_is_one_tenant() -> None:
+    a = pool(tenant=TenantPolicy(max_queue=1))
+    got = [a.enqueue("b", 0.0, 60).verdict for _ in range(3)]
+    assert got == [Verdict.ADMITTED, Verdict.QUEUED, Verdict.QUEUED]  # no key: no bound
