@@ -1,12 +1,12 @@
 """Admission cost against tenants tracked, in process: ``python -m bench.micro.tenant_cost
 [--ops 5000]``.
 
-``extproc.pool.gate.Gate`` with one bucket in the ``fair`` order (tenants by ``x-tenant-id``,
-the policy's default ``max_tracked`` of 10,000, and a per-tenant ``max_queue``, so the
-tenant bounds are counted too), one slot and a queue kept at :data:`QUEUED` waiters. Each
-request is timed with ``perf_counter_ns`` around its two calls, enter (join the queue: the
-fair order's tag lookup and the tenant bounds) and admit (release the slot, the head waiter's
-``admitted()`` returns it: the fair order hears the admission), for three populations:
+``extproc.pool.gate.Gate`` with a pool of one slot and one bucket in the ``fair`` order
+(tenants by ``x-tenant-id``, the policy's default ``max_tracked`` of 10,000, and a per-tenant
+``max_queue``, so the tenant bounds are counted too), the queue kept at :data:`QUEUED`
+waiters. Each request is timed with ``perf_counter_ns`` around its two calls, enter (join the
+queue: the fair order's tag lookup and the tenant bounds) and admit (release the slot, the head
+waiter's ``admitted()`` returns it: the fair order hears the admission), for three populations:
 
 * ``1 tenant``: every request the same tenant (today's behaviour without a key);
 * ``10,000 tracked``: requests cycle through 10,000 tenants, all of them already tracked
@@ -40,14 +40,14 @@ POPULATIONS: Final = ("1 tenant", f"{TRACKED:,} tracked", "fresh keys")
 
 
 def fair_policy() -> str:
-    """One bucket, one slot, the fair order on tenants from a trusted header (default
-    ``max_tracked``), a per-tenant bound that never refuses here."""
+    """A pool of one slot, one bucket in the fair order on tenants from a trusted header
+    (default ``max_tracked``), a per-tenant bound that never refuses here."""
     data = {
         "trusted_headers": [TENANT_HEADER],
+        "pool": {"max_concurrency": 1},
         "buckets": [
             {
                 "name": "fair",
-                "max_concurrency": 1,
                 "queue_timeout": "300s",
                 "max_queue": QUEUED + 10,
                 "order": "fair",
