@@ -294,6 +294,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         f"(default {','.join(map(str, d.noisy_seeds))})",
     )
     p.add_argument(
+        "--no-fail-fast",
+        dest="pool_fail_fast",
+        action="store_false",
+        help="sidecar, sidecar-fair: pool.fail_fast off (no refusal on a predicted wait)",
+    )
+    p.add_argument(
         "--sample-every",
         dest="sample_every_s",
         type=float,

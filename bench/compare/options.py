@@ -109,6 +109,7 @@ class Options:
     light_load: float = 0.2
     light_tenants: int = 4
     noisy_seeds: tuple[int, ...] = (0, 1)
+    pool_fail_fast: bool = True  # sidecar, sidecar-fair: pool.fail_fast (off: a diagnostic)
     sample_every_s: float = 2.0  # backend and limit gauges sampled this often during a run
     replicas: int = 3  # the replica strategies' gateways in front of the one simulator
     # priority-gateway: short = prompt and max_tokens both below these; None = the mix's medians.

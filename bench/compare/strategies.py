@@ -179,7 +179,7 @@ def pool_policy(
     s = opts.speedup
     pool = {
         "max_concurrency": cap.concurrency,
-        "fail_fast": True,
+        "fail_fast": opts.pool_fail_fast,
         "adaptive": {
             "min": 8,
             "max": opts.engine.max_num_seqs,
