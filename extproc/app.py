@@ -81,7 +81,7 @@ class Sidecar:
 
     async def start(self) -> None:
         self.gate = gate = Gate(self.policy)
-        self.metrics = metrics = Metrics(gate.statistics, lambda: control.gauges())
+        self.metrics = metrics = Metrics(gate.statistics, lambda: control.gauges(), self._heaviest)
         self.service = ExtProcService(self.policy, gate, metrics)
         self.control = control = PoolControl(gate, metrics)
         control.apply(self.policy)
@@ -186,6 +186,11 @@ class Sidecar:
                     if s.pool is not None
                     else {}
                 ),
+                **(
+                    {"tenants": s.tenants, "heaviest": self.gate.heaviest(name)}
+                    if s.tenants
+                    else {}
+                ),
             }
             for name, s in self.gate.statistics().items()
         }
@@ -197,6 +202,16 @@ class Sidecar:
         if pool is not None:
             out["/pool"] = {**pool, "pool": True}
         return out
+
+    def _heaviest(self) -> dict[str, list[tuple[str | None, float]]]:
+        """The buckets that export their heaviest tenants (tenant.export_top), and those."""
+        gate = self.gate
+        assert gate is not None
+        return {
+            b.name: gate.heaviest(b.name, b.tenant.export_top)
+            for b in self.policy.buckets
+            if b.tenant is not None and b.tenant.export_top
+        }
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Graceful stop: health says NOT_SERVING, queued and new requests get 503 with

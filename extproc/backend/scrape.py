@@ -78,6 +78,12 @@ MAX_ENDPOINTS = 64
 # At most this many error strings in a Signals (a log line, not a report), each cut at this.
 _MAX_ERRORS = 8
 _MAX_ERROR_CHARS = 120
+# getaddrinfo's "this name has no address" (NXDOMAIN, or a name without A/AAAA records), as
+# against a failure to ask (EAI_AGAIN, a timeout): the error ``_addresses`` reports for both.
+_NO_ADDRESS = "dns: no address"
+_NO_ADDRESS_ERRNOS = frozenset(
+    e for e in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None)) if e is not None
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,6 +101,9 @@ class Signals:
     ttft_count: int  # observations in the window
     itl_count: int
     errors: tuple[str, ...] = ()
+    # Every host named no address (NXDOMAIN, no record): no backend exists at all, as a
+    # headless Service with no ready pod says (not a DNS failure, which is no data).
+    no_backend: bool = False
 
 
 async def _getaddrinfo(host: str, port: int) -> list[tuple[str, int]]:
@@ -199,16 +208,21 @@ class Scraper:
             unread = dict.fromkeys(keys[MAX_ENDPOINTS:], note)
             keys = keys[:MAX_ENDPOINTS]
         results = await asyncio.gather(*(self._scrape_one(*endpoints[k]) for k in keys))
-        return self._fold(now, dict(zip(keys, results, strict=True)) | unread, errors)
+        no_backend = all(isinstance(a, str) and a.startswith(_NO_ADDRESS) for a in resolved)
+        return self._fold(now, dict(zip(keys, results, strict=True)) | unread, errors, no_backend)
 
     async def _addresses(self, target: Target) -> list[tuple[str, int]] | str:
         try:
             async with asyncio.timeout(self.timeout_s):
                 addresses = await self._resolve(target.host, target.port)
+        except socket.gaierror as exc:
+            if exc.errno in _NO_ADDRESS_ERRNOS:
+                return f"{_NO_ADDRESS} ({exc.strerror or exc})"
+            return _describe(exc)
         except Exception as exc:
             return _describe(exc)
         if not addresses:
-            return "dns: no address"
+            return _NO_ADDRESS
         return list(dict.fromkeys(addresses))  # once each, in the resolver's order
 
     async def _scrape_one(self, address: str, port: int, target: Target) -> EndpointSample | str:
@@ -232,7 +246,11 @@ class Scraper:
         return sample
 
     def _fold(
-        self, now: float, results: Mapping[str, EndpointSample | str], errors: list[str]
+        self,
+        now: float,
+        results: Mapping[str, EndpointSample | str],
+        errors: list[str],
+        no_backend: bool = False,
     ) -> Signals:
         """The pure step: readings of this round -> deltas into the windows -> Signals."""
         ok = 0
@@ -270,6 +288,7 @@ class Scraper:
             ttft_count=observations(ttft_total),
             itl_count=observations(itl_total),
             errors=tuple(errors),
+            no_backend=no_backend,
         )
 
     def __repr__(self) -> str:

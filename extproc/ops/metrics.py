@@ -44,9 +44,16 @@ _HOLD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
+# bucket -> its heaviest tenants and their backlog in weighted tokens (tenant.export_top).
+Heaviest = Callable[[], dict[str, list[tuple[str | None, float]]]]
+
+
 class _QueueCollector(Collector):
-    def __init__(self, stats: Callable[[], dict[str, BucketStats]]) -> None:
+    def __init__(
+        self, stats: Callable[[], dict[str, BucketStats]], heaviest: Heaviest | None = None
+    ) -> None:
         self._stats = stats
+        self._heaviest = heaviest
 
     def collect(self) -> Iterator[Metric]:
         families = {
@@ -71,6 +78,11 @@ class _QueueCollector(Collector):
                 "Bytes of request bodies held by the bucket's queued requests.",
                 labels=["bucket"],
             ),
+            "tenants": GaugeMetricFamily(
+                "llm_extproc_tenants",
+                "Tenants the bucket's fair order remembers (at most its tenant.max_tracked).",
+                labels=["bucket"],
+            ),
         }
         for name, s in self._stats().items():
             families["queue_depth"].add_metric([name], s.queued)
@@ -78,7 +90,20 @@ class _QueueCollector(Collector):
             families["capacity"].add_metric([name], s.capacity)
             families["max_queue"].add_metric([name], s.max_queue)
             families["queued_bytes"].add_metric([name], s.queued_bytes)
+            families["tenants"].add_metric([name], s.tenants)
         yield from families.values()
+        heaviest = self._heaviest() if self._heaviest is not None else None
+        if heaviest:
+            backlog = GaugeMetricFamily(
+                "llm_extproc_tenant_backlog_tokens",
+                "Weighted tokens the tenant has queued ahead of the bucket's virtual time, for "
+                "the heaviest tenants only (opt-in: tenant.export_top; 'anonymous': no key).",
+                labels=["bucket", "tenant"],
+            )
+            for bucket, tenants in heaviest.items():
+                for tenant, tokens in tenants:
+                    backlog.add_metric([bucket, tenant or "anonymous"], tokens)
+            yield backlog
 
 
 # The pool's gauges: name -> help, from the fields of the snapshots the pool controller renders
@@ -123,9 +148,10 @@ class Metrics:
         self,
         stats: Callable[[], dict[str, BucketStats]],
         pool_gauges: Callable[[], dict[str, float]] | None = None,
+        heaviest: Heaviest | None = None,
     ) -> None:
         r = self.registry = CollectorRegistry()
-        r.register(_QueueCollector(stats))
+        r.register(_QueueCollector(stats, heaviest))
         if pool_gauges is not None:
             r.register(_PoolCollector(pool_gauges))
         self.overload_transitions = Counter(

@@ -67,7 +67,17 @@ For ``stale_after_s`` after the last good scrape the limit simply holds (a misse
 normal), then the state is ``holding``; after ``fallback_after_s`` the limit moves to
 ``fallback_limit`` (by default ``initial``; the pool's controller passes the operator's static
 limit): the sidecar neither freezes on a limit found under conditions long gone nor fails
-closed. Never 0. When data returns, tracking resumes at once from the limit in force.
+closed. Never 0, but for the next case. When data returns, tracking resumes at once from the
+limit in force.
+
+No backend at all (``queue_while_no_backend``, off by default): while every host of
+``backend.metrics`` names no address (``Signals.no_backend``: NXDOMAIN, what a headless Service
+with no ready pod answers, as opposed to a DNS failure, which is no data), the limit is 0
+(state ``no_backend``): requests wait in the queue to their deadline and get 429 with
+Retry-After, rather than being admitted into Envoy's 503 ``no_healthy_upstream``; their queue
+is the demand an autoscaler scales from zero on (docs/autoscaling.md). At the first scrape that
+reaches an endpoint, tracking resumes from ``initial``. Off, a name that never resolves (a typo)
+is no data, as above, and never stops traffic.
 
 The settings are the policy's ``AdaptivePolicy``; the law's constants are named below.
 
@@ -105,12 +115,14 @@ class LimitState(StrEnum):
     TRACKING = "tracking"  # fresh data: the control law runs
     HOLDING = "holding"  # data stale for stale_after_s: the last limit holds
     FALLBACK = "fallback"  # data stale for fallback_after_s: the fallback limit
+    NO_BACKEND = "no_backend"  # queue_while_no_backend and no host has an address: 0
 
 
 _LIMIT_CODES: dict[str, int] = {
     LimitState.TRACKING: 0,
     LimitState.HOLDING: 1,
     LimitState.FALLBACK: 2,
+    LimitState.NO_BACKEND: 3,
 }
 
 
@@ -122,7 +134,8 @@ class AdaptiveSnapshot:
     state: LimitState = field(
         metadata=gauge(
             "adaptive_state",
-            "The adaptive limit: 0 tracking, 1 holding (stale), 2 fallback.",
+            "The adaptive limit: 0 tracking, 1 holding (stale), 2 fallback, 3 no backend "
+            "(limit 0).",
             codes=_LIMIT_CODES,
         )
     )
@@ -168,7 +181,7 @@ class AdaptiveLimit:
     @property
     def reason(self) -> str:
         """Why the limit or the state last changed: 'initial', 'increase', 'ttft', 'itl',
-        'vllm_queue', 'kv', 'stale', 'fallback' or 'resumed'."""
+        'vllm_queue', 'kv', 'stale', 'fallback', 'no_backend' or 'resumed'."""
         return self._reason
 
     def update(
@@ -184,6 +197,13 @@ class AdaptiveLimit:
         requests to the pool (holding a slot, queued for one); ``objectives`` False leaves the
         latency objectives out of this step (only the least urgent band has requests)."""
         if (
+            self.policy.queue_while_no_backend
+            and signals is not None
+            and signals.no_backend
+            and now - signals.at < self.policy.stale_after_s
+        ):
+            return self._no_backend(signals.at)
+        if (
             signals is None
             or signals.endpoints_ok == 0
             or now - signals.at >= self.policy.stale_after_s
@@ -193,6 +213,8 @@ class AdaptiveLimit:
             signals.at if self._last_good is None else max(self._last_good, signals.at)
         )
         if self._state is not LimitState.TRACKING:
+            if self._state is LimitState.NO_BACKEND:
+                self._limit = self._clamp(self.policy.initial)  # a backend from zero
             self._state = LimitState.TRACKING
             self._reason = "resumed"
         cooling = self._decreased_at is not None and now - self._decreased_at < self.cooldown_s
@@ -228,6 +250,11 @@ class AdaptiveLimit:
 
     def _clamp(self, limit: int) -> int:
         return min(self.policy.max_limit, max(self.policy.min_limit, limit))
+
+    def _no_backend(self, at: float) -> int:
+        self._last_good = at if self._last_good is None else max(self._last_good, at)
+        self._state, self._limit, self._reason = LimitState.NO_BACKEND, 0, "no_backend"
+        return 0
 
     def _no_data(self, now: float) -> int:
         if self._last_good is None:

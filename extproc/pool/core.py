@@ -355,6 +355,10 @@ class Admission:
     def pool_statistics(self, now: float) -> dict[str, PoolStats]:
         return {name: p.stats() for name, p in self._pools.items()}
 
+    def heaviest(self, bucket: str, k: int) -> list[tuple[str | None, float]]:
+        """The bucket's ``k`` heaviest tenants (``QueueOrder.heaviest``), for /debug/queues."""
+        return self._buckets[bucket].order.heaviest(k)
+
     def recent_waits(self, bucket: str) -> list[float]:
         """Queue waits of the bucket's latest admissions (0 for the fast path), oldest first."""
         return list(self._buckets[bucket].waits)

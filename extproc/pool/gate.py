@@ -352,6 +352,9 @@ class Gate:
         """The shared pool, when the policy has one (else empty)."""
         return self._core.pool_statistics(self._loop.time())
 
+    def heaviest(self, bucket: str, k: int = 5) -> list[tuple[str | None, float]]:
+        return self._core.heaviest(bucket, k)
+
     def recent_waits(self, bucket: str) -> list[float]:
         return self._core.recent_waits(bucket)
 

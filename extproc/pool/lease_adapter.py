@@ -76,9 +76,11 @@ def starting_limit(pool: PoolPolicy) -> int:
 
 def limit_bounds(pool: PoolPolicy) -> tuple[int, int]:
     """What this replica accepts as the shared pool's limit, read from Redis: an adaptive
-    pool's ``min`` and ``max``, a static pool's ``max_concurrency`` alone."""
+    pool's ``min`` (0 with ``queue_while_no_backend``: the leader publishes 0 while no backend
+    exists) and ``max``, a static pool's ``max_concurrency`` alone."""
     if pool.adaptive is not None:
-        return pool.adaptive.min_limit, pool.adaptive.max_limit
+        a = pool.adaptive
+        return (0 if a.queue_while_no_backend else a.min_limit), a.max_limit
     return pool.max_concurrency, pool.max_concurrency
 
 

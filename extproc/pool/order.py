@@ -46,6 +46,7 @@ change.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from typing import TYPE_CHECKING, ClassVar, Final
 
@@ -91,6 +92,14 @@ class QueueOrder:
 
     def tune(self, tenant: TenantPolicy | None) -> None:
         """The bucket's tenant policy, at configuration (orders that keep tenants read it)."""
+
+    def tenants(self) -> int:
+        """Tenants the order remembers (0: it keeps none)."""
+        return 0
+
+    def heaviest(self, k: int) -> list[tuple[str | None, float]]:
+        """The ``k`` tenants with the most queued ahead of the others, and how much."""
+        return []
 
     def admitted(self, ticket: Ticket, key: float, now: float) -> None:
         """One of the bucket's tickets, queued with ``key``, took a slot (only when
@@ -160,6 +169,15 @@ class FairOrder(QueueOrder):
     def admitted(self, ticket: Ticket, key: float, now: float) -> None:
         if key > self.virtual:
             self.virtual = key
+
+    def tenants(self) -> int:
+        return len(self.tags)
+
+    def heaviest(self, k: int) -> list[tuple[str | None, float]]:
+        """The ``k`` tenants furthest ahead of ``V`` (their backlog, in weighted tokens):
+        for /debug/queues, O(tenants)."""
+        ahead = ((t, f - self.virtual) for t, (f, _) in self.tags.items() if f > self.virtual)
+        return heapq.nlargest(k, ahead, key=lambda x: x[1])
 
 
 _TENANT: Final = TenantPolicy()  # the defaults, until ``tune``

@@ -167,6 +167,8 @@ class BucketState:
         self.min_share, self.max_share = min_share, max_share
         if type(self.order) is not order:
             self.order = order()
+            self.order.tune(tenant)
+            self._rekey()
         self.order.tune(tenant)
         self.observer = self.order if order.observes else None
         bounds = TenantBounds(tenant.max_queue, tenant.max_share) if tenant else TenantBounds()
@@ -192,6 +194,13 @@ class BucketState:
         target.tokens += self.tokens
         self.pool = target
         return old
+
+    def _rekey(self) -> None:
+        """A new order: the waiters' keys again, in the order they came (a fair order's keys
+        are tokens, another's are times: the two never share a heap)."""
+        order, waiting = self.order, sorted(self.waiting.values(), key=lambda t: t.id)
+        self.heap = [(order.key(t, t.deadline - t.enqueued_at), t.id) for t in waiting]
+        heapq.heapify(self.heap)
 
     def head(self) -> tuple[float, Ticket] | None:
         heap = self.heap
@@ -257,6 +266,7 @@ class BucketState:
             evicted_total=self.evicted_total,
             refused_total=self.refused_total,
             client_expired_total=self.client_expired_total,
+            tenants=self.order.tenants(),
         )
 
     def compact(self) -> None:

@@ -73,6 +73,8 @@ class BucketStats:
     evicted_total: int = 0
     refused_total: int = 0
     client_expired_total: int = 0
+    # Tenants the bucket's order remembers (the fair order; 0 for the others).
+    tenants: int = 0
 
     def __repr__(self) -> str:
         return f"{self.name} {self.in_flight}/{self.capacity} +{self.queued} queued"

@@ -12,7 +12,14 @@ import aiohttp
 import pytest
 
 from testing.clients import chat, post, slow_stream
-from testing.harness import holder_and_queue, outcomes, start_stack, until_queued, wait_idle
+from testing.harness import (
+    holder_and_queue,
+    outcomes,
+    scrape,
+    start_stack,
+    until_queued,
+    wait_idle,
+)
 from testing.stack import Stack
 from tests.e2e.test_e2e import run
 from tests.e2e.test_pool_through_envoy import admitted_at
@@ -24,7 +31,7 @@ buckets:
     queue_timeout: 10s
     max_queue: 20
     order: fair
-    tenant: {authorization: true, max_queue: 3}
+    tenant: {authorization: true, max_queue: 3, export_top: 2}
 """
 # Each answer takes 150 ms at the backend, so admissions are that far apart.
 HEAVY = {"authorization": "Bearer sk-heavy-0123456789", "x-test-delay-ms": "150"}
@@ -46,6 +53,19 @@ def test_a_light_tenant_goes_ahead_of_a_heavy_tenants_queue(stack: Stack) -> Non
             over = await post(s, url, chat(), HEAVY)  # a fourth waiting: over its own bound
             light = asyncio.ensure_future(post(s, url, chat(), LIGHT))
             await until_queued(stack, "shared", 4)
+            series = await asyncio.to_thread(scrape, stack)
+            assert series[("llm_extproc_tenants", (("bucket", "shared"),))] == 2
+            backlog = {
+                dict(labels)["tenant"]: v
+                for (name, labels), v in series.items()
+                if name == "llm_extproc_tenant_backlog_tokens"
+            }
+            # Ahead of the virtual time: the heavy tenant by its three queued and the one
+            # running, the light one by its one; the label is the key's hash, never the
+            # credential.
+            most, least = sorted(backlog.values(), reverse=True)
+            assert most == 4 * least > 0
+            assert all(t.startswith("h:") and "sk-" not in t for t in backlog)
             replies = [await r for r in (holder, *heavy, light)]
         assert [r.status for r in replies] == [200] * 5
         assert over.status == 429 and int(over.headers["retry-after"]) >= 1

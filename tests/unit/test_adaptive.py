@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
+from dataclasses import replace
 
 import pytest
 
@@ -225,6 +226,34 @@ def test_never_any_data_counts_from_the_first_update() -> None:
     assert a.update(1030.0, None, in_flight=0, waiting=0) == 100
     assert a.state is LimitState.FALLBACK
     assert repr(a) == "<AdaptiveLimit 100 fallback (fallback)>"
+
+
+def gone(at: float) -> Signals:
+    """A round in which no host of backend.metrics had an address (NXDOMAIN)."""
+    return replace(sig(at, ok=0, ttft=None, itl=None), endpoints_failed=1, no_backend=True)
+
+
+def test_no_backend_queues_at_limit_0_then_a_backend_starts_from_initial() -> None:
+    a = limiter(initial=20, fallback_limit=50, queue_while_no_backend=True)
+    assert a.update(0.0, gone(0.0), in_flight=0, waiting=3) == 0
+    assert (a.state, a.reason) == (LimitState.NO_BACKEND, "no_backend")
+    assert a.update(100.0, gone(100.0), in_flight=0, waiting=3) == 0  # no fallback: an answer
+    # A DNS failure (not "no address") is no data: held, then the fallback, never 0 for it.
+    assert a.update(104.9, sig(104.9, ok=0), in_flight=0, waiting=3) == 0
+    assert a.update(130.0, None, in_flight=0, waiting=3) == 50
+    assert a.state is LimitState.FALLBACK
+    assert a.update(131.0, gone(131.0), in_flight=0, waiting=3) == 0
+    assert a.update(131.5, gone(120.0), in_flight=0, waiting=3) == 0  # old: no data, held
+    # The first replica is ready: its page is read, tracking resumes from the initial limit.
+    assert a.update(132.0, sig(132.0), in_flight=0, waiting=3) == 21
+    assert (a.state, a.reason) == (LimitState.TRACKING, "increase")
+
+
+def test_without_the_opt_in_no_backend_is_no_data_and_never_0() -> None:
+    a = limiter(initial=20)
+    assert a.update(0.0, gone(0.0), in_flight=0, waiting=3) == 20
+    assert a.update(30.0, gone(30.0), in_flight=0, waiting=3) == 20
+    assert (a.state, a.reason) == (LimitState.FALLBACK, "fallback")
 
 
 # --- the poller --------------------------------------------------------------------------------

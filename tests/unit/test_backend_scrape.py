@@ -497,8 +497,33 @@ def test_failing_endpoints_are_counted_never_raised() -> None:
         )
         errors = "\n".join(s.errors)
         assert len(s.errors) == 8 and s.errors[-1] == "+3 more"  # capped for a log line
-        assert "gone.svc: dns: Name or service not known" in errors
+        assert "gone.svc: dns: no address (Name or service not known)" in errors
+        assert not s.no_backend  # one host has addresses
         assert f"127.0.0.1:{silent.port}: timeout" in errors
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("errno", "no_backend"),
+    [(socket.EAI_NONAME, True), (None, True), (socket.EAI_AGAIN, False)],
+)
+def test_no_backend_only_when_every_host_names_no_address(
+    errno: int | None, no_backend: bool
+) -> None:
+    """NXDOMAIN (or an empty answer) for every host: no backend exists. A failure to ask is
+    no data, not an answer."""
+
+    async def resolve(host: str, port: int) -> list[tuple[str, int]]:
+        if errno is None:
+            return []
+        raise socket.gaierror(errno, "dns said so")
+
+    async def main() -> None:
+        s = await make_scraper(
+            ["http://a.svc:1/metrics", "http://b.svc:1/metrics"], resolve=resolve
+        ).scrape(0.0)
+        assert (s.endpoints_ok, s.endpoints_failed, s.no_backend) == (0, 2, no_backend)
 
     run(main())
 

@@ -169,3 +169,17 @@ def test_no_tenant_key_is_one_tenant() -> None:
     a = pool(tenant=TenantPolicy(max_queue=1))
     got = [a.enqueue("b", 0.0, 60).verdict for _ in range(3)]
     assert got == [Verdict.ADMITTED, Verdict.QUEUED, Verdict.QUEUED]  # no key: no bound
+
+
+def test_a_reload_to_another_order_keys_the_waiters_again() -> None:
+    """fifo keys are times and fair keys tokens: after the change the waiters are keyed by
+    the new order, in the order they came, so the heap never mixes the two."""
+    a = Admission({})
+    a.set_pool("p", 1, 0.0, fail_fast=False)
+    a.set_bucket("b", 0.0, pool="p", max_queue=10)  # fifo
+    holder = a.enqueue("b", 0.0, 60, tenant="heavy").ticket
+    for _ in range(3):
+        a.enqueue("b", 100.0, 60, cost=100, tenant="heavy")
+    a.enqueue("b", 200.0, 60, cost=100, tenant="light")
+    a.set_bucket("b", 0.0, pool="p", max_queue=10, order=Order.FAIR, tenant=TenantPolicy())
+    assert drain(a, holder.id, 300.0) == ["heavy", "light", "heavy", "heavy"]

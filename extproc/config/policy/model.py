@@ -140,6 +140,8 @@ class TenantPolicy:
     # A trusted header naming the tenant's class, and the classes' weights (others: 1).
     class_header: str | None = None
     weights: tuple[tuple[str, float], ...] = ()
+    # The heaviest tenants whose backlog is exported with a tenant label (0: none).
+    export_top: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -178,6 +180,8 @@ class AdaptivePolicy:
     max_kv_usage: float = 0.9
     stale_after_s: float = 5.0
     fallback_after_s: float = 30.0
+    # While no host of backend.metrics has an address: limit 0 (scale from zero).
+    queue_while_no_backend: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -266,6 +266,7 @@ def _adaptive(msg: policy_pb2.Adaptive, backend: BackendPolicy) -> AdaptivePolic
         max_kv_usage=_set_or(msg, "max_kv_usage", d.max_kv_usage),
         stale_after_s=_duration_or(msg, "stale_after", d.stale_after_s),
         fallback_after_s=_duration_or(msg, "fallback_after", d.fallback_after_s),
+        queue_while_no_backend=_set_or(msg, "queue_while_no_backend", d.queue_while_no_backend),
     )
     if not 1 <= adaptive.min_limit <= adaptive.initial <= adaptive.max_limit:
         raise PolicyError("pool.adaptive: need 1 <= min <= initial <= max")

@@ -20,6 +20,8 @@ __all__ = ["tenant_policy"]
 # More tenants than this would be memory an operator did not mean to give (the fair order's
 # state is ~200 bytes a tenant).
 MAX_TRACKED = 1_000_000
+# Series a bucket may export with a tenant label (export_top): a bounded opt-in.
+MAX_EXPORT_TOP = 20
 
 
 def tenant_policy(
@@ -44,6 +46,9 @@ def tenant_policy(
     idle_ttl_s = duration_or(msg, "idle_ttl", default(TenantPolicy, "idle_ttl_s"))
     if idle_ttl_s <= 0:
         raise PolicyError(f"{where}.idle_ttl: must be above 0")
+    export_top = set_or(msg, "export_top", default(TenantPolicy, "export_top"))
+    if export_top > MAX_EXPORT_TOP:
+        raise PolicyError(f"{where}.export_top: at most {MAX_EXPORT_TOP} (got {export_top})")
     max_queue = set_or(msg, "max_queue", None)
     max_share = set_or(msg, "max_share", None)
     if max_share is not None and not 0.0 < max_share <= 1.0:
@@ -57,6 +62,7 @@ def tenant_policy(
         max_share=max_share,
         class_header=class_header,
         weights=tuple(sorted(msg.weights.items())),
+        export_top=export_top,
     )
 
 

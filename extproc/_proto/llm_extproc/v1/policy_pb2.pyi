@@ -104,7 +104,7 @@ class Slo(_message.Message):
     def __init__(self, ttft: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., ttft_quantile: _Optional[float] = ..., inter_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., inter_token_quantile: _Optional[float] = ...) -> None: ...
 
 class Adaptive(_message.Message):
-    __slots__ = ("min", "max", "initial", "slo", "interval", "window", "max_kv_usage", "stale_after", "fallback_after")
+    __slots__ = ("min", "max", "initial", "slo", "interval", "window", "max_kv_usage", "stale_after", "fallback_after", "queue_while_no_backend")
     MIN_FIELD_NUMBER: _ClassVar[int]
     MAX_FIELD_NUMBER: _ClassVar[int]
     INITIAL_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class Adaptive(_message.Message):
     MAX_KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     STALE_AFTER_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_AFTER_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WHILE_NO_BACKEND_FIELD_NUMBER: _ClassVar[int]
     min: int
     max: int
     initial: int
@@ -123,7 +124,8 @@ class Adaptive(_message.Message):
     max_kv_usage: float
     stale_after: _duration_pb2.Duration
     fallback_after: _duration_pb2.Duration
-    def __init__(self, min: _Optional[int] = ..., max: _Optional[int] = ..., initial: _Optional[int] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., window: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_kv_usage: _Optional[float] = ..., stale_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fallback_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    queue_while_no_backend: bool
+    def __init__(self, min: _Optional[int] = ..., max: _Optional[int] = ..., initial: _Optional[int] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., window: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_kv_usage: _Optional[float] = ..., stale_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fallback_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., queue_while_no_backend: _Optional[bool] = ...) -> None: ...
 
 class Overload(_message.Message):
     __slots__ = ("enabled", "tighten_eviction_rate", "step_hold", "window")
@@ -154,7 +156,7 @@ class ClientDeadline(_message.Message):
     def __init__(self, headers: _Optional[_Iterable[str]] = ..., margin: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Tenant(_message.Message):
-    __slots__ = ("header", "authorization", "max_tracked", "idle_ttl", "max_queue", "max_share", "class_header", "weights")
+    __slots__ = ("header", "authorization", "max_tracked", "idle_ttl", "max_queue", "max_share", "class_header", "weights", "export_top")
     class WeightsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +172,7 @@ class Tenant(_message.Message):
     MAX_SHARE_FIELD_NUMBER: _ClassVar[int]
     CLASS_HEADER_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_TOP_FIELD_NUMBER: _ClassVar[int]
     header: str
     authorization: bool
     max_tracked: int
@@ -178,7 +181,8 @@ class Tenant(_message.Message):
     max_share: float
     class_header: str
     weights: _containers.ScalarMap[str, float]
-    def __init__(self, header: _Optional[str] = ..., authorization: _Optional[bool] = ..., max_tracked: _Optional[int] = ..., idle_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_queue: _Optional[int] = ..., max_share: _Optional[float] = ..., class_header: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    export_top: int
+    def __init__(self, header: _Optional[str] = ..., authorization: _Optional[bool] = ..., max_tracked: _Optional[int] = ..., idle_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_queue: _Optional[int] = ..., max_share: _Optional[float] = ..., class_header: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ..., export_top: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("chars_per_token", "tokenizer", "non_text_part_tokens", "message_overhead_tokens")
