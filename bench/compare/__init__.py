@@ -14,6 +14,18 @@ short-first gateway of C workers, :mod:`bench.gateway`), and the sidecar's own, 
 and a ``batch`` bucket; ``sidecar``: one pool whose limit the sidecar derives from the
 simulators' metrics against latency objectives, C only its static fallback).
 
+Many tenants, one backend (not in the default list)
+---------------------------------------------------
+``--scenario noisy`` (:mod:`.scenarios`) is the noisy neighbour: interactive requests only, one
+``heavy`` tenant at 5x interactive's own capacity and four light ones at 0.2x each, each
+request with its ``x-tenant-id`` (:mod:`bench.load`'s ``ClassSpec.tenants``), one run per
+``--noisy-seeds`` entry and, per seed, its reference: the light tenants alone, the very same
+requests, through one strategy (the held one). Its strategies when none are named:
+``sidecar-fair`` (``sidecar``'s policy with tenants by ``x-tenant-id`` and ``order: fair`` in
+every bucket, :mod:`.strategies`), ``sidecar``, ``priority-gateway`` and ``envoy-cb``. Per
+tenant (:mod:`.tenants`): SLO attainment over every request it sent (resolved in the window)
+and good tokens/s; :mod:`.noisy` prints a table per strategy and checks the targets.
+
 Every Envoy with the sidecar runs with what ``render(policy)`` derives (max_message_timeout,
 stream_idle_timeout, route timeouts, the sidecar cluster's breakers), so a queue deadline above
 envoy.yaml's is honoured.
@@ -141,7 +153,8 @@ closed-loop model, C, the live check), :mod:`.scenarios` (each run's rates and e
 :mod:`.baselines` (the peers and their configurations), :mod:`.strategies` (the sidecar's
 policies, as data), :mod:`.deploy` (each strategy's processes), :mod:`.spread` (one schedule
 over several gateways), :mod:`.run` (one strategy on one run: counters, samples, the in-flight
-polls, speed changes), then the figures in two layers: :mod:`.measure` (raw results to one
-record of figures per run, pure) and :mod:`.report` (tables, targets PASS/MISS) with
-:mod:`.plots`; ``__main__`` (the whole comparison, the CLI).
+polls, speed changes), then the figures in two layers: :mod:`.slo` (the window and the SLO),
+:mod:`.measure` (raw results to one record of figures per run, pure; per tenant:
+:mod:`.tenants`) and :mod:`.report` (tables, targets PASS/MISS; the noisy neighbour's:
+:mod:`.noisy`) with :mod:`.plots`; ``__main__`` (the whole comparison, the CLI).
 """

@@ -20,8 +20,11 @@ from bench.sim.profiles import PROFILES
 from .baselines import baseline_configs
 from .capacity import Capacity, determine_capacity, live_capacity
 from .measure import RunSummary, Sample, with_ratio_to_direct
+from .noisy import check_noisy, format_tenants, held_strategy
 from .options import (
+    KNOWN_SCENARIOS,
     KNOWN_STRATEGIES,
+    NOISY_STRATEGIES,
     REPLICA_STRATEGIES,
     SCENARIOS,
     STRATEGIES,
@@ -56,6 +59,7 @@ def _record_dict(r: RequestRecord) -> dict[str, Any]:
         "good": r.good,
         "output_tokens": r.output_tokens,
         "prompt_tokens": r.prompt_tokens,
+        **({"tenant": r.tenant} if r.tenant is not None else {}),
     }
 
 
@@ -87,9 +91,11 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
     rows: list[RunSummary] = []
     results: dict[tuple[str, str], LoadResult] = {}
     timelines: dict[tuple[str, str], list[Sample]] = {}
+    # The noisy neighbour's no-flood reference runs through one strategy (bench.compare.noisy).
+    held = held_strategy(opts.strategies)
     for scenario in opts.scenarios:
         for run in plan(scenario, cap, opts):
-            for strategy in opts.strategies:
+            for strategy in (held,) if run.reference else opts.strategies:
                 print(
                     f"-- {strategy} on {run.key} ({run.offered_rps:.2f} req/s on average) ...",
                     end=" ",
@@ -110,7 +116,7 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
                     flush=True,
                 )
     rows = with_ratio_to_direct(rows)
-    checks = check_targets(rows)
+    checks = check_targets(rows) + check_noisy(rows, held)
     elapsed = time.monotonic() - started
     doc: dict[str, Any] = {
         "command": command,
@@ -150,6 +156,10 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
     if scenarios:
         print()
         print(scenarios)
+    tenants = format_tenants(rows, held)
+    if tenants:
+        print()
+        print(tenants)
     print()
     print(format_targets(checks))
     bad = [r for r in rows if not r.harness_ok]
@@ -193,13 +203,24 @@ def _strategies(text: str) -> tuple[Strategy, ...]:
     return names  # type: ignore[return-value]
 
 
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad seed list {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("need a seed")
+    return values
+
+
 def _scenarios(text: str) -> tuple[ScenarioName, ...]:
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     if names == ("all",):
         return SCENARIOS
     for n in names:
-        if n not in SCENARIOS:
-            raise argparse.ArgumentTypeError(f"unknown scenario {n!r} (known: {SCENARIOS}, all)")
+        if n not in KNOWN_SCENARIOS:
+            known = ", ".join(KNOWN_SCENARIOS)
+            raise argparse.ArgumentTypeError(f"unknown scenario {n!r} (known: {known}, all)")
     return names  # type: ignore[return-value]
 
 
@@ -222,7 +243,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         dest="scenarios",
         type=_scenarios,
         default=d.scenarios,
-        help=f"comma-separated, or all: {', '.join(SCENARIOS)} (default steady)",
+        help=f"comma-separated: {', '.join(KNOWN_SCENARIOS)}, or all (the first "
+        f"{len(SCENARIOS)}; default steady)",
     )
     p.add_argument(
         "--quick",
@@ -258,6 +280,26 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
     p.add_argument("--spike-s", type=float, default=None, help=f"default {d.spike_s:g}")
     p.add_argument("--slow-factor", type=float, default=d.slow_factor, help="halve: speed after")
     p.add_argument(
+        "--heavy-load", type=float, default=d.heavy_load, help="noisy: the heavy tenant's load"
+    )
+    p.add_argument(
+        "--light-load", type=float, default=d.light_load, help="noisy: each light tenant's load"
+    )
+    p.add_argument("--light-tenants", type=int, default=d.light_tenants, help="noisy")
+    p.add_argument(
+        "--noisy-seeds",
+        type=_seeds,
+        default=d.noisy_seeds,
+        help="noisy: comma-separated, a run (and its no-flood reference) per seed "
+        f"(default {','.join(map(str, d.noisy_seeds))})",
+    )
+    p.add_argument(
+        "--no-fail-fast",
+        dest="pool_fail_fast",
+        action="store_false",
+        help="sidecar, sidecar-fair: pool.fail_fast off (no refusal on a predicted wait)",
+    )
+    p.add_argument(
         "--sample-every",
         dest="sample_every_s",
         type=float,
@@ -273,8 +315,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
     p.add_argument(
         "--strategies",
         type=_strategies,
-        default=d.strategies,
-        help=f"comma-separated (default: {','.join(STRATEGIES)}); also "
+        default=None,
+        help=f"comma-separated (default: {','.join(STRATEGIES)}; with --scenario noisy alone "
+        f"{','.join(NOISY_STRATEGIES)}); also sidecar-fair (sidecar with fairness between "
+        "tenants), "
         f"{','.join(REPLICA_STRATEGIES)}, not in the default: --replicas gateways (Envoy + "
         "sidecar each) in front of one simulator, sharing one pool of C through Redis, each "
         "with a pool of C (the overshoot), or each with C / replicas; e.g. --strategies "
@@ -350,6 +394,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         p.error("need 0 <= --warmup < --duration")
     if a.replicas < 1:
         p.error("need --replicas >= 1")
+    if a.strategies is None:
+        a.strategies = NOISY_STRATEGIES if a.scenarios == ("noisy",) else d.strategies
+    if a.light_tenants < 1:
+        p.error("need --light-tenants >= 1")
     # Every option's dest is the name of its Options field.
     opts = Options(**{f.name: getattr(a, f.name) for f in fields(Options) if hasattr(a, f.name)})
     if opts.mix == "long" and opts.arrivals != "poisson":

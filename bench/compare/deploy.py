@@ -27,6 +27,7 @@ from testing.stack import Proc, Stack, free_port, wait_http
 from .baselines import adaptive_concurrency, envoy_breakers, envoy_default_breakers, gateway_argv
 from .capacity import Capacity
 from .options import (
+    FAIR_STRATEGY,
     PLAIN_ENVOY_STRATEGIES,
     REPLICA_STRATEGIES,
     SIDECAR_STRATEGIES,
@@ -142,9 +143,10 @@ def deploy(strategy: Strategy, cap: Capacity, opts: Options, log_dir: Path) -> I
         # simulators' metrics before anything starts.
         stack = Stack(**common, policy_path=log_dir / "policy.yaml")
         metrics = [f"{u}/metrics" for u in stack.backend_urls]
-        text = (
-            pool_policy(cap, opts, metrics) if strategy == "sidecar" else sidecar_policy(cap, opts)
-        )
+        if strategy == "sidecar-static":
+            text = sidecar_policy(cap, opts)
+        else:
+            text = pool_policy(cap, opts, metrics, fair=strategy == FAIR_STRATEGY)
         (log_dir / "policy.yaml").write_text(text)
         stack.envoy_patch = policy_envoy_patch(text)
     with stack:

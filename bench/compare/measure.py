@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Final
 
 from bench.common.stats import percentile
@@ -23,6 +23,8 @@ from bench.load.summary import LoadResult, RequestRecord
 from .capacity import Capacity
 from .options import CLASSES, Options, Strategy
 from .scenarios import ScenarioRun
+from .slo import SLO_TTFT_S, Window, meets_slo
+from .tenants import TenantStats, tenant_stats
 
 __all__ = [
     "SLO_TTFT_S",
@@ -49,10 +51,6 @@ __all__ = [
     "with_ratio_to_direct",
 ]
 
-# SLO goodput: an interactive answer counts if its first token came within this of the
-# original arrival (retries included), a batch answer if it completed within its timeout. It
-# is also the TTFT the sidecar is held to and the one a strategy recovers to.
-SLO_TTFT_S: Final = 2.0
 # Sliding windows: 10 s wide, one every second; a window needs this many answers to count as
 # meeting the target (a window where almost nobody was answered proves nothing).
 WINDOW_S: Final = 10.0
@@ -132,22 +130,6 @@ def sample_of(t_s: float, snap: dict[str, float]) -> Sample:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Window:
-    """The measurement window, simulated seconds from the start of the arrivals. A request
-    counts in it if its *final* outcome (last byte, last refusal, or giving up) falls inside."""
-
-    start_s: float
-    end_s: float
-
-    @property
-    def span_s(self) -> float:
-        return self.end_s - self.start_s
-
-    def holds(self, r: RequestRecord) -> bool:
-        return self.start_s <= r.arrival_s + r.e2e_s < self.end_s
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class ClassStats:
     """One class (or ``all``) over the window; shares are of the requests resolved in it."""
 
@@ -175,16 +157,6 @@ def _final_outcome(r: RequestRecord) -> str:
             return "429"
         return "5xx" if r.status >= 500 else "4xx"
     return "timeout" if r.outcome == "timeout" else "other"
-
-
-def meets_slo(r: RequestRecord) -> bool:
-    """Good (a complete 200 within the client's timeout from the original arrival) and, for an
-    interactive request, its first token within :data:`SLO_TTFT_S` of the original arrival."""
-    if not r.good:
-        return False
-    if r.cls == "interactive":
-        return r.ttft_s is not None and r.ttft_s <= SLO_TTFT_S
-    return True
 
 
 def slo_goodput_rps(records: Sequence[RequestRecord], window: Window) -> float:
@@ -392,6 +364,8 @@ class RunSummary:
     # The scenario's figures (recovery_s, limit_settle_s, idle_use, ...), see summarize_run.
     scenario_figures: dict[str, float | None]
     in_flight: InFlight | None = None  # the backend's requests in flight, polled
+    # Per tenant (:mod:`.tenants`), for the runs whose requests carry one.
+    per_tenant: dict[str, TenantStats] = field(default_factory=dict)
 
     @property
     def in_flight_peak(self) -> int | None:
@@ -419,6 +393,8 @@ class RunSummary:
         out["interactive_ttft_p99_s"] = self.ttft_p99_s
         out["interactive_ttft_p99_first_attempt_s"] = self.ttft_p99_first_attempt_s
         out["in_flight_peak"] = self.in_flight_peak
+        for name, t in self.per_tenant.items():
+            out["per_tenant"][name]["attainment"] = t.attainment
         return out
 
 
@@ -551,6 +527,7 @@ def summarize_run(
         wall_s=wall_s,
         scenario_figures=scenario_figures(run, recs, samples, cap),
         in_flight=in_flight_figures(in_flight, window),
+        per_tenant=tenant_stats(recs, window),
     )
 
 

@@ -20,6 +20,7 @@ Strategy = Literal[
     "priority-gateway",
     "sidecar-static",
     "sidecar",
+    "sidecar-fair",
     "replicas-shared",
     "replicas-full",
     "replicas-split",
@@ -41,17 +42,28 @@ REPLICA_STRATEGIES: Final[tuple[Strategy, ...]] = (
     "replicas-full",
     "replicas-split",
 )
-KNOWN_STRATEGIES: Final[tuple[Strategy, ...]] = STRATEGIES + REPLICA_STRATEGIES
+# ``sidecar`` with fairness between tenants (bench.compare.strategies): run only when asked for.
+FAIR_STRATEGY: Final[Strategy] = "sidecar-fair"
+KNOWN_STRATEGIES: Final[tuple[Strategy, ...]] = (*STRATEGIES, FAIR_STRATEGY, *REPLICA_STRATEGIES)
+# The noisy-neighbour scenario's strategies when none are named (bench.compare.scenarios).
+NOISY_STRATEGIES: Final[tuple[Strategy, ...]] = (
+    FAIR_STRATEGY,
+    "sidecar",
+    "priority-gateway",
+    "envoy-cb",
+)
 # The strategies whose Envoy runs the ext_proc filter and the sidecar.
 SIDECAR_STRATEGIES: Final[frozenset[Strategy]] = frozenset(
-    {"sidecar-static", "sidecar", *REPLICA_STRATEGIES}
+    {"sidecar-static", "sidecar", FAIR_STRATEGY, *REPLICA_STRATEGIES}
 )
 # Envoy in front without ext_proc.
 PLAIN_ENVOY_STRATEGIES: Final[frozenset[Strategy]] = frozenset(
     {"envoy-cb-default", "envoy-cb", "envoy-adaptive"}
 )
-ScenarioName = Literal["steady", "shift", "halve", "spike"]
+ScenarioName = Literal["steady", "shift", "halve", "spike", "noisy"]
+# ``--scenario all``: the two-class scenarios; the noisy neighbour only when named.
 SCENARIOS: Final[tuple[ScenarioName, ...]] = ("steady", "shift", "halve", "spike")
+KNOWN_SCENARIOS: Final[tuple[ScenarioName, ...]] = (*SCENARIOS, "noisy")
 DEFAULT_OUT: Final = REPO / "bench" / "results"
 CLASSES: Final = ("interactive", "batch")
 
@@ -91,6 +103,13 @@ class Options:
     spike_load: float = 4.0
     spike_s: float = 30.0
     slow_factor: float = 0.5  # halve: the backend's speed after the change
+    # noisy: one heavy tenant and a few light ones, all interactive, multiples of interactive's
+    # own capacity; each seed a run of its own (and its no-flood reference).
+    heavy_load: float = 5.0
+    light_load: float = 0.2
+    light_tenants: int = 4
+    noisy_seeds: tuple[int, ...] = (0, 1)
+    pool_fail_fast: bool = True  # sidecar, sidecar-fair: pool.fail_fast (off: a diagnostic)
     sample_every_s: float = 2.0  # backend and limit gauges sampled this often during a run
     replicas: int = 3  # the replica strategies' gateways in front of the one simulator
     # priority-gateway: short = prompt and max_tokens both below these; None = the mix's medians.

@@ -25,6 +25,7 @@ COLORS: Final = {
     "priority-gateway": "tab:green",
     "sidecar-static": "tab:cyan",
     "sidecar": "tab:blue",
+    "sidecar-fair": "navy",
     "replicas-shared": "tab:olive",
     "replicas-full": "tab:pink",
     "replicas-split": "tab:gray",
@@ -40,8 +41,8 @@ def plot(
     out_dir: Path,
 ) -> list[Path]:
     """goodput.png and latency_cdf.png for the steady runs (requests resolved in the window),
-    timeline_<scenario>.png for each other scenario. ``results`` and ``samples`` are keyed by
-    (run key, strategy)."""
+    timeline_<scenario>.png for each other scenario but the noisy neighbour (its figures are per
+    tenant, in tables). ``results`` and ``samples`` are keyed by (run key, strategy)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -49,7 +50,9 @@ def plot(
     steady = [r for r in rows if r.scenario == "steady"]
     if steady:
         paths += _plot_steady(steady, results, cap, opts, out_dir)
-    for scenario in dict.fromkeys(r.scenario for r in rows if r.scenario != "steady"):
+    for scenario in dict.fromkeys(
+        r.scenario for r in rows if r.scenario not in ("steady", "noisy")
+    ):
         paths.append(
             _plot_timeline(
                 scenario, [r for r in rows if r.scenario == scenario], results, samples, out_dir

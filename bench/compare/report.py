@@ -277,7 +277,7 @@ def _run_row(r: RunSummary) -> list[str]:
     lag = max(r.loadgen_lag_s_max, r.sim_lag_s_max or 0.0)
     e2e = {c: s.e2e_p99_s for c, s in r.per_class.items()}
     return [
-        r.label if r.scenario == "steady" else r.scenario,
+        r.label,  # the steady load, or the scenario's name (noisy: flood or not, the seed)
         r.strategy,
         f"{r.offered_rps:.2f}",
         f"{r.goodput_rps:.2f}",
@@ -429,7 +429,7 @@ def format_scenarios(rows: Sequence[RunSummary]) -> str:
     """The time-varying scenarios' figures (see bench.compare.scenarios); empty without any."""
     cells = []
     for r in rows:
-        if r.scenario == "steady":
+        if r.scenario in ("steady", "noisy"):  # noisy: its figures are per tenant (.noisy)
             continue
         f = r.scenario_figures
         limit = "-"
@@ -462,10 +462,13 @@ def format_scenarios(rows: Sequence[RunSummary]) -> str:
 
 
 def format_targets(checks: Sequence[TargetCheck]) -> str:
-    lines = ["targets (sidecar; indented: the same target read another way, for context):"]
+    lines = [
+        "targets (sidecar; noisy: sidecar-fair; indented: the same target read another way, "
+        "for context):"
+    ]
     lines.extend(
         f"{'  ' if c.primary else '      '}{'PASS' if c.passed else 'MISS'}  "
-        f"{c.label if c.scenario == 'steady' else c.scenario:>6}  {c.name:<46} {c.detail}"
+        f"{c.label:>6}  {c.name:<46} {c.detail}"
         for c in checks
     )
     return "\n".join(lines)

@@ -241,7 +241,7 @@ def run_one(
             duration_s=run.duration_s + 1.0,
             max_requests=opts.max_requests,
             speedup=opts.speedup,
-            seed=opts.seed,
+            seed=opts.seed if run.seed is None else run.seed,
             max_retries=opts.max_retries,
             traces_dir=opts.traces_dir,
             max_run_s=run.duration_s + 1.0,

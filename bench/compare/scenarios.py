@@ -38,7 +38,7 @@ from bench.load.workload import ClassSpec
 from .capacity import Capacity
 from .options import Options, ScenarioName
 
-__all__ = ["ScenarioRun", "plan"]
+__all__ = ["ScenarioRun", "noisy_runs", "plan"]
 
 Pieces = tuple[tuple[float, float], ...]  # (start_s, rate) in time order, the first at 0
 
@@ -54,14 +54,23 @@ class ScenarioRun:
     rates: Mapping[str, Pieces]
     speed_changes: tuple[tuple[float, float], ...] = ()  # (at_s, speed factor of the backend)
     marks: Mapping[str, float] = field(default_factory=dict)  # named instants, simulated s
+    seed: int | None = None  # the load's seed; None: ``--seed``
+    # Per class, (tenant, weight) pairs: the class's arrivals split between its tenants.
+    tenants: Mapping[str, tuple[tuple[str, float], ...]] = field(default_factory=dict)
+    reference: bool = False  # a reference point: run by one strategy only
 
     @property
     def label(self) -> str:
+        if self.scenario == "noisy":
+            return f"{'no flood' if self.reference else 'flood'} s{self.seed}"
         return f"{self.load:g}x" if self.scenario == "steady" else self.scenario
 
     @property
     def key(self) -> str:
-        """A name for files and records: ``steady-2x``, ``shift``, ..."""
+        """A name for files and records: ``steady-2x``, ``shift``, ``noisy-s0``,
+        ``noflood-s0``, ..."""
+        if self.scenario == "noisy":
+            return f"{'noflood' if self.reference else 'noisy'}-s{self.seed}"
         return f"steady-{self.load:g}x" if self.scenario == "steady" else self.scenario
 
     def mean_rate(self, cls: str) -> float:
@@ -84,7 +93,14 @@ class ScenarioRun:
         for spec in opts.classes(1.0):
             mean = self.mean_rate(spec.name)
             if mean > 0:
-                out.append(replace(spec, rate=mean, rate_schedule=tuple(self.rates[spec.name])))
+                out.append(
+                    replace(
+                        spec,
+                        rate=mean,
+                        rate_schedule=tuple(self.rates[spec.name]),
+                        tenants=self.tenants.get(spec.name, ()),
+                    )
+                )
         return tuple(out)
 
 
@@ -160,4 +176,30 @@ def plan(name: ScenarioName, cap: Capacity, opts: Options) -> list[ScenarioRun]:
                 warmup_s=opts.warmup_s,
             )
         ]
+    if name == "noisy":
+        return noisy_runs(cap, opts)
     raise ValueError(f"unknown scenario {name!r}")
+
+
+def noisy_runs(cap: Capacity, opts: Options) -> list[ScenarioRun]:
+    """Per seed, the flood and its reference (the light tenants alone); loads are multiples
+    of interactive's own capacity (that class alone at ``max_num_seqs``)."""
+    unit = cap.class_capacity_rps["interactive"]
+    light = tuple((f"light-{i + 1}", opts.light_load) for i in range(opts.light_tenants))
+    out = []
+    for seed in opts.noisy_seeds:
+        for tenants in ((("heavy", opts.heavy_load), *light), light):
+            load = sum(w for _, w in tenants)
+            out.append(
+                ScenarioRun(
+                    scenario="noisy",
+                    load=load,
+                    rates={"interactive": ((0.0, load * unit),)},
+                    tenants={"interactive": tenants},
+                    duration_s=opts.duration_s,
+                    warmup_s=opts.warmup_s,
+                    seed=seed,
+                    reference=tenants is light,
+                )
+            )
+    return out

@@ -9,6 +9,12 @@ starts). The peers they are compared with are in :mod:`.baselines`.
     Envoy + llm-extproc with one shared pool whose limit the sidecar derives from the
     simulators' own metrics against latency objectives (:func:`pool_policy`); the model gives
     only the static fallback (C).
+``sidecar-fair``
+    ``sidecar`` with fairness between tenants (not in the default list; the noisy-neighbour
+    scenario's): every bucket keys its tenants on ``x-tenant-id`` (a trusted header: in front
+    of a real gateway Envoy's auth sets it; the bench's Envoy does not strip it, so the load
+    generator plays that part) and orders its queue ``fair`` instead of ``cost``. Nothing else
+    differs, so the two measure the order and nothing but it.
 ``replicas-shared``, ``replicas-full``, ``replicas-split``
     ``Options.replicas`` gateways (``testing.gateways.Gateways``: Envoy + sidecar each) in front
     of one simulator (:func:`replica_policies`, not in the default list): one static pool of C
@@ -23,9 +29,10 @@ import math
 from typing import Any, Final
 
 from bench.common.policy import REDIS_PLACEHOLDER, STAND_INS, policy_yaml, wall_ms
+from bench.load.runner import TENANT_HEADER
 
 from .capacity import Capacity
-from .options import REPLICA_STRATEGIES, Options, Strategy
+from .options import FAIR_STRATEGY, REPLICA_STRATEGIES, Options, Strategy
 
 __all__ = [
     "REDIS_PLACEHOLDER",
@@ -140,6 +147,12 @@ def _pool_buckets(opts: Options) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
+def _fair(buckets: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same buckets, each with its tenants keyed on :data:`TENANT_HEADER` and its queue in
+    the ``fair`` order."""
+    return [{**b, "tenant": {"header": TENANT_HEADER}, "order": "fair"} for b in buckets]
+
+
 def _overload(opts: Options) -> dict[str, Any]:
     return {
         "tighten_eviction_rate": 0.05,
@@ -148,10 +161,14 @@ def _overload(opts: Options) -> dict[str, Any]:
     }
 
 
-def pool_policy(cap: Capacity, opts: Options, metrics_urls: list[str]) -> str:
+def pool_policy(
+    cap: Capacity, opts: Options, metrics_urls: list[str], *, fair: bool = False
+) -> str:
     """``sidecar``'s policy: one pool whose limit the sidecar reads from the simulators' own
     metrics against latency objectives. Nothing here comes from the capacity model but the
     static fallback ``max_concurrency`` (C), used only while the metrics are stale.
+    ``fair``: ``sidecar-fair``'s, the same with tenants and the fair order in every bucket
+    (:func:`_fair`), the tenant header trusted.
 
     Time: the sidecar's timers (queue deadlines, scrape interval, windows, holds) run on the
     wall clock and are written as simulated / speedup; the objectives are compared with the
@@ -162,7 +179,7 @@ def pool_policy(cap: Capacity, opts: Options, metrics_urls: list[str]) -> str:
     s = opts.speedup
     pool = {
         "max_concurrency": cap.concurrency,
-        "fail_fast": True,
+        "fail_fast": opts.pool_fail_fast,
         "adaptive": {
             "min": 8,
             "max": opts.engine.max_num_seqs,
@@ -175,20 +192,22 @@ def pool_policy(cap: Capacity, opts: Options, metrics_urls: list[str]) -> str:
         },
         "overload": _overload(opts),
     }  # fmt: skip
+    buckets = _pool_buckets(opts)
     data = {
         **_common_policy(opts),
+        **({"trusted_headers": [TENANT_HEADER]} if fair else {}),
         "pool": pool,
         "backend": {"metrics": list(metrics_urls)},
-        "buckets": _pool_buckets(opts),
+        "buckets": _fair(buckets) if fair else buckets,
     }
     what = (
         "one adaptive pool; max_concurrency is only the fallback while the metrics are stale;\n"
         "the SLOs are simulated seconds (the simulator's histograms are)"
+        + (";\ntenants by x-tenant-id, the fair order in every bucket" if fair else "")
     )
     stand_ins = {**STAND_INS, METRICS_PLACEHOLDER: "http://127.0.0.1:9/metrics"}
-    return policy_yaml(
-        data, source="bench.compare sidecar", comment=_header(opts, what), stand_ins=stand_ins
-    )
+    source = "bench.compare sidecar-fair" if fair else "bench.compare sidecar"
+    return policy_yaml(data, source=source, comment=_header(opts, what), stand_ins=stand_ins)
 
 
 def replica_limits(strategy: Strategy, cap: Capacity, opts: Options) -> list[int]:
@@ -265,6 +284,8 @@ def sidecar_configs(cap: Capacity, opts: Options) -> dict[str, Any]:
         out["sidecar-static policy"] = sidecar_policy(cap, opts)
     if "sidecar" in s:
         out["sidecar policy"] = pool_policy(cap, opts, [METRICS_PLACEHOLDER])
+    if FAIR_STRATEGY in s:
+        out["sidecar-fair policy"] = pool_policy(cap, opts, [METRICS_PLACEHOLDER], fair=True)
     for strategy in REPLICA_STRATEGIES:
         if strategy in s:
             policies = replica_policies(strategy, cap, opts)

@@ -22,6 +22,9 @@ from .workload import ClassSpec, PlannedRequest, build_schedule
 
 DEFAULT_MODEL: Final = "meta-llama/Llama-3.1-8B-Instruct"
 CLASS_HEADER: Final = "x-llm-class"
+# The tenant of a request with one (ClassSpec.tenants): in front of a real gateway an auth
+# layer would set it; here the client plays that part.
+TENANT_HEADER: Final = "x-tenant-id"
 # What the OpenAI SDKs (Stainless-generated) send on every attempt: the retries taken so far,
 # "0" on the first (openai-python ``_build_headers``).
 RETRY_COUNT_HEADER: Final = "x-stainless-retry-count"
@@ -100,6 +103,8 @@ async def _run_request(
     path = CHAT_PATH if spec.endpoint == "chat" else COMPLETIONS_PATH
     body = json.dumps(request_payload(spec, pr, cfg.model)).encode()
     headers = {CLASS_HEADER: spec.name}
+    if pr.tenant is not None:
+        headers[TENANT_HEADER] = pr.tenant
     if cfg.prompt_tokens_header:
         headers["x-sim-prompt-tokens"] = str(pr.prompt_tokens)
     rng = random.Random(f"{cfg.seed}:retry:{pr.index}")
@@ -208,6 +213,7 @@ def _record(pr: PlannedRequest, **what: Any) -> RequestRecord:
         arrival_s=pr.t_s,
         prompt_tokens=pr.prompt_tokens,
         max_tokens=pr.output_tokens,
+        tenant=pr.tenant,
         **what,
     )
 

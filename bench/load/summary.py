@@ -30,6 +30,7 @@ class RequestRecord:
     attempts: int
     gave_up: bool  # the client timed out and disconnected on its final attempt
     good: bool  # complete 200 within the class timeout
+    tenant: str | None = None  # the x-tenant-id it was sent with; None: none
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,6 +17,11 @@ request cap, does not change the other requests):
   piece by piece from the same random stream, exact because the exponential is memoryless. One
   piece from 0 gives the very arrivals of a constant ``rate``, so a steady run and a scenario
   share their schedule up to the first change.
+* ``tenants``: the class's arrivals split between tenants in proportion to their weights, each
+  tenant a Poisson process of its own (its share of the rate, piece by piece) with its own
+  random streams (seeded from ``seed``, the class name and the tenant), so a tenant's requests
+  do not depend on the other tenants: the same light tenants with and without a heavy one get
+  the very same requests. Each request carries its tenant (sent as ``x-tenant-id``).
 * ``arrivals="trace"``: the trace's own arrival times, replayed in order from the first row and
   compressed or stretched so that the mean rate equals ``rate`` (factor ``trace_rate / rate``,
   burstiness preserved); the lengths are the rows' recorded token counts. The trace wraps around
@@ -178,6 +183,9 @@ class ClassSpec:
     # (start_s, rate) pieces in time order: from each start until the next, arrivals come at that
     # rate (0: none); before the first start at ``rate``. Poisson arrivals only.
     rate_schedule: tuple[tuple[float, float], ...] = ()
+    # (tenant, weight): the arrivals split between these tenants in proportion to the weights,
+    # each a stream of its own; () = no tenant. Poisson arrivals only.
+    tenants: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.rate <= 0 or self.timeout_s <= 0:
@@ -192,6 +200,19 @@ class ClassSpec:
                 raise ValueError(f"class {self.name}: rate_schedule starts must be >= 0, in order")
             if any(r < 0 for _, r in self.rate_schedule):
                 raise ValueError(f"class {self.name}: rate_schedule rates must be >= 0")
+        if self.tenants:
+            if self.arrivals == "trace":
+                raise ValueError(f"class {self.name}: tenants need Poisson arrivals")
+            names = [t for t, _ in self.tenants]
+            if len(set(names)) != len(names) or any(w <= 0 for _, w in self.tenants):
+                raise ValueError(f"class {self.name}: tenants must be unique, weights > 0")
+
+    def tenant_shares(self) -> tuple[tuple[str | None, float], ...]:
+        """Each tenant with its share of the class's arrivals (one ``(None, 1.0)`` without)."""
+        if not self.tenants:
+            return ((None, 1.0),)
+        total = sum(w for _, w in self.tenants)
+        return tuple((t, w / total) for t, w in self.tenants)
 
     def rate_pieces(self, duration_s: float) -> list[tuple[float, float, float]]:
         """``(start_s, end_s, rate)`` covering ``[0, duration_s)``."""
@@ -213,6 +234,8 @@ def class_from_dict(d: Mapping[str, Any]) -> ClassSpec:
             kwargs[key] = parse_dist(kwargs[key])
     if "rate_schedule" in kwargs:  # JSON lists of [start_s, rate]
         kwargs["rate_schedule"] = tuple((float(t), float(r)) for t, r in kwargs["rate_schedule"])
+    if "tenants" in kwargs:  # JSON lists of [tenant, weight]
+        kwargs["tenants"] = tuple((str(t), float(w)) for t, w in kwargs["tenants"])
     return ClassSpec(**kwargs)
 
 
@@ -225,6 +248,7 @@ class PlannedRequest:
     cls: str
     prompt_tokens: int
     output_tokens: int
+    tenant: str | None = None  # sent as x-tenant-id
 
 
 def poisson_arrivals(
@@ -286,11 +310,9 @@ def build_schedule(
     names = [c.name for c in classes]
     if len(set(names)) != len(names):
         raise ValueError("class names must be unique")
-    raw: list[tuple[float, int, int, int]] = []  # (t, class position, prompt, output)
+    # (t, class position, tenant position, prompt, output)
+    raw: list[tuple[float, int, int, int, int]] = []
     for pos, spec in enumerate(classes):
-        # Separate streams: the n-th request's lengths do not depend on duration or caps.
-        arrival_rng = random.Random(f"{seed}:{spec.name}:arrivals")
-        rng = random.Random(f"{seed}:{spec.name}:lengths")
         trace = (
             load_trace(resolve_trace(spec.trace, traces_dir)) if spec.trace is not None else None
         )
@@ -299,18 +321,30 @@ def build_schedule(
             for t, row in trace_arrivals(
                 trace, rate=spec.rate, duration_s=duration_s, max_n=max_requests
             ):
-                raw.append((t, pos, trace.prompt_tokens[row], trace.output_tokens[row]))
+                raw.append((t, pos, 0, trace.prompt_tokens[row], trace.output_tokens[row]))
             continue
-        for t in piecewise_poisson_arrivals(
-            spec.rate_pieces(duration_s), rng=arrival_rng, max_n=max_requests
-        ):
-            if trace is not None:
-                row = rng.randrange(len(trace))
-                raw.append((t, pos, trace.prompt_tokens[row], trace.output_tokens[row]))
-            else:
-                raw.append((t, pos, spec.prompt.sample(rng), spec.output.sample(rng)))
-    raw.sort(key=lambda r: (r[0], r[1]))
+        for k, (tenant, share) in enumerate(spec.tenant_shares()):
+            # Separate streams: the n-th request's lengths do not depend on duration or caps,
+            # nor a tenant's requests on the other tenants.
+            stream = spec.name if tenant is None else f"{spec.name}:{tenant}"
+            arrival_rng = random.Random(f"{seed}:{stream}:arrivals")
+            rng = random.Random(f"{seed}:{stream}:lengths")
+            pieces = [(a, b, rate * share) for a, b, rate in spec.rate_pieces(duration_s)]
+            for t in piecewise_poisson_arrivals(pieces, rng=arrival_rng, max_n=max_requests):
+                if trace is not None:
+                    row = rng.randrange(len(trace))
+                    raw.append((t, pos, k, trace.prompt_tokens[row], trace.output_tokens[row]))
+                else:
+                    raw.append((t, pos, k, spec.prompt.sample(rng), spec.output.sample(rng)))
+    raw.sort(key=lambda r: (r[0], r[1], r[2]))
     return tuple(
-        PlannedRequest(index=i, t_s=t, cls=classes[pos].name, prompt_tokens=p, output_tokens=o)
-        for i, (t, pos, p, o) in enumerate(raw[:max_requests])
+        PlannedRequest(
+            index=i,
+            t_s=t,
+            cls=classes[pos].name,
+            prompt_tokens=p,
+            output_tokens=o,
+            tenant=classes[pos].tenant_shares()[k][0],
+        )
+        for i, (t, pos, k, p, o) in enumerate(raw[:max_requests])
     )

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.micro.admission_cost import admission_costs
+from bench.micro.tenant_cost import tenant_costs
 from bench.overhead.h2load import closed_loop, h2load_binary, warm_up
 from bench.overhead.held import held_queue
 from bench.overhead.meters import CpuMeter, log
@@ -138,6 +139,9 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     # In process, the servers stopped.
     log("admission cost against queue length (in process)")
     res.update(admission_costs(args.gate_ops))
+    if args.tenant_ops:
+        log("admission cost against tenants tracked (in process)")
+        res["tenants"] = tenant_costs(args.tenant_ops)
     res["targets"] = targets(res)
     return res
 
@@ -224,6 +228,13 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=2000,
         help="operations per queue length in the in-process admission test",
+    )
+    parser.add_argument(
+        "--tenant-ops",
+        type=int,
+        default=5000,
+        help="requests per population in the in-process tenant test (1 tenant, 10,000 "
+        "tracked, fresh keys; 0: skip)",
     )
     parser.add_argument(
         "--profile",

@@ -6,6 +6,7 @@ from typing import Any
 
 from bench.common.table import fmt, format_table
 from bench.micro.admission_cost import LEVELS, format_costs
+from bench.micro.tenant_cost import POPULATIONS, format_tenant_costs
 from bench.overhead.profile import PROFILED
 from bench.overhead.ways import FLOOR, NAIVE, SIDECAR, SIDECAR_GRPC, SIDECAR_REDIS, SIDECAR_RW
 
@@ -98,6 +99,16 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             "admit/evict cost independent of queue length (p50 at 10k <= 1.5x p50 at 10)",
             ", ".join(parts),
             worst_ratio <= 1.5,
+        )
+    tenants = res.get("tenants")
+    if tenants:
+        one, many, fresh = (tenants[p]["request"]["p50_us"] for p in POPULATIONS)
+        ratio = many / one if one else float("inf")
+        add(
+            "per-request admission cost with 10,000 tenants tracked within 10% of one tenant "
+            "(p50, enter + admit)",
+            f"{one:.2f} -> {many:.2f} us ({ratio:.2f}x; fresh keys {fresh:.2f} us)",
+            ratio <= 1.1,
         )
     return rows
 
@@ -304,6 +315,8 @@ def report(res: dict[str, Any]) -> str:
     for level, title in LEVELS.items():
         if res.get(level):
             out += ["", *format_costs(title, res[level])]
+    if res.get("tenants"):
+        out += ["", *format_tenant_costs(res["tenants"])]
     out += ["", "targets"]
     out += [f"  {t['verdict']:<4}  {t['target']}: {t['measured']}" for t in res.get("targets", [])]
     return "\n".join(out)

@@ -103,6 +103,36 @@ def test_rate_schedule_in_class_and_schedule() -> None:
     ).rate_schedule == ((0.0, 0.0), (5.0, 2.5))
 
 
+def test_tenants_split_a_class() -> None:
+    """Each tenant is a stream of its own: a light tenant's requests are the same with or
+    without a heavy one beside it, and the shares follow the weights."""
+    light = (("a", 0.2), ("b", 0.2))
+    flood = ClassSpec(name="i", rate=54.0, tenants=(("heavy", 5.0), *light))
+    alone = ClassSpec(name="i", rate=4.0, tenants=light)
+    assert alone.tenant_shares() == (("a", 0.5), ("b", 0.5))
+    assert ClassSpec(name="i", rate=1.0).tenant_shares() == ((None, 1.0),)
+    both = build_schedule([flood], duration_s=50.0, max_requests=100_000, seed=2)
+    only = build_schedule([alone], duration_s=50.0, max_requests=100_000, seed=2)
+    assert [p.index for p in both] == list(range(len(both)))  # one time order, reindexed
+    assert {p.tenant for p in only} == {"a", "b"}
+
+    def mine(sched: tuple[PlannedRequest, ...], t: str) -> list[tuple[float, int, int]]:
+        return [(p.t_s, p.prompt_tokens, p.output_tokens) for p in sched if p.tenant == t]
+
+    assert mine(both, "a") == mine(only, "a") and mine(both, "b") == mine(only, "b")
+    assert len(mine(both, "heavy")) == pytest.approx(50 * 50.0, rel=0.1)
+    assert len(mine(both, "a")) == pytest.approx(50 * 2.0, rel=0.3)
+    # Without tenants, no request has one (and no x-tenant-id is sent).
+    plain = build_schedule([ClassSpec(name="i", rate=4.0)], duration_s=50.0, max_requests=9999)
+    assert {p.tenant for p in plain} == {None}
+    for bad in ((("a", 1.0), ("a", 2.0)), (("a", 0.0),)):
+        with pytest.raises(ValueError):
+            ClassSpec(name="x", rate=1.0, tenants=bad)
+    with pytest.raises(ValueError):
+        ClassSpec(name="x", rate=1.0, arrivals="trace", trace="t", tenants=(("a", 1.0),))
+    assert class_from_dict({"name": "x", "rate": 1, "tenants": [["a", 1]]}).tenants == (("a", 1.0),)
+
+
 def test_long_mix() -> None:
     classes = default_classes(10.0, mix="long")
     assert [(c.name, c.stream, c.trace) for c in classes] == [
@@ -439,10 +469,12 @@ def test_retries_honour_retry_after() -> None:
     Each attempt says how many retries came before it, as the OpenAI SDK does."""
     hits: dict[str, int] = {}
     counts: dict[str, list[str]] = {}
+    tenants: dict[str, set[str]] = {}
 
     async def handler(request: web.Request) -> web.StreamResponse:
         cls = request.headers["x-llm-class"]
         hits[cls] = hits.get(cls, 0) + 1
+        tenants.setdefault(cls, set()).add(request.headers.get("x-tenant-id", "-"))
         counts.setdefault(cls, []).append(request.headers.get("x-stainless-retry-count", "-"))
         if cls == "flaky" and hits[cls] <= 2:
             return web.json_response({"error": {}}, status=429, headers={"retry-after-ms": "500"})
@@ -460,7 +492,9 @@ def test_retries_honour_retry_after() -> None:
         port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
         schedule = [
             PlannedRequest(index=0, t_s=0.0, cls="flaky", prompt_tokens=3, output_tokens=4),
-            PlannedRequest(index=1, t_s=0.0, cls="down", prompt_tokens=3, output_tokens=4),
+            PlannedRequest(
+                index=1, t_s=0.0, cls="down", prompt_tokens=3, output_tokens=4, tenant="t-7"
+            ),
         ]
         classes = (
             ClassSpec(name="flaky", rate=1.0, timeout_s=10.0),
@@ -483,6 +517,9 @@ def test_retries_honour_retry_after() -> None:
     flaky, down = result.records
     assert hits == {"flaky": 3, "down": 3}
     assert counts == {"flaky": ["0", "1", "2"], "down": ["0", "1", "2"]}
+    # A request's tenant goes with every attempt and into its record; none: no header.
+    assert tenants == {"flaky": {"-"}, "down": {"t-7"}}
+    assert (flaky.tenant, down.tenant) == (None, "t-7")
     assert flaky.outcome == "ok" and flaky.attempts == 3 and flaky.good
     assert flaky.e2e_s >= 1.0  # two 0.5 s (simulated) retry-after waits
     assert down.outcome == "http_error" and down.status == 503 and down.attempts == 3

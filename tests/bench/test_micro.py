@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.micro import admission_cost, body_parser, redis_rtt, scrape_bounds
+from bench.micro import admission_cost, body_parser, redis_rtt, scrape_bounds, tenant_cost
 from extproc.backend import http, prometheus
 
 
@@ -20,6 +20,19 @@ def test_admission_cost(capsys: pytest.CaptureFixture[str]) -> None:
     admission_cost.main(["--ops", "20"])
     out = capsys.readouterr().out
     assert out.count("admission cost against queue length") == 2 and "10,000" in out
+
+
+def test_tenant_cost(capsys: pytest.CaptureFixture[str]) -> None:
+    costs = tenant_cost.tenant_costs(20)
+    assert list(costs) == list(tenant_cost.POPULATIONS)
+    # Each population is what it says: the fair order held that many tenants at the end.
+    assert [c["tracked"]["tenants"] for c in costs.values()] == [1, 10_000, 10_000]
+    for c in costs.values():
+        assert all(0 < c[op]["p50_us"] <= c[op]["p99_us"] for op in ("enter", "admit"))
+        assert c["request"]["p50_us"] >= c["enter"]["p50_us"]
+    tenant_cost.main(["--ops", "20"])
+    out = capsys.readouterr().out
+    assert "admission cost against tenants tracked" in out and "10,000 tracked" in out
 
 
 def test_body_parser(capsys: pytest.CaptureFixture[str]) -> None:

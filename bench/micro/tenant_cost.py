@@ -1,0 +1,150 @@
+"""Admission cost against tenants tracked, in process: ``python -m bench.micro.tenant_cost
+[--ops 5000]``.
+
+``extproc.pool.gate.Gate`` with a pool of one slot and one bucket in the ``fair`` order
+(tenants by ``x-tenant-id``, the policy's default ``max_tracked`` of 10,000, and a per-tenant
+``max_queue``, so the tenant bounds are counted too), the queue kept at :data:`QUEUED`
+waiters. Each request is timed with ``perf_counter_ns`` around its two calls, enter (join the
+queue: the fair order's tag lookup and the tenant bounds) and admit (release the slot, the head
+waiter's ``admitted()`` returns it: the fair order hears the admission), for three populations:
+
+* ``1 tenant``: every request the same tenant (today's behaviour without a key);
+* ``10,000 tracked``: requests cycle through 10,000 tenants, all of them already tracked
+  (one pass before the timed one): the order's table full, every lookup a hit;
+* ``fresh keys``: every request a tenant never seen, with 10,000 tracked: each one evicts the
+  least recently seen (a flood of new keys).
+
+The target (issue 23; ``bench.overhead`` runs this step and holds it to it): per request
+(enter + admit), p50 with 10,000 tracked within 10 % of one tenant's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+from typing import Final
+
+from bench.common.policy import policy_yaml
+from bench.common.stats import percentile_scaled
+from bench.common.table import format_table
+
+__all__ = ["POPULATIONS", "TRACKED", "fair_policy", "format_tenant_costs", "tenant_costs"]
+
+TRACKED: Final = 10_000
+QUEUED: Final = 10
+TENANT_HEADER: Final = "x-tenant-id"
+POPULATIONS: Final = ("1 tenant", f"{TRACKED:,} tracked", "fresh keys")
+
+
+def fair_policy() -> str:
+    """A pool of one slot, one bucket in the fair order on tenants from a trusted header
+    (default ``max_tracked``), a per-tenant bound that never refuses here."""
+    data = {
+        "trusted_headers": [TENANT_HEADER],
+        "pool": {"max_concurrency": 1},
+        "buckets": [
+            {
+                "name": "fair",
+                "queue_timeout": "300s",
+                "max_queue": QUEUED + 10,
+                "order": "fair",
+                "tenant": {"header": TENANT_HEADER, "max_queue": QUEUED + 10},
+            }
+        ],
+    }
+    return policy_yaml(data, source="bench.micro tenant_cost")
+
+
+def _tenants(population: str) -> tuple[Callable[[int], str], int]:
+    """Request i's tenant, and how many requests go untimed first (to fill the table)."""
+    if population == POPULATIONS[0]:
+        return (lambda i: "t"), 0
+    if population == POPULATIONS[1]:
+        return (lambda i: f"t{i % TRACKED}"), TRACKED
+    return (lambda i: f"t{i}"), TRACKED
+
+
+def _stats_us(ns: list[int]) -> dict[str, float]:
+    return {
+        "p50_us": percentile_scaled(ns, 50, 1e-3),
+        "p99_us": percentile_scaled(ns, 99, 1e-3),
+        "mean_us": sum(ns) / len(ns) / 1e3,
+    }
+
+
+def population_costs(population: str, ops: int) -> dict[str, dict[str, float]]:
+    """Per-request cost of ``Gate`` for one population: enter, admit, and both together; and
+    ``tracked``: how many tenants the fair order held at the end (read from the core, the
+    check that the population is what it says)."""
+    from extproc.config.policy import policy_from_yaml
+    from extproc.pool.gate import Gate, Waiter
+    from extproc.pool.order import FairOrder
+
+    policy = policy_from_yaml(fair_policy(), "<bench>")
+    tenant_of, untimed = _tenants(population)
+    clock = time.perf_counter_ns
+    out: dict[str, list[int]] = defaultdict(list)
+    tracked = 0
+
+    async def run() -> None:
+        nonlocal tracked
+        gate = Gate(policy)
+        slot = gate.enter("fair", 300.0, cost=300, tenant=tenant_of(0), output=100)
+        assert not isinstance(slot, Waiter)
+        waiters: deque[Waiter] = deque()
+        for i in range(1, untimed + ops + QUEUED + 1):
+            t0 = clock()
+            w = gate.enter("fair", 300.0, cost=300, tenant=tenant_of(i), output=100)
+            t1 = clock()
+            assert isinstance(w, Waiter)
+            waiters.append(w)
+            if len(waiters) <= QUEUED:
+                continue  # filling the queue
+            slot.release()
+            slot = await waiters.popleft().admitted()
+            t2 = clock()
+            if i > untimed + QUEUED:
+                out["enter"].append(t1 - t0)
+                out["admit"].append(t2 - t1)
+                out["request"].append(t2 - t0)
+        order = gate._core._buckets["fair"].order  # the bench's look inside, not an API
+        tracked = len(order.tags) if isinstance(order, FairOrder) else 0
+        for w in waiters:
+            w.cancel()
+        slot.release()
+
+    asyncio.run(run())
+    return {**{op: _stats_us(ns) for op, ns in out.items()}, "tracked": {"tenants": tracked}}
+
+
+def tenant_costs(ops: int) -> dict[str, dict[str, dict[str, float]]]:
+    """Every population: {population: {"enter"|"admit"|"request": figures}}."""
+    return {p: population_costs(p, ops) for p in POPULATIONS}
+
+
+def format_tenant_costs(costs: dict[str, dict[str, dict[str, float]]]) -> list[str]:
+    ops = ("enter", "admit", "request")
+    rows = [
+        [p, *(f"{r[op]['p50_us']:.2f} / {r[op]['p99_us']:.2f}" for op in ops)]
+        for p, r in costs.items()
+    ]
+    return [
+        f"admission cost against tenants tracked, extproc.pool.gate.Gate, fair order, {QUEUED} "
+        "queued: us per request, p50 / p99",
+        format_table(["tenants", *ops], rows),
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.micro.tenant_cost", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--ops", type=int, default=5000, help="timed requests per population")
+    print("\n".join(format_tenant_costs(tenant_costs(parser.parse_args(argv).ops))))
+
+
+if __name__ == "__main__":
+    main()
