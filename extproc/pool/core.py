@@ -138,10 +138,11 @@ class Admission:
             output=output,
         )
         counts = b.tenants
-        if counts is not None and tenant is not None:
-            refusal = counts.refusal(tenant, b.max_slots(pool.limit, None))
-            if refusal is not None:
-                return Decision(verdict=refusal, ticket=ticket)
+        if counts is not None:
+            if tenant is not None:
+                refusal = counts.refusal(tenant, b.max_slots(pool.limit, None))
+                if refusal is not None:
+                    return Decision(verdict=refusal, ticket=ticket)
             counts.joined(tenant)
         # Join the queue, then let the rules decide: admitted at once when they pick it now.
         self._where[ticket.id] = b
@@ -160,7 +161,7 @@ class Admission:
             b.refused_total += 1
             return Decision(verdict=Verdict.QUEUE_FULL, ticket=ticket)
         if pool.fail_fast:
-            wait = b.predicted_wait_s(exclude=ticket.id)
+            wait = b.predicted_wait_s(exclude=ticket)
             if wait is not None and wait > timeout_s:
                 self._drop(b, ticket)
                 b.refused_total += 1
@@ -180,7 +181,7 @@ class Admission:
         pool.running -= 1
         pool.tokens -= ticket.cost
         b.tokens -= ticket.cost
-        if b.tenants is not None and ticket.tenant is not None:
+        if b.tenants is not None:
             b.tenants.released(ticket.tenant)
         if b.observer is not None:
             b.observer.released(ticket, now)
@@ -432,7 +433,7 @@ class Admission:
         b.tokens += ticket.cost
         b.admitted_total += 1
         b.waits.append(now - ticket.enqueued_at)
-        if b.tenants is not None and ticket.tenant is not None:
+        if b.tenants is not None:
             b.tenants.admitted(ticket.tenant)
         if b.observer is not None:
             b.observer.admitted(ticket, key, now)
@@ -442,7 +443,7 @@ class Admission:
         del b.waiting[ticket.id]
         self._unqueue(b, ticket)
         del self._where[ticket.id]
-        if b.tenants is not None and ticket.tenant is not None:
+        if b.tenants is not None:
             b.tenants.left(ticket.tenant)
 
     def _unqueue(self, b: BucketState, ticket: Ticket) -> None:

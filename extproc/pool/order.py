@@ -80,6 +80,8 @@ class QueueOrder:
     __slots__ = ()
     # True: the core calls ``admitted`` and ``released`` for each of the bucket's tickets.
     observes: ClassVar[bool] = False
+    # True: the order serves tenants in turn (a prediction counts only who it puts ahead).
+    by_tenant: ClassVar[bool] = False
 
     def key(self, ticket: Ticket, timeout_s: float) -> float:
         """The key of a ticket joining the queue (``timeout_s``: its queue timeout)."""
@@ -143,6 +145,7 @@ class FairOrder(QueueOrder):
 
     __slots__ = ("idle_s", "max_tracked", "tags", "virtual")
     observes: ClassVar[bool] = True
+    by_tenant: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.virtual = 0.0

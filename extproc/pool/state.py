@@ -171,13 +171,14 @@ class BucketState:
             self._rekey()
         self.order.tune(tenant)
         self.observer = self.order if order.observes else None
-        bounds = TenantBounds(tenant.max_queue, tenant.max_share) if tenant else TenantBounds()
-        if bounds == TenantBounds():
+        if tenant is None:
             self.tenants = None
-        elif self.tenants is None:
-            self.tenants = TenantCounts(bounds)
         else:
-            self.tenants.bounds = bounds
+            bounds = TenantBounds(tenant.max_queue, tenant.max_share)
+            if self.tenants is None:
+                self.tenants = TenantCounts(bounds)
+            else:
+                self.tenants.bounds = bounds
 
     def move(self, target: PoolState | None) -> PoolState:
         """Move to another pool with its running requests' slots and tokens (None: a pool of
@@ -216,19 +217,24 @@ class BucketState:
         """Waiters of its band and of the more urgent ones (all served before a newcomer)."""
         return sum(len(x.waiting) for x in self.pool.buckets if x.priority <= self.priority)
 
-    def predicted_wait_s(self, exclude: int = 0) -> float | None:
+    def predicted_wait_s(self, exclude: Ticket | None = None) -> float | None:
         """The wait of a newcomer (``exclude``: the ticket that is that newcomer, already in
         the queue): the requests ahead of it plus itself over the pool's release rate; None
-        until the rate is known."""
+        until the rate is known. In a fair bucket, of its own bucket's waiters only those the
+        fair order can put ahead of it (``TenantCounts.ahead``): a light tenant's request is
+        not predicted to wait for a heavy tenant's whole queue."""
         rate = self.pool.release_rate()
         if rate is None:
             return None
+        own = len(self.waiting)
+        if exclude is not None and exclude.id in self.waiting:
+            own -= 1
+            if self.tenants is not None and self.order.by_tenant:
+                own = self.tenants.ahead(exclude.tenant, own)
         if len(self.running) < self.min_slots(self.pool.limit):
-            ahead = len(self.waiting)  # below its guaranteed share: served before other bands
+            ahead = own  # below its guaranteed share: served before other bands
         else:
-            ahead = self.ahead()
-        if exclude in self.waiting:
-            ahead -= 1
+            ahead = self.ahead() - len(self.waiting) + own
         return (ahead + 1) / rate
 
     def drain_estimate_s(self, default_hold_s: float) -> float:

@@ -1,10 +1,12 @@
-"""Per-tenant bounds within one bucket: requests waiting, and waiting and running together.
+"""Per-tenant counts within one bucket: requests waiting, and waiting and running together.
 
-A bucket whose policy names a ``tenant`` with ``max_queue`` or ``max_share`` keeps one
-``TenantCounts``: for each tenant with a request in the bucket, how many wait and how many
-run. A tenant appears with its first live request and is gone with its last, so the table
-never holds more tenants than the bucket holds requests (a flood of new keys costs one entry
-per request in the bucket, as the requests themselves do). The core asks ``refusal`` before a
+A bucket whose policy names a ``tenant`` keeps one ``TenantCounts``: for each tenant with a
+request in the bucket (the anonymous one, key None, too), how many wait and how many run. They
+bound a tenant (``max_queue``, ``max_share``; never the anonymous one) and tell the fair
+order's predicted wait how many are ahead of a tenant's request (``ahead``). A tenant
+appears with its first live request and is gone with its last, so the table never holds more
+tenants than the bucket holds requests (a flood of new keys costs one entry per request in the
+bucket, as the requests themselves do). The core asks ``refusal`` before a
 request joins and reports each move (``joined``, ``admitted``, ``left``, ``released``).
 
 ``max_share`` bounds waiting and running together: a tenant at its share may not queue for a
@@ -34,8 +36,17 @@ class TenantCounts:
 
     def __init__(self, bounds: TenantBounds) -> None:
         self.bounds = bounds
-        self.waiting: dict[str, int] = {}
-        self.running: dict[str, int] = {}
+        self.waiting: dict[str | None, int] = {}
+        self.running: dict[str | None, int] = {}
+
+    def ahead(self, tenant: str | None, queued: int) -> int:
+        """At most how many of the other ``queued`` waiters of the bucket a request of
+        ``tenant`` that just joined waits behind in the fair order: its tenant's own ``q``
+        before it and, of each other tenant waiting, no more than ``q + 1`` (their tags pass
+        its tag after that many): ``q + others x (q + 1)``, O(1), a bound for equal costs."""
+        q = self.waiting.get(tenant, 1) - 1
+        others = len(self.waiting) - 1
+        return min(queued, q + others * (q + 1))
 
     def refusal(self, tenant: str, max_slots: int) -> Verdict | None:
         """Why a new request of ``tenant`` may not join (``max_slots``: the most the bucket
@@ -50,25 +61,25 @@ class TenantCounts:
                 return Verdict.TENANT_OVER_SHARE
         return None
 
-    def joined(self, tenant: str) -> None:
+    def joined(self, tenant: str | None) -> None:
         self.waiting[tenant] = self.waiting.get(tenant, 0) + 1
 
-    def left(self, tenant: str) -> None:
+    def left(self, tenant: str | None) -> None:
         """A waiter left without a slot (evicted, cancelled, refused after joining)."""
         _down(self.waiting, tenant)
 
-    def admitted(self, tenant: str) -> None:
+    def admitted(self, tenant: str | None) -> None:
         _down(self.waiting, tenant)
         self.running[tenant] = self.running.get(tenant, 0) + 1
 
-    def released(self, tenant: str) -> None:
+    def released(self, tenant: str | None) -> None:
         _down(self.running, tenant)
 
     def __len__(self) -> int:
         return len(self.waiting.keys() | self.running.keys())
 
 
-def _down(counts: dict[str, int], tenant: str) -> None:
+def _down(counts: dict[str | None, int], tenant: str | None) -> None:
     """One fewer (a ticket that joined before the bounds were set was never counted)."""
     n = counts.get(tenant, 0) - 1
     if n > 0:

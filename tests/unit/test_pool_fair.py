@@ -183,3 +183,26 @@ def test_a_reload_to_another_order_keys_the_waiters_again() -> None:
     a.enqueue("b", 200.0, 60, cost=100, tenant="light")
     a.set_bucket("b", 0.0, pool="p", max_queue=10, order=Order.FAIR, tenant=TenantPolicy())
     assert drain(a, holder.id, 300.0) == ["heavy", "light", "heavy", "heavy"]
+
+
+@pytest.mark.parametrize(("order", "light"), [(Order.FAIR, Verdict.QUEUED), (Order.FIFO, None)])
+def test_a_predicted_wait_counts_only_what_the_fair_order_puts_ahead(
+    order: Order, light: Verdict | None
+) -> None:
+    """fail_fast: a light tenant's request behind a heavy tenant's queue of 20 (one release a
+    second) is predicted to wait about one request, not twenty, so it is not refused at once;
+    the heavy tenant's next one still is. In a fifo bucket both wait for the whole queue."""
+    a = Admission({})
+    a.set_pool("p", 1, 0.0, fail_fast=True)
+    a.set_bucket("b", 0.0, pool="p", max_queue=100, order=order, tenant=TenantPolicy())
+    t = 0.0
+    for _ in range(8):  # a release rate: one slot a second
+        held = a.enqueue("b", t, 60, tenant="heavy").ticket
+        t += 1.0
+        a.release(held.id, t)
+    a.enqueue("b", t, 60, tenant="heavy")  # runs
+    for _ in range(20):
+        assert a.enqueue("b", t, 60, tenant="heavy").verdict is Verdict.QUEUED
+    assert a.enqueue("b", t, 5, tenant="heavy").verdict is Verdict.WAIT_TOO_LONG
+    got = a.enqueue("b", t, 5, tenant="light").verdict
+    assert got is (light or Verdict.WAIT_TOO_LONG)
