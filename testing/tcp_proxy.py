@@ -12,6 +12,8 @@ thread (each control call returns once it is in force):
 - ``delay(seconds)``: every chunk waits ``seconds`` before it is handed on, one after another
   in each direction (a slow network or a slow server as a client sees it: a request and its
   reply take ``2 x seconds`` longer); ``delay(0)`` ends it;
+- ``delay_next(seconds)``: only the next chunk towards the server, on whichever connection it
+  comes, waits ``seconds`` (one slow call; the other connections are not held behind it);
 - ``retarget(port)``: new connections go to another server, the open ones stay where they are
   (a Kubernetes Service moved to a promoted replica).
 
@@ -56,6 +58,7 @@ class TcpProxy:
         self.port = port or free_port()
         self._cut = False
         self._delay_s = 0.0
+        self._delay_next_s = 0.0
         self._links: set[_Link] = set()
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
@@ -85,6 +88,14 @@ class TcpProxy:
     def delay(self, seconds: float) -> None:
         self._call(self._set_delay(seconds))
 
+    def delay_next(self, seconds: float) -> None:
+        self._call(self._set_delay_next(seconds))
+
+    @property
+    def delay_pending(self) -> bool:
+        """Whether the chunk ``delay_next`` holds has not come yet."""
+        return self._delay_next_s > 0
+
     def retarget(self, port: int) -> None:
         self._call(self._set_target(port))
 
@@ -108,6 +119,9 @@ class TcpProxy:
 
     async def _set_delay(self, seconds: float) -> None:
         self._delay_s = seconds
+
+    async def _set_delay_next(self, seconds: float) -> None:
+        self._delay_next_s = seconds
 
     async def _set_target(self, port: int) -> None:
         self.target_port = port
@@ -157,8 +171,11 @@ class TcpProxy:
             while data := await src.read(_CHUNK):
                 if link.cut or dst is None:
                     continue
-                if self._delay_s > 0:
-                    await asyncio.sleep(self._delay_s)
+                delay, once = self._delay_s, dst is link.upstream and self._delay_next_s > 0
+                if once:
+                    delay, self._delay_next_s = delay + self._delay_next_s, 0.0
+                if delay > 0:
+                    await asyncio.sleep(delay)
                     if link.cut:
                         continue
                 dst.write(data)

@@ -20,6 +20,7 @@ from testing.inflight import (
 )
 from testing.stack import free_port
 from testing.tcp_proxy import TcpProxy
+from testing.wait import until
 
 
 def history(*spans: tuple[float, float]) -> History:
@@ -115,6 +116,32 @@ def test_the_proxy_delays_and_retargets(echo_port: int) -> None:
         b = socket.create_connection(("127.0.0.1", proxy.port))
         b.settimeout(2)
         assert b.recv(10) == b""  # a new one finds nobody: closed
+        a.close()
+        b.close()
+
+
+def test_the_proxy_holds_only_the_next_chunk_to_the_server(echo_port: int) -> None:
+    """``delay_next``: one command slow; the other connection is not held behind it, and
+    the next chunk after it goes at once."""
+    with TcpProxy(echo_port) as proxy:
+        a = socket.create_connection(("127.0.0.1", proxy.port))
+        b = socket.create_connection(("127.0.0.1", proxy.port))
+        assert ask(b, b"warm") == b"warm"
+        proxy.delay_next(1.0)
+        t0 = time.monotonic()
+        a.sendall(b"held")  # this one waits ...
+        until(lambda: not proxy.delay_pending, "the proxy holds a's chunk", every=0.005)
+        assert ask(b, b"free") == b"free"  # ... this one does not
+        a.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            a.recv(10)  # still held
+        a.setblocking(True)
+        a.settimeout(3)
+        assert a.recv(10) == b"held"
+        assert time.monotonic() - t0 >= 0.9
+        t1 = time.monotonic()
+        assert ask(a, b"next") == b"next"
+        assert time.monotonic() - t1 < 0.9
         a.close()
         b.close()
 
