@@ -136,14 +136,19 @@ def _leader_kill(rig: Rig, load: Load) -> tuple[float, float]:
     return t, t
 
 
-def _partition(rig: Rig, load: Load) -> tuple[float, float]:
+def _partition(rig: Rig, load: Load, gateway: int = 1) -> tuple[float, float]:
     """The light gateway's sidecar cut off from Redis for three leases (the other still
     reaches it), then the partition heals."""
     t = time.monotonic()
-    rig.proxies[1].cut()
+    rig.proxies[gateway].cut()
     time.sleep(3 * LEASE_S)
-    rig.proxies[1].restore()
+    rig.proxies[gateway].restore()
     return t, time.monotonic()
+
+
+def _partition_busy(rig: Rig, load: Load) -> tuple[float, float]:
+    """The busy gateway's sidecar (80% of the load, most of the leases) cut off instead."""
+    return _partition(rig, load, gateway=0)
 
 
 def _slow_call(rig: Rig, load: Load) -> tuple[float, float]:
@@ -237,6 +242,18 @@ CASES: tuple[Case, ...] = (
     Case(
         name="partition",
         inject=_partition,
+        proxied=True,
+        bound=PARTITION_BOUND,
+    ),
+    Case(name="partition_busy", inject=_partition_busy, proxied=True, bound=PARTITION_BOUND),
+    # Three gateways, uneven (3x the limit split 60/25/15): Redis restarted empty, and the
+    # middle one cut off while the other two still reach Redis.
+    Case(name="redis_restart_3", inject=_redis_restart, gateways=3, clients=(22, 9, 5)),
+    Case(
+        name="partition_3",
+        inject=_partition,
+        gateways=3,
+        clients=(22, 9, 5),
         proxied=True,
         bound=PARTITION_BOUND,
     ),

@@ -139,7 +139,9 @@ class Rig:
         self.replica = RedisServer(log_dir / "replica") if replica else None
         self._probe: int | None = None  # replica_in_sync's probe, once written
         self.urls = [self.redis_url_of(i) for i in range(gateways)]
-        self.g.policy = [policy_text(redis_url=u, adaptive=adaptive) for u in self.urls]
+        self.g.policy = [
+            policy_text(redis_url=u, adaptive=adaptive, replicas=gateways) for u in self.urls
+        ]
 
     def redis_url_of(self, gateway: int, db: int = 0) -> str:
         port = self.proxies[gateway].port if self.proxies else self.g.redis.port
