@@ -63,7 +63,8 @@ def rows_of(out: Path) -> dict[tuple[str, str], dict[str, Any]]:
     timelines = json.loads((out / "timelines.json").read_text())
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for r in doc["runs"]:
-        key = f"{r['label']}/{r['strategy']}"
+        run = f"steady-{r['load']:g}x" if r["scenario"] == "steady" else r["scenario"]
+        key = f"{run}/{r['strategy']}"  # as ScenarioRun.key names the records
         window = (r["window_s"][0], r["window_s"][1])
         per = r["per_class"]
         waste = r["wasted_frac"]

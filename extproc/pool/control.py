@@ -332,6 +332,7 @@ class PoolControl:
         if current is not None and factor != current.band_cut:
             if adaptive.reason.startswith(("band_", "lend")):
                 self._metrics.adaptive_changes.labels(adaptive.reason).inc()
+            log.info("band cut %.2f -> %.2f (%s)", current.band_cut, factor, adaptive.reason)
             self._gate.set_cut(factor, band=True)
 
     # --- overload ----------------------------------------------------------------------------

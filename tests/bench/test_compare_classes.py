@@ -15,6 +15,8 @@ def _write(out: Path, *, batch_rps: float, limits: list[float]) -> None:
     out.mkdir()
     run = {
         "label": "2x",
+        "scenario": "steady",
+        "load": 2.0,
         "strategy": "sidecar",
         "window_s": [90.0, 200.0],
         "goodput_rps": 10.0,
@@ -33,8 +35,8 @@ def _write(out: Path, *, batch_rps: float, limits: list[float]) -> None:
         {**answer, "e2e_s": 1.0, "output_tokens": 5, "arrival_s": 10.0},  # before the window
     ]
     samples = [{"t_s": t, "limit": v} for t, v in zip((95.0, 100.0, 105.0), limits, strict=True)]
-    (out / "records.json").write_text(json.dumps({"2x/sidecar": records}))
-    (out / "timelines.json").write_text(json.dumps({"2x/sidecar": samples}))
+    (out / "records.json").write_text(json.dumps({"steady-2x/sidecar": records}))
+    (out / "timelines.json").write_text(json.dumps({"steady-2x/sidecar": samples}))
 
 
 def test_rows_carry_classes_client_tpot_and_the_limits_band(tmp_path: Path) -> None:
