@@ -330,9 +330,9 @@ class PoolControl:
             self._gate.set_pool_limit(limit)
         factor = adaptive.band_cut.factor(self._band(limit))
         if current is not None and factor != current.band_cut:
-            if adaptive.reason.startswith(("band_", "lend")):
+            if adaptive.reason.startswith(("band_", "lend")):  # not the limit moving its cap
                 self._metrics.adaptive_changes.labels(adaptive.reason).inc()
-            log.info("band cut %.2f -> %.2f (%s)", current.band_cut, factor, adaptive.reason)
+                log.info("band cut %.2f -> %.2f (%s)", current.band_cut, factor, adaptive.reason)
             self._gate.set_cut(factor, band=True)
 
     # --- overload ----------------------------------------------------------------------------
