@@ -348,6 +348,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         default=d.interactive_queue_timeout_s,
     )
     p.add_argument(
+        "--batch-min-share",
+        dest="batch_min_share",
+        type=float,
+        default=d.batch_min_share,
+        help="the sidecar pool's batch bucket's min_share (default 0: no guaranteed share)",
+    )
+    p.add_argument(
         "--batch-queue-frac",
         dest="batch_queue_timeout_frac",
         type=float,

@@ -87,6 +87,7 @@ class Options:
     batch_timeout_s: float = 300.0
     max_retries: int = 2
     interactive_queue_timeout_s: float = 1.0
+    batch_min_share: float = 0.0  # the sidecar pool's batch bucket: its guaranteed share
     batch_queue_timeout_frac: float = 0.8
     queue_bound: Literal["deadline", "drain"] = "drain"
     cb_pending_s: float = 2.0

@@ -37,6 +37,13 @@ A breach does not cut again until the last cut has landed:
 
 One breach therefore costs at most one cut per cooldown, never a collapse to ``min_limit``.
 
+The least urgent band first (``extproc.pool.bandcut``, with ``band`` passed): a latency breach
+while that band holds more than its guaranteed share cuts what the band may hold, by the same
+factor, and leaves the limit; the limit is cut once the band is down to its share. A band cut
+counts as a decrease for the cooldown, and while the band runs more than its cut a latency
+breach cuts nothing. In a round where the limit could grow, a band held by its cut is lent one
+step back instead (``lend``).
+
 Objectives protect the urgent bands. ``update(..., objectives=False)``, which the pool's
 controller passes while no band but the least urgent has requests running or waiting, leaves
 the latency objectives out of both the decrease and the increase: only vLLM's queue and KV
@@ -45,7 +52,8 @@ an interactive TTFT objective with its own TTFTs and hold the limit far below wh
 can run while it is alone. vLLM's histograms have no class label, so the objectives cannot be
 read per band (``extproc.pool.demand.objectives_apply``).
 
-Increase, ``L := L + max(1, floor(0.05 * L))``, when all of these hold:
+Increase, ``L := L + max(1, floor(0.05 * L))``, when all of these hold (and no band cut is
+eased in the same round):
 
 - every objective holds with headroom: the quantile is below ``0.9 *`` its objective, or there
   is no observation in the window (nothing is slow). Between 0.9x and 1x the limit holds: the
@@ -95,6 +103,7 @@ from typing import Final
 
 from extproc.backend.scrape import Signals
 from extproc.config.policy import AdaptivePolicy
+from extproc.pool.bandcut import BandCut, BandLoad
 from extproc.pool.view import HIDDEN, gauge
 
 __all__ = ["AdaptiveLimit", "AdaptiveSnapshot", "LimitState"]
@@ -109,6 +118,7 @@ QUEUE_TOLERANCE: Final = 0.1  # vLLM's queue allowance, of the limit ...
 QUEUE_MIN: Final = 8  # ... and at least this many
 QUEUE_ROUNDS: Final = 3  # rounds in a row above the allowance that are a breach
 DEMAND_MARGIN: Final = 0.1  # in flight within this share of the limit is demand
+LATENCY: Final = ("ttft", "itl")  # the breaches a band cut answers first (extproc.pool.bandcut)
 
 
 class LimitState(StrEnum):
@@ -169,6 +179,7 @@ class AdaptiveLimit:
         self._reason = "initial"
         self._last_good: float | None = None  # time of the last good scrape
         self._decreased_at: float | None = None
+        self.band_cut = BandCut()
 
     @property
     def limit(self) -> int:
@@ -180,7 +191,8 @@ class AdaptiveLimit:
 
     @property
     def reason(self) -> str:
-        """Why the limit or the state last changed: 'initial', 'increase', 'ttft', 'itl',
+        """Why the limit, the band cut or the state last changed: 'initial', 'increase',
+        'ttft', 'itl', 'band_ttft', 'band_itl' (the band cut), 'lend' (the band cut eased),
         'vllm_queue', 'kv', 'stale', 'fallback', 'no_backend' or 'resumed'."""
         return self._reason
 
@@ -192,10 +204,13 @@ class AdaptiveLimit:
         in_flight: int,
         waiting: int,
         objectives: bool = True,
+        band: BandLoad | None = None,
     ) -> int:
         """One control step; returns the limit. ``in_flight`` and ``waiting`` are our own
         requests to the pool (holding a slot, queued for one); ``objectives`` False leaves the
-        latency objectives out of this step (only the least urgent band has requests)."""
+        latency objectives out of this step (only the least urgent band has requests);
+        ``band`` the least urgent band, for the band cut (None: no band cut, the limit
+        answers every breach). ``band_cut.factor(band)`` is then what that band may hold."""
         if (
             self.policy.queue_while_no_backend
             and signals is not None
@@ -222,15 +237,25 @@ class AdaptiveLimit:
         if breach is not None:
             reason, factor = breach
             landing = self._decreased_at is not None and in_flight > self._limit
-            if not cooling and not landing:
-                cut = self._clamp(math.floor(self._limit * factor))
-                if cut < self._limit:
-                    self._limit = cut
-                    self._reason = reason
-                    self._decreased_at = now
+            first = band if reason in LATENCY else None  # whom a latency breach cuts first
+            if cooling or landing or (first is not None and self.band_cut.landing(first)):
+                return self._limit
+            if first is not None and self.band_cut.cut(first, factor):
+                self._reason = f"band_{reason}"  # the least urgent band first (bandcut)
+                self._decreased_at = now
+                return self._limit
+            cut = self._clamp(math.floor(self._limit * factor))
+            if cut < self._limit:
+                self._limit = cut
+                self._reason = reason
+                self._decreased_at = now
             return self._limit
-        if not cooling and self._may_grow(signals, in_flight, waiting, objectives):
-            step = max(1, math.floor(self._limit * INCREASE_FRACTION))
+        if cooling or not self._has_room(signals, objectives):
+            return self._limit
+        step = max(1, math.floor(self._limit * INCREASE_FRACTION))
+        if band is not None and self.band_cut.lend(band, step):
+            self._reason = "lend"
+        elif self._demand(in_flight, waiting):
             grown = self._clamp(self._limit + step)
             if grown > self._limit:
                 self._limit = grown
@@ -254,6 +279,7 @@ class AdaptiveLimit:
     def _no_backend(self, at: float) -> int:
         self._last_good = at if self._last_good is None else max(self._last_good, at)
         self._state, self._limit, self._reason = LimitState.NO_BACKEND, 0, "no_backend"
+        self.band_cut.lift()
         return 0
 
     def _no_data(self, now: float) -> int:
@@ -264,6 +290,7 @@ class AdaptiveLimit:
             if self._state is not LimitState.FALLBACK:
                 self._state = LimitState.FALLBACK
                 self._limit = self.fallback_limit
+                self.band_cut.lift()
                 self._reason = "fallback"
         elif age >= self.policy.stale_after_s and self._state is LimitState.TRACKING:
             self._state = LimitState.HOLDING
@@ -300,8 +327,9 @@ class AdaptiveLimit:
             return "kv", DECREASE_FACTOR
         return None
 
-    def _may_grow(self, s: Signals, in_flight: int, waiting: int, objectives: bool) -> bool:
-        margin = max(1, math.floor(DEMAND_MARGIN * self._limit))
+    def _has_room(self, s: Signals, objectives: bool) -> bool:
+        """The signals let the load grow: the objectives with headroom, vLLM's queue and KV
+        within bounds."""
         return (
             (
                 not objectives
@@ -312,5 +340,8 @@ class AdaptiveLimit:
             )
             and s.waiting <= self._queue_allowance()
             and s.kv_usage < self.policy.max_kv_usage
-            and (waiting > 0 or in_flight >= self._limit - margin)
         )
+
+    def _demand(self, in_flight: int, waiting: int) -> bool:
+        margin = max(1, math.floor(DEMAND_MARGIN * self._limit))
+        return waiting > 0 or in_flight >= self._limit - margin

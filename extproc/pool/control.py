@@ -4,7 +4,8 @@
   backend's metrics (``backend.metrics``) every ``interval``, runs
   ``extproc.pool.adaptive.AdaptiveLimit`` on them and gives the limit it finds to
   ``Gate.set_pool_limit``, on the demand ``extproc.pool.demand.limit_demand`` counts and with
-  the latency objectives while ``objectives_apply``.
+  the latency objectives while ``objectives_apply``; the band cut it finds for the least urgent
+  band (``extproc.pool.bandcut``: cut before the limit) goes to ``Gate.set_cut(..., band=True)``.
 - Staged recovery (``pool.overload``): once a second, ``extproc.pool.overload.OverloadMonitor``
   reads the counts of the protected traffic (``demand.protected``: every band but the least
   urgent) from the gate (admitted, evicted, refused, the p95 of recent waits, the queue; not
@@ -65,6 +66,7 @@ from extproc.ops.loops import Guard
 from extproc.ops.metrics import Metrics
 from extproc.pool import demand
 from extproc.pool.adaptive import AdaptiveLimit
+from extproc.pool.bandcut import BandLoad, band_load
 from extproc.pool.gate import POOL, Gate
 from extproc.pool.lease_adapter import SharedSnapshot
 from extproc.pool.lease_switch import Built, LeaseSwitch
@@ -160,6 +162,8 @@ class PoolControl:
             self._stop_poller()
             self._poller_key = key
             self._signals = None  # no backend_* gauges left from a poller that is gone
+            if pool is not None:
+                self._gate.set_cut(1.0, band=True)  # a new limit starts with no band cut
             if adaptive is not None and pool is not None and self._leads():
                 self._poller = self._make_poller(adaptive, policy.backend, pool.max_concurrency)
                 if self._started:
@@ -272,6 +276,7 @@ class PoolControl:
             self._demand,
             self._objectives_apply,
             on_loop_error=self._loop_error,
+            band=self._band,
         )
 
     def _demand(self) -> tuple[int, int]:
@@ -297,6 +302,15 @@ class PoolControl:
             [stats[b.name] for b in self._policy.buckets if b.name in stats]
         )
 
+    def _band(self, limit: int | None = None) -> BandLoad | None:
+        """The least urgent band for the band cut (``extproc.pool.bandcut``), at ``limit``
+        (default: in force); None in a shared pool, whose leader sees only its own bands."""
+        s = self._gate.pool_statistics().get(POOL)
+        if self._shared is not None or self._policy is None or s is None:
+            return None
+        limit = s.limit if limit is None else limit
+        return band_load(limit, self._policy.buckets, self._gate.statistics())
+
     def _on_limit(self, limit: int, signals: Signals | None) -> None:
         self._signals = signals
         if signals is not None and signals.endpoints_failed:
@@ -308,10 +322,18 @@ class PoolControl:
             self._shared.publish_limit(limit)
             return
         current = self._gate.pool_statistics().get(POOL)
+        if self._poller is None:
+            return  # stopped meanwhile
+        adaptive = self._poller.adaptive
         if current is not None and current.limit != limit:
-            assert self._poller is not None
-            self._metrics.adaptive_changes.labels(self._poller.adaptive.reason).inc()
+            self._metrics.adaptive_changes.labels(adaptive.reason).inc()
             self._gate.set_pool_limit(limit)
+        factor = adaptive.band_cut.factor(self._band(limit))
+        if current is not None and factor != current.band_cut:
+            if adaptive.reason.startswith(("band_", "lend")):  # not the limit moving its cap
+                self._metrics.adaptive_changes.labels(adaptive.reason).inc()
+                log.info("band cut %.2f -> %.2f (%s)", current.band_cut, factor, adaptive.reason)
+            self._gate.set_cut(factor, band=True)
 
     # --- overload ----------------------------------------------------------------------------
 

@@ -31,10 +31,11 @@ Who gets a freed slot (``_fill``, run after every change)
 --------------------------------------------------------
 While the pool has a free slot, the candidates are the buckets with waiters that are below
 their cap (``min(max_share x limit, cap)``, lowered for the least urgent band by ``set_cut``
-during overload, never below its guaranteed share, and only while a more urgent band has
-requests running or waiting: ``demand.cut_band``). The pool's ``BucketChoice`` picks one
-(``order.GuaranteeBandHead``: below its guaranteed share first, then the most urgent band,
-then the earliest head); each bucket's ``QueueOrder`` keys its heap (``fifo``, ``cost``).
+during overload or by the band cut, never below its guaranteed share, and only while a more
+urgent band has requests running or waiting: ``demand.cut_band``). The pool's
+``BucketChoice`` picks one (``order.GuaranteeBandHead``: below its guaranteed share first,
+then the most urgent band, then the earliest head); each bucket's ``QueueOrder`` keys its
+heap (``fifo``, ``cost``).
 The winner's head is admitted if its cost fits the token bound (a request is always admitted
 into an empty pool, so one larger than the bound still runs alone); if it does not fit, filling
 stops: nobody passes it, so it cannot starve behind smaller ones. Idle capacity goes to whoever
@@ -280,11 +281,12 @@ class Admission:
         pool.limit = max(0, limit)
         return self._fill(pool, now)
 
-    def set_cut(self, name: str, factor: float, now: float) -> list[Ticket]:
-        """Overload: the pool's least urgent band (when it has more than one) may hold at most
-        ``factor`` of its usual cap (never less than its guaranteed share); 1.0 lifts it."""
+    def set_cut(self, name: str, factor: float, now: float, *, band: bool = False) -> list[Ticket]:
+        """The pool's least urgent band (when it has more than one) may hold at most ``factor``
+        of its usual cap (never less than its guaranteed share); 1.0 lifts it. Two cuts, the
+        lower binds: the overload monitor's, and with ``band`` the adaptive limit's band cut."""
         pool = self._pools[name]
-        pool.cut = min(1.0, max(0.0, factor))
+        setattr(pool, "band_cut" if band else "cut", min(1.0, max(0.0, factor)))
         return self._fill(pool, now)
 
     def set_bucket(
@@ -347,7 +349,7 @@ class Admission:
     # --- views -------------------------------------------------------------------------------
 
     def statistics(self) -> dict[str, BucketStats]:
-        bands = {p.name: cut_band(p.buckets) for p in self._pools.values() if p.cut < 1.0}
+        bands = {p.name: cut_band(p.buckets) for p in self._pools.values() if p.factor < 1.0}
         return {
             name: b.stats(bands.get(b.pool.name) if b.shared else None)
             for name, b in self._buckets.items()
@@ -386,7 +388,7 @@ class Admission:
     def _fill(self, pool: PoolState, now: float) -> list[Ticket]:
         """Hand free slots to the waiters the rules pick, while there is room (rule 2)."""
         admitted: list[Ticket] = []
-        band = cut_band(pool.buckets) if pool.cut < 1.0 else None
+        band = cut_band(pool.buckets) if pool.factor < 1.0 else None
         rank = pool.choice.rank
         limit = pool.limit
         while pool.running < limit:

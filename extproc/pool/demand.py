@@ -106,10 +106,10 @@ def limit_demand(
 
     While the pool is full every waiter counts. Otherwise a waiter counts while its bucket is
     held at its share of the limit (``max_share``), which grows with the limit. Waiters held
-    back by their bucket's absolute cap (``max_concurrency``), by the overload cut (any waiter
-    of the least urgent band while a cut is set, down to a guaranteed share that may be 0: the
-    staged recovery lets them in, not the limit) or by the token bound would not use a higher
-    limit, so they do not raise it."""
+    back by their bucket's absolute cap (``max_concurrency``), by the overload cut or the band
+    cut (any waiter of the least urgent band while a cut is set, down to a guaranteed share
+    that may be 0: the staged recovery or the band cut's lending lets them in, not the limit)
+    or by the token bound would not use a higher limit, so they do not raise it."""
     if pool.in_flight >= pool.limit:
         return (pool.in_flight, pool.queued)
     buckets = list(buckets)
@@ -123,8 +123,8 @@ def limit_demand(
             continue
         if b.max_concurrency and st.capacity >= b.max_concurrency:
             continue  # its absolute cap binds: a higher limit changes nothing
-        if pool.cut < 1.0 and b.priority == least:
-            continue  # held by the overload cut: the staged recovery lets them in
+        if min(pool.cut, pool.band_cut) < 1.0 and b.priority == least:
+            continue  # held by a cut: the staged recovery or the band cut lets them in
         held_by_share += st.queued
     return (pool.in_flight, held_by_share)
 

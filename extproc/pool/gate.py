@@ -263,9 +263,10 @@ class Gate:
         """The shared pool's limit (the adaptive controller); a raised one admits at once."""
         self._hand_over(self._core.set_pool_limit(POOL, limit, self._loop.time()))
 
-    def set_cut(self, factor: float) -> None:
-        """Overload: bands below the most urgent hold at most ``factor`` of their cap."""
-        self._hand_over(self._core.set_cut(POOL, factor, self._loop.time()))
+    def set_cut(self, factor: float, *, band: bool = False) -> None:
+        """The least urgent band holds at most ``factor`` of its cap: the overload cut, or
+        with ``band`` the adaptive limit's band cut (the lower binds)."""
+        self._hand_over(self._core.set_cut(POOL, factor, self._loop.time(), band=band))
 
     def set_limits(
         self, bucket: str, capacity: int, max_queue: int, queue_timeout_s: float = 1.0

@@ -2,8 +2,9 @@
 
 ``Poller`` runs one round per ``interval`` (the limit's ``AdaptivePolicy``) in one task that
 ``start`` creates and ``stop`` cancels and awaits: scrape (``SignalSource``: a
-``extproc.backend.scrape.Scraper``, or a fake in tests), read the pool's demand and whether the
-latency objectives apply, ``AdaptiveLimit.update``, hand the limit to ``on_update``.
+``extproc.backend.scrape.Scraper``, or a fake in tests), read the pool's demand, whether the
+latency objectives apply and the least urgent band, ``AdaptiveLimit.update``, hand the limit
+to ``on_update``.
 ``BackendSnapshot`` is the signals of a round as the gauges and /debug/queues show them.
 """
 
@@ -19,6 +20,7 @@ from typing import Protocol
 from extproc.backend.scrape import Signals
 from extproc.ops.loops import Guard
 from extproc.pool.adaptive import AdaptiveLimit, LimitState
+from extproc.pool.bandcut import BandLoad
 from extproc.pool.view import gauge
 
 __all__ = ["BackendSnapshot", "Poller", "SignalSource"]
@@ -109,9 +111,11 @@ class Poller:
         demand: Callable[[], tuple[int, int]],
         objectives: Callable[[], bool] | None = None,
         on_loop_error: Callable[[str], None] | None = None,
+        band: Callable[[], BandLoad | None] | None = None,
     ) -> None:
         """``demand()`` returns our (in_flight, waiting) for the pool, read at each round;
-        ``objectives()`` whether the latency objectives apply this round (default: always)."""
+        ``objectives()`` whether the latency objectives apply this round (default: always);
+        ``band()`` the least urgent band for the band cut (default: none)."""
         interval_s = adaptive.policy.interval_s
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
@@ -121,6 +125,7 @@ class Poller:
         self._on_update = on_update
         self._demand = demand
         self._objectives = objectives
+        self._band = band
         self._task: asyncio.Task[None] | None = None
         self._guard = Guard("backend-poller", log, on_loop_error)
         self._next_at: float | None = None  # when the next round is due (None: now)
@@ -162,9 +167,20 @@ class Poller:
                     objectives = self._objectives()
                 except Exception:
                     log.exception("backend objectives callback failed")
+            band: BandLoad | None = None
+            if self._band is not None:
+                try:
+                    band = self._band()
+                except Exception:
+                    log.exception("backend band callback failed")  # this round: no band cut
             before = (self.adaptive.limit, self.adaptive.state)
             limit = self.adaptive.update(
-                loop.time(), signals, in_flight=in_flight, waiting=waiting, objectives=objectives
+                loop.time(),
+                signals,
+                in_flight=in_flight,
+                waiting=waiting,
+                objectives=objectives,
+                band=band,
             )
             self.rounds += 1
             self._log_round(before, signals)

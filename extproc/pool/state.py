@@ -44,6 +44,7 @@ def ewma(mean: float | None, value: float) -> float:
 
 class PoolState:
     __slots__ = (
+        "band_cut",
         "buckets",
         "choice",
         "cut",
@@ -63,12 +64,18 @@ class PoolState:
         self.max_tokens: int | None = None
         self.fail_fast = False
         self.cut = 1.0  # the overload factor for the least urgent band
+        self.band_cut = 1.0  # the adaptive limit's band cut for it (extproc.pool.bandcut)
         self.running = 0
         self.tokens = 0
         self.buckets: list[BucketState] = []  # sorted by priority
         self.choice: BucketChoice = _CHOICE
         self.mean_hold_s: float | None = None
         self.releases = 0
+
+    @property
+    def factor(self) -> float:
+        """The cut that binds the least urgent band: the lower of the two."""
+        return min(self.cut, self.band_cut)
 
     def release_rate(self) -> float | None:
         """Slots freed per second while the pool is full: limit / mean hold (Little's law;
@@ -87,6 +94,7 @@ class PoolState:
             tokens_in_flight=self.tokens,
             release_rate=self.release_rate(),
             cut=self.cut,
+            band_cut=self.band_cut,
         )
 
 
@@ -288,7 +296,7 @@ class BucketState:
         top = max(1, math.floor(self.max_share * limit + 1e-9))
         if self.cap is not None:
             top = min(top, self.cap)
-        cut = self.pool.cut
+        cut = self.pool.factor
         if cut < 1.0 and self.priority == cut_band:
-            top = min(top, max(self.min_slots(limit), math.floor(cut * top)))
+            top = min(top, max(self.min_slots(limit), math.floor(cut * top + 1e-9)))
         return top

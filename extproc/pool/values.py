@@ -112,3 +112,11 @@ class PoolStats:
         )
     )
     cut: float = field(metadata=HIDDEN)  # the overload factor (the monitor's snapshot shows it)
+    band_cut: float = field(
+        default=1.0,
+        metadata=gauge(
+            "pool_band_cut",
+            "Share of its cap the least urgent band may hold by the adaptive limit's band cut "
+            "(1: none).",
+        ),
+    )

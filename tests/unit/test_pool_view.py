@@ -107,6 +107,7 @@ buckets:
             "max_tokens_in_flight",
             "tokens_in_flight",
             "release_rate",
+            "band_cut",
             "overload",
         ]
         assert list(debug["overload"]) == [
