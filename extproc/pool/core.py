@@ -41,10 +41,8 @@ into an empty pool, so one larger than the bound still runs alone); if it does n
 stops: nobody passes it, so it cannot starve behind smaller ones. Idle capacity goes to whoever
 waits (work-conserving): a band with no waiters takes nothing away from the others.
 
-Predicted wait (``fail_fast``): the requests ahead of this one in its band and above, plus
-itself, over the rate at which the full pool frees slots, ``limit / mean hold`` (Little's law,
-over releases: it does not drift down while the pool sits idle, as a rate of recent releases
-would). Beyond the deadline, the request is refused at once instead of after waiting it out.
+Predicted wait (``fail_fast``, ``BucketState.predicted_wait_s``): the requests ahead of this
+one over the rate at which the full pool frees slots; past the deadline, refused at once.
 
 Rules (the invariants tests check):
 1. A slot is taken only by ``enqueue`` or by a hand-over from ``_fill``; it is given back only
@@ -176,18 +174,11 @@ class Admission:
         b = self._where.get(ticket_id)
         if b is None or ticket_id not in b.running:
             return []
-        ticket, admitted_at = b.running.pop(ticket_id)
         del self._where[ticket_id]
         pool = b.pool
+        ticket, hold = b.released(ticket_id, now)
         pool.running -= 1
         pool.tokens -= ticket.cost
-        b.tokens -= ticket.cost
-        if b.tenants is not None:
-            b.tenants.released(ticket.tenant)
-        if b.observer is not None:
-            b.observer.released(ticket, now)
-        hold = max(0.0, now - admitted_at)
-        b.mean_hold_s = ewma(b.mean_hold_s, hold)
         pool.mean_hold_s = ewma(pool.mean_hold_s, hold)
         pool.releases += 1
         return self._fill(pool, now)
@@ -329,8 +320,7 @@ class Admission:
         return admitted + self._fill(target, now)
 
     def remove(self, bucket: str) -> bool:
-        """Forget a bucket that holds nothing (no ticket running or waiting); returns whether
-        it was removed. A busy bucket stays until it drains."""
+        """Forget a bucket that holds nothing; returns whether it did (a busy one drains)."""
         b = self._buckets.get(bucket)
         if b is None or b.running or b.waiting:
             return False
@@ -429,16 +419,9 @@ class Admission:
     def _admit(self, b: BucketState, ticket: Ticket, key: float, now: float) -> None:
         del b.waiting[ticket.id]
         self._unqueue(b, ticket)  # its body goes upstream with the admission
-        b.running[ticket.id] = (ticket, now)
+        b.admitted(ticket, key, now)
         b.pool.running += 1
         b.pool.tokens += ticket.cost
-        b.tokens += ticket.cost
-        b.admitted_total += 1
-        b.waits.append(now - ticket.enqueued_at)
-        if b.tenants is not None:
-            b.tenants.admitted(ticket.tenant)
-        if b.observer is not None:
-            b.observer.admitted(ticket, key, now)
 
     def _drop(self, b: BucketState, ticket: Ticket) -> None:
         """A waiter leaves the queue without a slot."""

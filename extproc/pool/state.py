@@ -1,6 +1,7 @@
 """The admission core's mutable state: one ``PoolState`` per pool, one ``BucketState`` per bucket.
 
-Only ``extproc.pool.core.Admission`` changes them; the named decisions (``extproc.pool.order``)
+Only ``extproc.pool.core.Admission`` changes them (a bucket's own side of an admission or a
+release through ``BucketState.admitted`` / ``released``, which it calls); the named decisions (``extproc.pool.order``)
 and the band questions (``extproc.pool.demand``) read them. Counts are kept, not recomputed:
 ``PoolState.running`` and ``tokens`` are the sums over its buckets' running tickets.
 """
@@ -211,6 +212,29 @@ class BucketState:
         self.heap = [(order.key(t, t.deadline - t.enqueued_at), t.id) for t in waiting]
         heapq.heapify(self.heap)
 
+    def admitted(self, ticket: Ticket, key: float, now: float) -> None:
+        """The bucket's side of an admission (the core takes it off the queue first)."""
+        self.running[ticket.id] = (ticket, now)
+        self.tokens += ticket.cost
+        self.admitted_total += 1
+        self.waits.append(now - ticket.enqueued_at)
+        if self.tenants is not None:
+            self.tenants.admitted(ticket.tenant)
+        if self.observer is not None:
+            self.observer.admitted(ticket, key, now)
+
+    def released(self, ticket_id: int, now: float) -> tuple[Ticket, float]:
+        """The bucket's side of a release: the ticket and how long it held its slot."""
+        ticket, admitted_at = self.running.pop(ticket_id)
+        self.tokens -= ticket.cost
+        if self.tenants is not None:
+            self.tenants.released(ticket.tenant)
+        if self.observer is not None:
+            self.observer.released(ticket, now)
+        hold = max(0.0, now - admitted_at)
+        self.mean_hold_s = ewma(self.mean_hold_s, hold)
+        return ticket, hold
+
     def head(self) -> tuple[float, Ticket] | None:
         heap = self.heap
         while heap:
@@ -227,8 +251,10 @@ class BucketState:
 
     def predicted_wait_s(self, exclude: Ticket | None = None) -> float | None:
         """The wait of a newcomer (``exclude``: the ticket that is that newcomer, already in
-        the queue): the requests ahead of it plus itself over the pool's release rate; None
-        until the rate is known. In a fair bucket, of its own bucket's waiters only those the
+        the queue): the requests ahead of it plus itself over the pool's release rate, limit /
+        mean hold (Little's law over releases: it does not drift down while the pool sits
+        idle, as a rate of recent releases would); None until the rate is known. In a fair
+        bucket, of its own bucket's waiters only those the
         fair order can put ahead of it (``TenantCounts.ahead``): a light tenant's request is
         not predicted to wait for a heavy tenant's whole queue."""
         rate = self.pool.release_rate()
