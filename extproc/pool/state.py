@@ -1,8 +1,9 @@
 """The admission core's mutable state: one ``PoolState`` per pool, one ``BucketState`` per bucket.
 
 Only ``extproc.pool.core.Admission`` changes them (a bucket's own side of an admission or a
-release through ``BucketState.admitted`` / ``released``, which it calls); the named decisions (``extproc.pool.order``)
-and the band questions (``extproc.pool.demand``) read them. Counts are kept, not recomputed:
+release through ``BucketState.admitted`` / ``released``, which it calls); the named
+decisions (``extproc.pool.order``) and the band questions (``extproc.pool.demand``) read
+them. Counts are kept, not recomputed:
 ``PoolState.running`` and ``tokens`` are the sums over its buckets' running tickets.
 """
 
