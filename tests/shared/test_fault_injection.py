@@ -1,11 +1,11 @@
 """The fault-injection suite (``testing.faults``): each case of ``testing.fault_cases`` on a
-fresh rig of two gateways (real Envoy + sidecar each), a real redis-server and the recording
-backend, at 3x overload split 80/20; the verdict's line (the most in flight at once, and the
+fresh rig of two gateways (three for the ``_3`` cases; real Envoy + sidecar each), a real
+redis-server and the recording backend, at 3x overload split 80/20 (60/25/15); the verdict's line (the most in flight at once, and the
 rest) is printed, its problems are the failure.
 
 A case that needs another part's fix is ``xfail(strict=True)`` with the reason the case gives:
 it must fail today, and the mark goes when the fix is merged. A case whose outcome today is
-chance (``suite=False``) is left to ``python -m bench.faults``."""
+chance (``suite=False``; none today) is left to ``python -m bench.faults``."""
 
 from __future__ import annotations
 
