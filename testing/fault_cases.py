@@ -233,8 +233,9 @@ CASES: tuple[Case, ...] = (
     Case(name="flushall", inject=_flushall),
     Case(name="eviction", inject=_eviction),
     Case(name="reload_same_pool", inject=_reload_same_pool),
-    # The move to another pool (docs/scaling.md, "Policy reloads"). Asserted since the grace cap counts the running requests that hold no lease yet
-    # (decide.step): 16-17 on 12 in 3 runs of 6 before, 12 in 6 of 6 after.
+    # The move to another pool (docs/scaling.md, "Policy reloads"). Asserted since the grace
+    # cap counts the running requests that hold no lease yet (decide.step): 16-17 on 12 in 3
+    # runs of 6 before, 12 in 6 of 6 after.
     Case(name="reload_another_pool", inject=_reload_another_pool),
     Case(name="refused_reload", inject=_refused_reload),
     Case(name="leader_kill", inject=_leader_kill, adaptive=True),

@@ -1,7 +1,8 @@
 """The fault-injection suite (``testing.faults``): each case of ``testing.fault_cases`` on a
 fresh rig of two gateways (three for the ``_3`` cases; real Envoy + sidecar each), a real
-redis-server and the recording backend, at 3x overload split 80/20 (60/25/15); the verdict's line (the most in flight at once, and the
-rest) is printed, its problems are the failure.
+redis-server and the recording backend, at 3x overload split 80/20 (60/25/15); the
+verdict's line (the most in flight at once, and the rest) is printed, its problems are the
+failure.
 
 A case that needs another part's fix is ``xfail(strict=True)`` with the reason the case gives:
 it must fail today, and the mark goes when the fix is merged. A case whose outcome today is
