@@ -28,7 +28,8 @@ def retry_after_s(estimate_s: float, min_s: float, max_s: float, jitter: float, 
 
 
 class Refused(Exception):
-    """Queue full or evicted; carries what the 429 needs."""
+    """Refused at once (queue full, a wait too long, a tenant over its bounds) or at the
+    deadline (evicted, expired); carries what the 429 or 503 needs."""
 
     def __init__(
         self, outcome: Outcome, bucket: str, retry_after_s: float, queued: int, waited_s: float

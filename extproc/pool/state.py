@@ -137,7 +137,7 @@ class BucketState:
         self.cap: int | None = None
         self.order: QueueOrder = FifoOrder()
         self.observer: QueueOrder | None = None  # the order, when it observes
-        self.tenants: TenantCounts | None = None  # with tenant bounds only
+        self.tenants: TenantCounts | None = None  # with a tenant policy only
         self.waiting: dict[int, Ticket] = {}
         self.heap: list[tuple[float, int]] = []  # (order key, ticket id), lazy deletion
         # ticket id -> (ticket, admitted_at)
@@ -172,14 +172,15 @@ class BucketState:
     ) -> None:
         """Its settings (the defaults: a bucket with slots of its own). An order of the same
         class keeps its state (the cost order's running mean, the fair order's tags), and the
-        tenants' counts stay while the bucket has tenant bounds."""
+        tenants' counts stay while the bucket has a tenant policy."""
         self.max_queue, self.priority, self.cap = max_queue, priority, cap
         self.min_share, self.max_share = min_share, max_share
-        if type(self.order) is not order:
+        new_order = type(self.order) is not order
+        if new_order:
             self.order = order()
-            self.order.tune(tenant)
-            self._rekey()
         self.order.tune(tenant)
+        if new_order:
+            self._rekey()
         self.observer = self.order if order.observes else None
         if tenant is None:
             self.tenants = None
@@ -255,9 +256,9 @@ class BucketState:
         the queue): the requests ahead of it plus itself over the pool's release rate, limit /
         mean hold (Little's law over releases: it does not drift down while the pool sits
         idle, as a rate of recent releases would); None until the rate is known. In a fair
-        bucket, of its own bucket's waiters only those the
-        fair order can put ahead of it (``TenantCounts.ahead``): a light tenant's request is
-        not predicted to wait for a heavy tenant's whole queue."""
+        bucket, of its own waiters only those the fair order can put ahead of it
+        (``TenantCounts.ahead``): a light tenant's request is not predicted to wait for a
+        heavy tenant's whole queue."""
         rate = self.pool.release_rate()
         if rate is None:
             return None
