@@ -355,6 +355,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         help="the sidecar pool's batch bucket's min_share (default 0: no guaranteed share)",
     )
     p.add_argument(
+        "--stream-objective",
+        choices=("inter_token", "tpot"),
+        default=d.stream_objective,
+        help="the adaptive sidecar's 100 ms p90 objective: every token's gap or each answer's mean",
+    )
+    p.add_argument(
         "--batch-queue-frac",
         dest="batch_queue_timeout_frac",
         type=float,

@@ -86,6 +86,7 @@ class SimEngine:
         self.ttft_hist: Histogram | None = None
         self.e2e_hist: Histogram | None = None
         self.queue_hist: Histogram | None = None
+        self.tpot_hist: Histogram | None = None
         self.itl_hist: BulkHistogram | None = None
 
     def now_s(self) -> float:
@@ -199,6 +200,8 @@ class SimEngine:
             if self.e2e_hist is not None and self.queue_hist is not None:
                 self.e2e_hist.observe(fin.e2e_s)
                 self.queue_hist.observe(fin.queue_s)
+            if self.tpot_hist is not None:
+                self.tpot_hist.observe(fin.tpot_s)
 
     def stats_dict(self) -> dict[str, Any]:
         """Counters and gauges as plain JSON-able values (the /sim/stats body)."""

@@ -5,6 +5,12 @@ by the engine in simulated seconds: TTFT when a request's first token is sampled
 step that finishes its prefill), e2e and queue time when it finishes, and one inter-token gap per
 token after the first (end of its step minus the end of the step of its previous token), counted
 per step in bulk (:class:`BulkHistogram`) since a step can give tokens to hundreds of requests.
+
+Names, buckets and semantics are vLLM v1's (``vllm/v1/metrics/loggers.py``,
+``PrometheusStatLogger``; ``vllm/v1/metrics/stats.py``, ``IterationStats``), among them
+``vllm:request_time_per_output_token_seconds``: one observation per finished request, its decode
+time (last token minus first) over its tokens after the first, 0 for a one-token answer
+(``update_from_finished_request``), on the inter-token buckets.
 """
 
 from __future__ import annotations
@@ -186,6 +192,13 @@ def make_registry(engine: SimEngine, model_name: str) -> CollectorRegistry:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         ),
+        "tpot": Histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            LABELS,
+            buckets=ITL_BUCKETS,
+            registry=registry,
+        ),
         "queue": Histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase.",
@@ -197,6 +210,7 @@ def make_registry(engine: SimEngine, model_name: str) -> CollectorRegistry:
     engine.ttft_hist = hists["ttft"].labels(model_name, "0")
     engine.e2e_hist = hists["e2e"].labels(model_name, "0")
     engine.queue_hist = hists["queue"].labels(model_name, "0")
+    engine.tpot_hist = hists["tpot"].labels(model_name, "0")
     engine.itl_hist = BulkHistogram(ITL_BUCKETS)
     registry.register(_HistogramCollector(engine.itl_hist, ITL_NAMES, model_name))
     return registry

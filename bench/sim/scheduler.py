@@ -76,6 +76,13 @@ class FinishedRequest:
     def e2e_s(self) -> float:
         return self.finish_s - self.arrival_s
 
+    @property
+    def tpot_s(self) -> float:
+        """vLLM's mean time per output token: the decode time over the tokens after the first
+        (0 for a one-token answer)."""
+        n = self.output_tokens - 1
+        return (self.finish_s - self.first_token_s) / n if n > 0 else 0.0
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepOutcome:

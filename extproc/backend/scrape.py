@@ -100,6 +100,9 @@ class Signals:
     itl_s: float | None
     ttft_count: int  # observations in the window
     itl_count: int
+    # Each finished request's mean time per output token (None, 0: none, or not exported).
+    tpot_s: float | None = None
+    tpot_count: int = 0
     errors: tuple[str, ...] = ()
     # Every host named no address (NXDOMAIN, no record): no backend exists at all, as a
     # headless Service with no ready pod says (not a DNS failure, which is no data).
@@ -145,6 +148,7 @@ class Scraper:
         window_s: float,
         ttft_quantile: float,
         itl_quantile: float,
+        tpot_quantile: float = 0.9,
         max_body_bytes: int = MAX_BODY_BYTES,
         resolve: Resolver | None = None,
     ) -> None:
@@ -153,7 +157,7 @@ class Scraper:
         plain ``http://``, or for out-of-range settings."""
         if not urls:
             raise ValueError("no URL to scrape")
-        for q in (ttft_quantile, itl_quantile):
+        for q in (ttft_quantile, itl_quantile, tpot_quantile):
             if not 0.0 < q < 1.0:
                 raise ValueError(f"quantile {q} is not in (0, 1)")
         if timeout_s <= 0 or window_s <= 0 or max_body_bytes <= 0:
@@ -163,10 +167,12 @@ class Scraper:
         self.window_s = window_s
         self.ttft_quantile = ttft_quantile
         self.itl_quantile = itl_quantile
+        self.tpot_quantile = tpot_quantile
         self.max_body_bytes = max_body_bytes
         self._resolve: Resolver = resolve or _getaddrinfo
         self._ttft = HistogramWindow(window_s)
         self._itl = HistogramWindow(window_s)
+        self._tpot = HistogramWindow(window_s)
         self._parse_turn = asyncio.Lock()  # one page parsed per iteration of the event loop
 
     @classmethod
@@ -185,6 +191,7 @@ class Scraper:
             window_s=adaptive.window_s,
             ttft_quantile=adaptive.ttft_quantile,
             itl_quantile=adaptive.itl_quantile,
+            tpot_quantile=adaptive.tpot_quantile,
             max_body_bytes=max_body_bytes,
             resolve=resolve,
         )
@@ -259,6 +266,7 @@ class Scraper:
         kv_usage = 0.0
         ttft: dict[str, Mapping[float, float] | None] = {}
         itl: dict[str, Mapping[float, float] | None] = {}
+        tpot: dict[str, Mapping[float, float] | None] = {}
         for key, result in results.items():
             if isinstance(result, str):
                 failed += 1
@@ -270,10 +278,13 @@ class Scraper:
             kv_usage = max(kv_usage, result.kv_usage or 0.0)
             ttft[key] = result.ttft
             itl[key] = result.itl
+            tpot[key] = result.tpot
         self._ttft.add(now, ttft)
         self._itl.add(now, itl)
+        self._tpot.add(now, tpot)
         ttft_total = self._ttft.total(now)
         itl_total = self._itl.total(now)
+        tpot_total = self._tpot.total(now)
         if len(errors) > _MAX_ERRORS:
             errors[_MAX_ERRORS - 1 :] = [f"+{len(errors) - _MAX_ERRORS + 1} more"]
         return Signals(
@@ -287,6 +298,8 @@ class Scraper:
             itl_s=histogram_quantile(self.itl_quantile, itl_total),
             ttft_count=observations(ttft_total),
             itl_count=observations(itl_total),
+            tpot_s=histogram_quantile(self.tpot_quantile, tpot_total),
+            tpot_count=observations(tpot_total),
             errors=tuple(errors),
             no_backend=no_backend,
         )

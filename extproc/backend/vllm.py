@@ -3,11 +3,13 @@
 Each family is summed over its label sets, since one server may run several models or
 data-parallel engines: the gauges ``vllm:num_requests_waiting``, ``vllm:num_requests_running``
 and ``vllm:kv_cache_usage_perc`` (older vLLM: ``vllm:gpu_cache_usage_perc``; a fraction, so its
-max is taken rather than its sum), and the histograms ``vllm:time_to_first_token_seconds`` and
+max is taken rather than its sum), and the histograms ``vllm:time_to_first_token_seconds``,
 ``vllm:inter_token_latency_seconds`` (older vLLM: ``vllm:time_per_output_token_seconds``; when a
 version exposes both during the rename they carry the same observations, so only the new one
-is read). A histogram is read from its ``_bucket`` samples: upper bound (``le``) -> cumulative
-count, the counts of one bound summed over label sets.
+is read) and ``vllm:request_time_per_output_token_seconds`` (each finished request's mean gap
+between its tokens, the ``tpot`` objective's; versions without it leave ``tpot`` None). A
+histogram is read from its ``_bucket`` samples: upper bound (``le``) -> cumulative count, the
+counts of one bound summed over label sets.
 
 A page is an endpoint's word, checked before it can move the limit; ``parse_metrics`` raises
 ValueError (as ``prometheus.samples`` does for a malformed line, or for a page over
@@ -43,9 +45,10 @@ _KV_OLD = "vllm:gpu_cache_usage_perc"
 _TTFT = "vllm:time_to_first_token_seconds_bucket"
 _ITL = "vllm:inter_token_latency_seconds_bucket"
 _ITL_OLD = "vllm:time_per_output_token_seconds_bucket"
+_TPOT = "vllm:request_time_per_output_token_seconds_bucket"
 # The families read.
-FAMILIES = frozenset({_WAITING, _RUNNING, _KV, _KV_OLD, _TTFT, _ITL, _ITL_OLD})
-_BUCKETS = frozenset({_TTFT, _ITL, _ITL_OLD})
+FAMILIES = frozenset({_WAITING, _RUNNING, _KV, _KV_OLD, _TTFT, _ITL, _ITL_OLD, _TPOT})
+_BUCKETS = frozenset({_TTFT, _ITL, _ITL_OLD, _TPOT})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,6 +62,7 @@ class EndpointSample:
     kv_usage: float | None = None
     ttft: Mapping[float, float] | None = None
     itl: Mapping[float, float] | None = None
+    tpot: Mapping[float, float] | None = None
 
 
 def parse_metrics(page: str | bytes) -> EndpointSample:
@@ -99,6 +103,7 @@ def parse_metrics(page: str | bytes) -> EndpointSample:
         kv_usage=kv.get(_KV, kv.get(_KV_OLD)),
         ttft=buckets.get(_TTFT),
         itl=buckets.get(_ITL, buckets.get(_ITL_OLD)),
+        tpot=buckets.get(_TPOT),
     )
 
 

@@ -69,6 +69,12 @@ class BackendSnapshot:
             "backend_itl_seconds", "Windowed quantile of vLLM's inter-token latency (the SLO's)."
         )
     )
+    tpot_s: float | None = field(
+        metadata=gauge(
+            "backend_tpot_seconds",
+            "Windowed quantile of vLLM's time per output token per request (the SLO's).",
+        )
+    )
     errors: tuple[str, ...]
 
     @classmethod
@@ -81,6 +87,7 @@ class BackendSnapshot:
             kv_usage=s.kv_usage,
             ttft_s=s.ttft_s,
             itl_s=s.itl_s,
+            tpot_s=s.tpot_s,
             errors=tuple(s.errors),
         )
 

@@ -290,6 +290,7 @@ def histogram(text: str, name: str) -> dict[str, float]:
 ITL = "vllm:inter_token_latency_seconds"
 TPOT = "vllm:time_per_output_token_seconds"
 TTFT = "vllm:time_to_first_token_seconds"
+PER_REQUEST = "vllm:request_time_per_output_token_seconds"
 
 
 def test_http_inter_token_latency_histograms() -> None:
@@ -317,10 +318,21 @@ def test_http_inter_token_latency_histograms() -> None:
         assert itl["le=0.01"] == k - 1  # an H100 decode step of one request is ~6 ms
         # TTFT is observed once, when the prefill step (100 prompt tokens) yields the token.
         assert ttft["count"] == 1 and ttft["sum"] == pytest.approx(step(H100, 100, 0))
+        # Each finished request's mean gap, once per request (vLLM's decode time over the
+        # tokens after the first), on the same buckets.
+        per_request = histogram(text, PER_REQUEST)
+        assert per_request["count"] == 1
+        assert per_request["sum"] == pytest.approx(itl["sum"] / (k - 1))
+        assert [b for b in per_request if b.startswith("le=")] == [
+            b for b in itl if b.startswith("le=")
+        ]
         req = {"prompt": "abcd", "max_tokens": 1}  # a single token has no gap
         async with session.post(server.url + "/v1/completions", json=req) as resp:
             assert resp.status == 200
-        assert histogram(await metrics(), ITL)["count"] == k - 1
+        text = await metrics()
+        assert histogram(text, ITL)["count"] == k - 1
+        assert histogram(text, PER_REQUEST)["count"] == 2  # vLLM observes 0 for it
+        assert histogram(text, PER_REQUEST)["le=0.01"] == 2
 
     run(lambda: with_server(FAST, body))
 

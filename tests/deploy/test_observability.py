@@ -49,6 +49,9 @@ vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} COUNT
 # TYPE vllm:inter_token_latency_seconds histogram
 vllm:inter_token_latency_seconds_bucket{le="0.01",model_name="m"} COUNT
 vllm:inter_token_latency_seconds_bucket{le="+Inf",model_name="m"} COUNT
+# TYPE vllm:request_time_per_output_token_seconds histogram
+vllm:request_time_per_output_token_seconds_bucket{le="0.01",model_name="m"} COUNT
+vllm:request_time_per_output_token_seconds_bucket{le="+Inf",model_name="m"} COUNT
 """
 
 # An adaptive pool, so that every pool gauge can appear: two bands (one to protect), a token
@@ -298,6 +301,7 @@ def test_dashboard_panels_query_exported_metrics(exported: set[str]) -> None:
         "llm_extproc_backend_kv_usage",
         "llm_extproc_backend_ttft_seconds",
         "llm_extproc_backend_itl_seconds",
+        "llm_extproc_backend_tpot_seconds",
         "llm_extproc_adaptive_state",
         "llm_extproc_adaptive_limit_changes_total",
     } <= used

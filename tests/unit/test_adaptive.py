@@ -31,6 +31,8 @@ def sig(
     ttft_n: int = 100,
     itl: float | None = 0.02,
     itl_n: int = 100,
+    tpot: float | None = None,
+    tpot_n: int = 100,
 ) -> Signals:
     return Signals(
         at=at,
@@ -43,6 +45,8 @@ def sig(
         itl_s=itl,
         ttft_count=ttft_n if ttft is not None else 0,
         itl_count=itl_n if itl is not None else 0,
+        tpot_s=tpot,
+        tpot_count=tpot_n if tpot is not None else 0,
     )
 
 
@@ -88,10 +92,12 @@ def test_does_not_rise_without_demand() -> None:
         ({"ttft": 0.95}, "inside the 0.9x headroom band"),
         ({"itl": 0.046}, "inside the 0.9x headroom band"),
         ({"ttft": 2.0, "ttft_n": 9}, "too few observations to break the objective"),
+        ({"tpot": 0.038}, "inside the 0.9x headroom band"),
+        ({"tpot": 0.2, "tpot_n": 9}, "too few finished requests to break the objective"),
     ],
 )
 def test_holds_between_increase_and_decrease(signals: dict[str, float], why: str) -> None:
-    a = limiter(initial=100)
+    a = limiter(initial=100, tpot_slo_s=0.04)
     for t in range(3):
         assert a.update(float(t), sig(t, **signals), in_flight=100, waiting=5) == 100, why  # type: ignore[arg-type]
     assert a.reason == "initial"
@@ -108,10 +114,13 @@ def test_holds_between_increase_and_decrease(signals: dict[str, float], why: str
         ({"ttft": 1.6}, "ttft", 62),  # objective / quantile = 0.625
         ({"itl": 0.1}, "itl", 50),  # twice the objective: half
         ({"itl": 0.5}, "itl", 50),  # never deeper than half in one cut
+        ({"tpot": 0.041}, "tpot", 80),
+        ({"tpot": 0.06, "itl": 0.06}, "itl", 80),  # itl is named before tpot
+        ({"tpot": 0.08}, "tpot", 50),
     ],
 )
 def test_falls_on_each_breach(signals: dict[str, float], reason: str, limit: int) -> None:
-    a = limiter(initial=100)
+    a = limiter(initial=100, tpot_slo_s=0.04)
     assert a.update(0.0, sig(0, **signals), in_flight=100, waiting=10) == limit  # type: ignore[arg-type]
     assert a.reason == reason
 
@@ -137,7 +146,19 @@ def test_vllm_queue_breaks_only_above_its_allowance_three_rounds_in_a_row() -> N
 
 def test_objectives_are_optional() -> None:
     a = limiter(initial=100, ttft_slo_s=None, itl_slo_s=None)
-    assert a.update(0.0, sig(0, ttft=60.0, itl=9.0), in_flight=100, waiting=0) == 105
+    assert a.update(0.0, sig(0, ttft=60.0, itl=9.0, tpot=9.0), in_flight=100, waiting=0) == 105
+
+
+def test_tpot_alone_lets_slow_single_tokens_through() -> None:
+    """A prefill step stalls every running stream for one token: the tokens' p90 (``itl``)
+    breaks while each answer's mean gap (``tpot``) holds. With only ``tpot`` the limit grows;
+    with ``itl`` it is cut."""
+    stalled = sig(0, itl=0.12, tpot=0.06)
+    by_request = limiter(initial=100, itl_slo_s=None, tpot_slo_s=0.1)
+    assert by_request.update(0.0, stalled, in_flight=100, waiting=5) == 105
+    by_token = limiter(initial=100, itl_slo_s=0.1)
+    assert by_token.update(0.0, stalled, in_flight=100, waiting=5) == 80
+    assert by_token.reason == "itl"
 
 
 def test_cooldown_after_a_decrease() -> None:

@@ -71,6 +71,7 @@ class Engine:
     kv: float = 0.0
     ttft: dict[float, int] = field(default_factory=dict)
     itl: dict[float, int] = field(default_factory=dict)
+    tpot: dict[float, int] = field(default_factory=dict)
 
 
 def _le(bound: float) -> str:
@@ -147,7 +148,7 @@ def vllm_page(*engines: Engine, old_names: bool = False, both_itl: bool = False)
         lines += _histogram(name, "Latency.", LATENCY_BOUNDS, engines, lambda e: {0.3: 1000})
     lines += _histogram(
         "vllm:request_time_per_output_token_seconds", "TPOT.", ITL_BOUNDS, engines,
-        lambda e: {0.01: 1000},
+        lambda e: e.tpot,
     )  # fmt: skip
     return "\n".join(lines) + "\n"
 
@@ -241,15 +242,19 @@ def fixed(*addresses: tuple[str, int]) -> Callable[[str, int], Awaitable[list[tu
 
 def test_parse_sums_label_sets_takes_kv_max_and_skips_other_families() -> None:
     page = vllm_page(
-        Engine(engine="0", waiting=2, running=5, kv=0.25, ttft={0.1: 3, 0.5: 1}, itl={0.05: 7}),
-        Engine(engine="1", waiting=1, running=4, kv=0.75, ttft={0.1: 2, INF: 1}, itl={0.05: 1}),
-    )
+        Engine(engine="0", waiting=2, running=5, kv=0.25, ttft={0.1: 3, 0.5: 1}, itl={0.05: 7},
+               tpot={0.01: 1000}),
+        Engine(engine="1", waiting=1, running=4, kv=0.75, ttft={0.1: 2, INF: 1}, itl={0.05: 1},
+               tpot={0.2: 5}),
+    )  # fmt: skip
     s = parse_metrics(page)
     assert (s.waiting, s.running, s.kv_usage) == (3.0, 9.0, 0.75)
     assert s.ttft is not None and s.itl is not None
     assert len(s.ttft) == len(TTFT_BOUNDS) + 1
     assert (s.ttft[0.08], s.ttft[0.1], s.ttft[0.25], s.ttft[0.5], s.ttft[INF]) == (0, 5, 5, 6, 7)
     assert s.itl[0.05] == 8 and s.itl[INF] == 8  # request_time_per_output_token not mixed in
+    assert s.tpot is not None  # each request's mean, a family of its own
+    assert (s.tpot[0.01], s.tpot[0.15], s.tpot[0.2], s.tpot[INF]) == (1000, 1000, 1005, 1005)
 
 
 def test_parse_older_vllm_names_and_one_itl_when_both_are_exposed() -> None:
@@ -340,9 +345,10 @@ def test_urls_and_settings_are_checked() -> None:
 
 def test_from_policy_takes_the_resolved_policy_settings() -> None:
     backend = BackendPolicy(metrics=("http://a:1/m", "http://b:2/m"), scrape_timeout_s=0.2)
-    adaptive = AdaptivePolicy(window_s=7.0, ttft_quantile=0.5, itl_quantile=0.99)
+    adaptive = AdaptivePolicy(window_s=7.0, ttft_quantile=0.5, itl_quantile=0.99, tpot_quantile=0.8)
     s = Scraper.from_policy(backend, adaptive)
     assert (s.timeout_s, s.window_s, s.ttft_quantile, s.itl_quantile) == (0.2, 7.0, 0.5, 0.99)
+    assert s.tpot_quantile == 0.8
     assert s.max_body_bytes == MAX_BODY_BYTES
     assert repr(s) == "<Scraper a:1, b:2, 0 endpoints known>"
 
@@ -415,6 +421,7 @@ def test_every_address_of_a_name_and_windowed_quantiles_over_all_of_them() -> No
             a.ttft = {0.1: 100, 0.25: 6, 0.5: 2}
             b.ttft = {0.1: 50, 0.5: 2}
             a.itl = {0.05: 100, 0.075: 10}
+            b.tpot = {0.1: 20}
             sa.page, sb.page = vllm_page(a), vllm_page(b)
             second = await scraper.scrape(101.0)
         # Window: (0.1, 0.25] 6, (0.25, 0.5] 4; 10 in all. p90: rank 9 is the 3rd of the 4 in
@@ -423,6 +430,9 @@ def test_every_address_of_a_name_and_windowed_quantiles_over_all_of_them() -> No
         assert second.ttft_s == pytest.approx(0.25 + 0.25 * 3 / 4)
         assert second.itl_count == 10
         assert second.itl_s == pytest.approx(0.05 + 0.025 * 0.9)
+        # TPOT (B's 20 requests in (0.075, 0.1]), apart from the tokens' gaps.
+        assert (first.tpot_s, first.tpot_count, second.tpot_count) == (None, 0, 20)
+        assert second.tpot_s == pytest.approx(0.075 + 0.025 * 0.9)
 
     run(main())
 
@@ -688,7 +698,7 @@ def big_page(size: int) -> str:
         (MetricsServer(big_page(2 << 20), "length"), "body over 1048576 bytes"),
         (MetricsServer(big_page(2 << 20), "eof"), "body over 1048576 bytes"),
         (MetricsServer(big_page(2 << 20), "chunked", chunk=65536), "body over 1048576 bytes"),
-        (MetricsServer(vllm_page(Engine()), "chunked", chunk=16), "over 1024 chunks"),
+        (MetricsServer(vllm_page(Engine()), "chunked", chunk=8), "over 1024 chunks"),
         (
             MetricsServer('vllm:num_requests_running{engine="%d"} 1\n' * 2049),
             "over 2048 lines of the families read",

@@ -41,7 +41,7 @@ def test_an_adaptive_pool_resolves_and_falls_back_to_its_initial_limit() -> None
     p = policy_from_yaml(
         """
 pool:
-  adaptive: {min: 2, max: 100, initial: 10, slo: {ttft: 1500ms, inter_token: 50ms}}
+  adaptive: {min: 2, max: 100, initial: 10, slo: {ttft: 1500ms, inter_token: 50ms, tpot: 40ms}}
 backend: {metrics: ["http://vllm-headless.llm.svc:8000/metrics"]}
 """
         + BUCKETS
@@ -50,12 +50,15 @@ backend: {metrics: ["http://vllm-headless.llm.svc:8000/metrics"]}
     a = p.pool.adaptive
     assert (a.min_limit, a.max_limit, a.initial) == (2, 100, 10)
     assert (a.ttft_slo_s, a.itl_slo_s, a.ttft_quantile) == (1.5, 0.05, 0.9)
+    assert (a.tpot_slo_s, a.tpot_quantile) == (0.04, 0.9)
     assert p.pool.max_concurrency == 10  # the fallback: the initial limit unless stated
     assert p.to_dict()["pool"]["adaptive"]["slo"] == {
         "ttft": "1.5s",
         "ttft_quantile": 0.9,
         "inter_token": "50ms",
         "inter_token_quantile": 0.9,
+        "tpot": "40ms",
+        "tpot_quantile": 0.9,
     }
 
 
@@ -99,6 +102,11 @@ def test_a_policy_without_a_pool_keeps_the_first_design() -> None:
         ),
         (
             "pool: {adaptive: {slo: {ttft_quantile: 1.5}}}\nbackend: {metrics: [http://h/m]}\n"
+            "buckets: [{name: a, queue_timeout: 1s}]",
+            "quantiles must be between 0 and 1",
+        ),
+        (
+            "pool: {adaptive: {slo: {tpot_quantile: 0}}}\nbackend: {metrics: [http://h/m]}\n"
             "buckets: [{name: a, queue_timeout: 1s}]",
             "quantiles must be between 0 and 1",
         ),

@@ -165,6 +165,8 @@ buckets: [{name: a, queue_timeout: 1s, max_queue: 5}]
             kv_usage=0.5,
             ttft_s=0.2,
             ttft_count=20,
+            tpot_s=0.05,
+            tpot_count=12,
             errors=(),
         )
         control._on_limit(4, up)
@@ -175,6 +177,7 @@ buckets: [{name: a, queue_timeout: 1s, max_queue: 5}]
             "backend_running": 5,
             "backend_kv_usage": 0.5,
             "backend_ttft_seconds": 0.2,
+            "backend_tpot_seconds": 0.05,
         }
         signals = control.debug()["adaptive"]["signals"]  # type: ignore[index]
         assert signals == {
@@ -185,6 +188,7 @@ buckets: [{name: a, queue_timeout: 1s, max_queue: 5}]
             "kv_usage": 0.5,
             "ttft_s": 0.2,
             "itl_s": None,
+            "tpot_s": 0.05,
             "errors": [],
         }
 

@@ -43,11 +43,14 @@ _KEYS: Final[Mapping[str, tuple[str, ...]]] = {
     "ttft_quantile": ("slo", "ttft_quantile"),
     "itl_slo_s": ("slo", "inter_token"),
     "itl_quantile": ("slo", "inter_token_quantile"),
+    "tpot_slo_s": ("slo", "tpot"),
+    "tpot_quantile": ("slo", "tpot_quantile"),
 }
 # A quantile is printed only beside its objective.
 _SHOWN_WITH: Final[Mapping[str, str]] = {
     "ttft_quantile": "ttft_slo_s",
     "itl_quantile": "itl_slo_s",
+    "tpot_quantile": "tpot_slo_s",
 }
 _NULL_SHOWN: Final = frozenset({"tokenizer", "max_tokens_in_flight"})
 _POOL_ONLY: Final = frozenset({"priority", "min_share", "max_share", "order", "tenant"})

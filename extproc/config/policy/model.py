@@ -175,6 +175,8 @@ class AdaptivePolicy:
     ttft_quantile: float = 0.9
     itl_slo_s: float | None = None
     itl_quantile: float = 0.9
+    tpot_slo_s: float | None = None
+    tpot_quantile: float = 0.9
     interval_s: float = 0.5
     window_s: float = 10.0
     max_kv_usage: float = 0.9

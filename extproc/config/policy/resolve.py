@@ -261,6 +261,8 @@ def _adaptive(msg: policy_pb2.Adaptive, backend: BackendPolicy) -> AdaptivePolic
         ttft_quantile=_set_or(slo, "ttft_quantile", d.ttft_quantile),
         itl_slo_s=_duration_or(slo, "inter_token", d.itl_slo_s),
         itl_quantile=_set_or(slo, "inter_token_quantile", d.itl_quantile),
+        tpot_slo_s=_duration_or(slo, "tpot", d.tpot_slo_s),
+        tpot_quantile=_set_or(slo, "tpot_quantile", d.tpot_quantile),
         interval_s=_duration_or(msg, "interval", d.interval_s),
         window_s=_duration_or(msg, "window", d.window_s),
         max_kv_usage=_set_or(msg, "max_kv_usage", d.max_kv_usage),
@@ -270,10 +272,10 @@ def _adaptive(msg: policy_pb2.Adaptive, backend: BackendPolicy) -> AdaptivePolic
     )
     if not 1 <= adaptive.min_limit <= adaptive.initial <= adaptive.max_limit:
         raise PolicyError("pool.adaptive: need 1 <= min <= initial <= max")
-    for objective in (adaptive.ttft_slo_s, adaptive.itl_slo_s):
+    for objective in (adaptive.ttft_slo_s, adaptive.itl_slo_s, adaptive.tpot_slo_s):
         if objective is not None and objective <= 0:
             raise PolicyError("pool.adaptive.slo: an objective must be above 0")
-    for quantile in (adaptive.ttft_quantile, adaptive.itl_quantile):
+    for quantile in (adaptive.ttft_quantile, adaptive.itl_quantile, adaptive.tpot_quantile):
         if not 0 < quantile < 1:
             raise PolicyError("pool.adaptive.slo: quantiles must be between 0 and 1")
     if not 0 < adaptive.max_kv_usage <= 1:
