@@ -358,7 +358,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         "--stream-objective",
         choices=("inter_token", "tpot"),
         default=d.stream_objective,
-        help="the adaptive sidecar's 100 ms p90 objective: every token's gap or each answer's mean",
+        help="the adaptive sidecar's p90 streaming objective: each token's gap or an answer's mean",
+    )
+    p.add_argument(
+        "--stream-slo-ms",
+        dest="stream_slo_ms",
+        type=float,
+        default=d.stream_slo_ms,
+        help="that objective in simulated ms (default 100)",
     )
     p.add_argument(
         "--batch-queue-frac",

@@ -88,9 +88,10 @@ class Options:
     max_retries: int = 2
     interactive_queue_timeout_s: float = 1.0
     batch_min_share: float = 0.0  # the sidecar pool's batch bucket: its guaranteed share
-    # The adaptive sidecar's streaming objective, 100 ms p90: every token's gap
+    # The adaptive sidecar's streaming objective: every token's gap
     # (``inter_token``) or each answer's mean gap (``tpot``).
     stream_objective: Literal["inter_token", "tpot"] = "inter_token"
+    stream_slo_ms: float = 100.0  # that objective, at p90
     batch_queue_timeout_frac: float = 0.8
     queue_bound: Literal["deadline", "drain"] = "drain"
     cb_pending_s: float = 2.0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import random
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -312,6 +314,30 @@ def test_parse_matches_what_prometheus_client_writes() -> None:
         8,
         10,
     )
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_quantile_compared_at_a_bucket_edge_is_exact(seed: int) -> None:
+    """The interpolated quantile is above an objective that is a bucket's bound exactly when
+    more than ``1 - q`` of the observations are above that bound: the comparison the limit
+    makes is the fraction above the objective, with no interpolation error, whenever the
+    objective is one of vLLM's bounds (100 ms for the inter-token buckets, 1 s for TTFT), but
+    the largest finite one (80 s), where a rank in +Inf reads as that bound."""
+    rng = random.Random(seed)
+    bounds = [0.05, 0.075, 0.1, 0.15, 0.2, INF]
+    counts = [float(rng.randrange(0, 30)) for _ in bounds]
+    if seed == 0:  # exactly at the edge: 90 of 100 at or below 0.1
+        counts = [30.0, 30.0, 30.0, 5.0, 5.0, 0.0]
+    cumulative = dict(zip(bounds, itertools.accumulate(counts), strict=True))
+    total = cumulative[INF]
+    if total == 0:
+        return
+    for q in (0.5, 0.9, 0.95, 0.99):
+        quantile = histogram_quantile(q, cumulative)
+        assert quantile is not None
+        for edge in bounds[:-2]:  # the largest finite bound caps a rank in +Inf (below)
+            above = (total - cumulative[edge]) / total
+            assert (quantile > edge) == (above > 1 - q + 1e-12), (q, edge, cumulative)
 
 
 def test_histogram_quantile_matches_a_hand_computation() -> None:
