@@ -161,7 +161,7 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
         print()
         print(tenants)
     print()
-    print(format_targets(checks))
+    print(format_targets(checks, held))
     bad = [r for r in rows if not r.harness_ok]
     if bad:
         print(

@@ -466,9 +466,11 @@ def format_scenarios(rows: Sequence[RunSummary]) -> str:
     )
 
 
-def format_targets(checks: Sequence[TargetCheck]) -> str:
+def format_targets(checks: Sequence[TargetCheck], noisy_held: str = "sidecar-fair") -> str:
+    """The checks, one a line, under a header that names the strategies they were read on
+    (``noisy_held``: the noisy neighbour's, :func:`.noisy.held_strategy`)."""
     lines = [
-        "targets (sidecar; noisy: sidecar-fair; indented: the same target read another way, "
+        f"targets (sidecar; noisy: {noisy_held}; indented: the same target read another way, "
         "for context):"
     ]
     lines.extend(
