@@ -50,12 +50,17 @@ because shared mode turns it off):
 ``replicas-split``
     Each replica a pool of C / 3 (the remainder to the first ones, so they add up to C) and
     nothing shared: no overshoot, but a replica refuses while another has idle slots.
+``replicas-shared-fair``
+    ``replicas-shared`` with ``sidecar-fair``'s tenants and fair order in every bucket: for
+    the noisy-neighbour scenario across replicas (``--scenario noisy``, with ``--spread
+    tenant`` for the uneven case; ``--replicas 1`` is its one-replica control).
 
 The load generator spreads the requests over the three Envoy listeners round robin per
-request, in arrival order (:mod:`.spread`); a request's retries go back to the replica that
-answered it. Their counters are summed over the replicas. Besides what every run reports,
-:func:`.report.format_replicas` puts the three side by side: goodput, SLO goodput, interactive
-p99 TTFT of first attempts and the backend's in-flight peak against C.
+request, in arrival order, or with ``--spread tenant`` every request of a tenant to one of
+them (:mod:`.spread`); a request's retries go back to the replica that answered it. Their
+counters are summed over the replicas. Besides what every run reports,
+:func:`.report.format_replicas` puts them side by side: goodput, SLO goodput, interactive p99
+TTFT of first attempts and the backend's in-flight peak against C.
 
 Every run, of every strategy, polls the simulators' ``/sim/stats`` every 0.5 s of wall time and
 reports the most requests they ran at once (``num_requests_running``; the peak over the whole

@@ -161,7 +161,7 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
         print()
         print(tenants)
     print()
-    print(format_targets(checks))
+    print(format_targets(checks, held))
     bad = [r for r in rows if not r.harness_ok]
     if bad:
         print(
@@ -321,7 +321,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         "tenants), "
         f"{','.join(REPLICA_STRATEGIES)}, not in the default: --replicas gateways (Envoy + "
         "sidecar each) in front of one simulator, sharing one pool of C through Redis, each "
-        "with a pool of C (the overshoot), or each with C / replicas; e.g. --strategies "
+        "with a pool of C (the overshoot), each with C / replicas, or sharing one pool of C "
+        "with sidecar-fair's tenants and fair order in each replica; e.g. --strategies "
         f"{','.join(REPLICA_STRATEGIES)} --loads 2",
     )
     p.add_argument(
@@ -329,6 +330,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         type=int,
         default=d.replicas,
         help=f"gateways of the replicas-* strategies (default {d.replicas})",
+    )
+    p.add_argument(
+        "--spread",
+        choices=("request", "tenant"),
+        default=d.spread,
+        help="how the replicas-* strategies' requests reach the gateways: round robin per "
+        "request (default), or every request of a tenant to one gateway (a hash of its name)",
     )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--arrivals", choices=("poisson", "trace"), default=d.arrivals)

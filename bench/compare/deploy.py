@@ -30,6 +30,7 @@ from .options import (
     FAIR_STRATEGY,
     PLAIN_ENVOY_STRATEGIES,
     REPLICA_STRATEGIES,
+    SHARED_STRATEGIES,
     SIDECAR_STRATEGIES,
     Options,
     Strategy,
@@ -183,7 +184,7 @@ def _deploy_replicas(
     strategy: Strategy, cap: Capacity, opts: Options, log_dir: Path
 ) -> Iterator[Deployment]:
     """``opts.replicas`` gateways in front of one simulator (``testing.gateways.Gateways``:
-    the simulator, then each Envoy + sidecar; a redis-server first for ``replicas-shared``).
+    the simulator, then each Envoy + sidecar; a redis-server first for the shared ones).
 
     Every Envoy gets what ``render(policy)`` derives from the first replica's policy, the
     largest (:func:`replica_limits` gives the remainder to the first): the deadlines are the
@@ -197,7 +198,7 @@ def _deploy_replicas(
         log_dir,
         backend_argv=backend_argv(opts),
         envoy_patch=patch,
-        start_redis=strategy == "replicas-shared",
+        start_redis=strategy in SHARED_STRATEGIES,
     ) as g:
         yield Deployment(
             strategy=strategy,

@@ -24,6 +24,7 @@ Strategy = Literal[
     "replicas-shared",
     "replicas-full",
     "replicas-split",
+    "replicas-shared-fair",
 ]
 # The peers the sidecar is measured against (bench.compare.baselines), in report order.
 BASELINES: Final[tuple[Strategy, ...]] = (
@@ -41,6 +42,11 @@ REPLICA_STRATEGIES: Final[tuple[Strategy, ...]] = (
     "replicas-shared",
     "replicas-full",
     "replicas-split",
+    "replicas-shared-fair",
+)
+# The replica strategies whose pool is shared through Redis.
+SHARED_STRATEGIES: Final[frozenset[Strategy]] = frozenset(
+    {"replicas-shared", "replicas-shared-fair"}
 )
 # ``sidecar`` with fairness between tenants (bench.compare.strategies): run only when asked for.
 FAIR_STRATEGY: Final[Strategy] = "sidecar-fair"
@@ -60,6 +66,8 @@ SIDECAR_STRATEGIES: Final[frozenset[Strategy]] = frozenset(
 PLAIN_ENVOY_STRATEGIES: Final[frozenset[Strategy]] = frozenset(
     {"envoy-cb-default", "envoy-cb", "envoy-adaptive"}
 )
+# How the replica strategies' clients spread the requests over the gateways (bench.compare.spread).
+Spread = Literal["request", "tenant"]
 ScenarioName = Literal["steady", "shift", "halve", "spike", "noisy"]
 # ``--scenario all``: the two-class scenarios; the noisy neighbour only when named.
 SCENARIOS: Final[tuple[ScenarioName, ...]] = ("steady", "shift", "halve", "spike")
@@ -117,6 +125,7 @@ class Options:
     pool_fail_fast: bool = True  # sidecar, sidecar-fair: pool.fail_fast (off: a diagnostic)
     sample_every_s: float = 2.0  # backend and limit gauges sampled this often during a run
     replicas: int = 3  # the replica strategies' gateways in front of the one simulator
+    spread: Spread = "request"  # over those gateways: round robin, or each tenant to one
     # priority-gateway: short = prompt and max_tokens both below these; None = the mix's medians.
     gateway_short_prompt: int | None = None
     gateway_short_output: int | None = None

@@ -29,6 +29,7 @@ COLORS: Final = {
     "replicas-shared": "tab:olive",
     "replicas-full": "tab:pink",
     "replicas-split": "tab:gray",
+    "replicas-shared-fair": "darkolivegreen",
 }
 
 

@@ -35,7 +35,7 @@ from bench.common.table import fmt, format_table
 
 from .capacity import Capacity
 from .measure import SLO_TTFT_S, RunSummary
-from .options import REPLICA_STRATEGIES, SIDECAR_STRATEGIES, Options
+from .options import REPLICA_STRATEGIES, SHARED_STRATEGIES, SIDECAR_STRATEGIES, Options
 from .strategies import replica_limits
 
 __all__ = [
@@ -373,7 +373,7 @@ def format_replicas(rows: Sequence[RunSummary], cap: Capacity, opts: Options) ->
     of first attempts, and the backend's peak of requests running against C."""
     limits = {
         s: f"{cap.concurrency} shared"
-        if s == "replicas-shared"
+        if s in SHARED_STRATEGIES
         else "+".join(str(n) for n in replica_limits(s, cap, opts))
         for s in REPLICA_STRATEGIES
     }
@@ -408,7 +408,12 @@ def format_replicas(rows: Sequence[RunSummary], cap: Capacity, opts: Options) ->
     return "\n".join(
         [
             f"{opts.replicas} replicas (Envoy + sidecar each) in front of one simulator, requests "
-            f"spread round robin over them; C = {cap.concurrency}:",
+            + (
+                "spread round robin over them"
+                if opts.spread == "request"
+                else "of each tenant to one of them (a hash of its name)"
+            )
+            + f"; C = {cap.concurrency}:",
             format_table(REPLICA_HEADERS, cells),
             "limit: the replicas' pools; 1st99i: interactive p99 TTFT of requests answered at "
             "their first attempt (ttft99i: from the original arrival, retries included); peak: "
@@ -461,9 +466,11 @@ def format_scenarios(rows: Sequence[RunSummary]) -> str:
     )
 
 
-def format_targets(checks: Sequence[TargetCheck]) -> str:
+def format_targets(checks: Sequence[TargetCheck], noisy_held: str = "sidecar-fair") -> str:
+    """The checks, one a line, under a header that names the strategies they were read on
+    (``noisy_held``: the noisy neighbour's, :func:`.noisy.held_strategy`)."""
     lines = [
-        "targets (sidecar; noisy: sidecar-fair; indented: the same target read another way, "
+        f"targets (sidecar; noisy: {noisy_held}; indented: the same target read another way, "
         "for context):"
     ]
     lines.extend(

@@ -204,7 +204,7 @@ async def _drive(
     async with aiohttp.ClientSession() as session:
         snaps = [await _snapshot(session, dep)]
         t0 = loop.time()
-        sent = run_spread(cfg, dep.urls) if len(dep.urls) > 1 else run_load(cfg)
+        sent = run_spread(cfg, dep.urls, opts.spread) if len(dep.urls) > 1 else run_load(cfg)
         load = asyncio.create_task(sent)
         helpers = [
             asyncio.create_task(_speed_changes(session, dep, run, t0, opts.speedup)),

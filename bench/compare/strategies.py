@@ -21,6 +21,10 @@ starts). The peers they are compared with are in :mod:`.baselines`.
     shared through Redis, each replica a pool of C (3C in all), each a pool of C / 3. Their
     pools are the ``sidecar`` strategy's buckets without the adaptive limit, so the three
     differ only in each replica's limit and in whether the replicas share it.
+``replicas-shared-fair``
+    ``replicas-shared`` with ``sidecar-fair``'s tenants and fair order in every bucket (the
+    noisy-neighbour scenario's, with ``--spread tenant`` for tenants spread unevenly over the
+    replicas): the shared limit crosses replicas, each replica orders only its own queue.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from bench.common.policy import REDIS_PLACEHOLDER, STAND_INS, policy_yaml, wall_
 from bench.load.runner import TENANT_HEADER
 
 from .capacity import Capacity
-from .options import FAIR_STRATEGY, REPLICA_STRATEGIES, Options, Strategy
+from .options import FAIR_STRATEGY, REPLICA_STRATEGIES, SHARED_STRATEGIES, Options, Strategy
 
 __all__ = [
     "REDIS_PLACEHOLDER",
@@ -221,7 +225,7 @@ def replica_limits(strategy: Strategy, cap: Capacity, opts: Options) -> list[int
     n, c = opts.replicas, cap.concurrency
     if strategy == "replicas-split":
         return [max(1, c // n + (1 if i < c % n else 0)) for i in range(n)]
-    if strategy in ("replicas-shared", "replicas-full"):
+    if strategy in (*SHARED_STRATEGIES, "replicas-full"):
         return [c] * n
     raise ValueError(f"{strategy!r} is not a replica strategy")
 
@@ -232,7 +236,7 @@ def _shared_lease_s(opts: Options) -> float:
     return max(0.5, 10.0 / opts.speedup)
 
 
-def replica_pool_policy(opts: Options, *, limit: int, shared: bool) -> str:
+def replica_pool_policy(opts: Options, *, limit: int, shared: bool, fair: bool = False) -> str:
     """One replica's policy: the ``sidecar`` strategy's pool (:func:`pool_policy`: the same
     buckets, priorities, shares, cost order, deadlines, queue bounds and overload steps) with
     a static ``max_concurrency`` of ``limit`` instead of the adaptive limit, and no backend
@@ -245,6 +249,9 @@ def replica_pool_policy(opts: Options, *, limit: int, shared: bool) -> str:
     most a quarter of the lease. ``fail_fast`` is off in every replica strategy: shared mode
     turns it off (a local release rate says nothing about the pool's), so it is off in the
     other two too, and the three differ only in the limit and the sharing.
+
+    ``fair``: tenants and the fair order in every bucket, the tenant header trusted, as
+    :func:`pool_policy`'s ``fair``.
     """
     lease_s = _shared_lease_s(opts)
     pool: dict[str, Any] = {"max_concurrency": limit, "fail_fast": False}
@@ -257,21 +264,27 @@ def replica_pool_policy(opts: Options, *, limit: int, shared: bool) -> str:
             "replicas": opts.replicas,
         }
     pool["overload"] = _overload(opts)
-    data = {**_common_policy(opts), "pool": pool, "buckets": _pool_buckets(opts)}
+    buckets = _pool_buckets(opts)
+    data = {
+        **_common_policy(opts),
+        **({"trusted_headers": [TENANT_HEADER]} if fair else {}),
+        "pool": pool,
+        "buckets": _fair(buckets) if fair else buckets,
+    }
     what = (
         f"one pool of {limit} shared by {opts.replicas} replicas through Redis"
         if shared
         else f"this replica's own pool of {limit}, shared with nobody"
-    )
+    ) + (";\ntenants by x-tenant-id, the fair order in every bucket" if fair else "")
     return policy_yaml(data, source="bench.compare replica", comment=_header(opts, what))
 
 
 def replica_policies(strategy: Strategy, cap: Capacity, opts: Options) -> list[str]:
     """The policy of each of the ``opts.replicas`` gateways of a replica strategy
     (:func:`replica_limits`, :func:`replica_pool_policy`)."""
-    shared = strategy == "replicas-shared"
+    shared, fair = strategy in SHARED_STRATEGIES, strategy == "replicas-shared-fair"
     return [
-        replica_pool_policy(opts, limit=limit, shared=shared)
+        replica_pool_policy(opts, limit=limit, shared=shared, fair=fair)
         for limit in replica_limits(strategy, cap, opts)
     ]
 

@@ -16,6 +16,7 @@ from bench.compare.capacity import Capacity, determine_capacity
 from bench.compare.measure import RunSummary, Window
 from bench.compare.noisy import check_noisy, held_strategy
 from bench.compare.options import NOISY_STRATEGIES, Options
+from bench.compare.report import format_targets
 from bench.compare.scenarios import plan
 from bench.compare.strategies import pool_policy
 from bench.compare.tenants import TenantStats, jain_index, tenant_stats
@@ -165,6 +166,12 @@ def test_noisy_targets_from_synthetic_summaries() -> None:
     }
     tokens = [c.value for c in check_noisy(rows, "sidecar-fair") if c.name.startswith("total")]
     assert tokens == [pytest.approx(1.0), pytest.approx(1200 / 2300)]  # heavy + 3 x 100 each
+    # The header names the strategy the noisy targets were read on.
+    held = replace(rows[0], strategy="replicas-shared-fair")
+    text = format_targets(
+        check_noisy([held, rows[2]], "replicas-shared-fair"), "replicas-shared-fair"
+    )
+    assert text.splitlines()[0].startswith("targets (sidecar; noisy: replicas-shared-fair;")
 
 
 # ---------------------------------------------------------------------------------------------

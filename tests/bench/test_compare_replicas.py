@@ -27,16 +27,22 @@ from bench.compare.measure import (
     in_flight_point,
     sample_of,
 )
-from bench.compare.options import REPLICA_STRATEGIES, STRATEGIES, Options
+from bench.compare.options import (
+    REPLICA_STRATEGIES,
+    SHARED_STRATEGIES,
+    STRATEGIES,
+    Options,
+    Spread,
+)
 from bench.compare.report import format_replicas, format_runs
-from bench.compare.spread import merge_results, round_robin, run_spread
+from bench.compare.spread import by_tenant, merge_results, round_robin, run_spread, tenant_gateway
 from bench.compare.strategies import (
     REDIS_PLACEHOLDER,
     pool_policy,
     replica_limits,
     replica_policies,
 )
-from bench.load.runner import LoadConfig
+from bench.load.runner import TENANT_HEADER, LoadConfig
 from bench.load.summary import LoadResult, RequestRecord, summarize
 from bench.load.workload import PlannedRequest, build_schedule
 from extproc.config.policy import Policy, policy_from_yaml
@@ -82,6 +88,7 @@ def parsed(text: str) -> Policy:
 def test_replica_limits() -> None:
     cap = capacity(56)
     assert replica_limits("replicas-shared", cap, OPTS) == [56, 56, 56]  # the pool's, together
+    assert replica_limits("replicas-shared-fair", cap, OPTS) == [56, 56, 56]
     assert replica_limits("replicas-full", cap, OPTS) == [56, 56, 56]  # each: 168 in all
     assert replica_limits("replicas-split", cap, OPTS) == [19, 19, 18]  # adds up to C
     assert replica_limits("replicas-split", capacity(72), OPTS) == [24, 24, 24]
@@ -92,10 +99,17 @@ def test_replica_limits() -> None:
 
 
 def test_replica_policies_are_the_sidecar_pool_without_adaptive() -> None:
+    """Each replica strategy's policy is the ``sidecar`` pool's (``sidecar-fair``'s for
+    ``replicas-shared-fair``) but for the limit, fail_fast, the metrics and the sharing."""
     cap = capacity(56)
-    adaptive = parsed(pool_policy(cap, OPTS, ["http://127.0.0.1:9/metrics"]))
-    assert adaptive.pool is not None
     for strategy in REPLICA_STRATEGIES:
+        fair = strategy == "replicas-shared-fair"
+        adaptive = parsed(pool_policy(cap, OPTS, ["http://127.0.0.1:9/metrics"], fair=fair))
+        assert adaptive.pool is not None
+        assert (
+            adaptive.trusted_headers
+            == parsed(replica_policies(strategy, cap, OPTS)[0]).trusted_headers
+        )
         texts = replica_policies(strategy, cap, OPTS)
         assert len(texts) == OPTS.replicas
         policies = [parsed(t) for t in texts]
@@ -108,7 +122,7 @@ def test_replica_policies_are_the_sidecar_pool_without_adaptive() -> None:
             assert policy.buckets == adaptive.buckets  # names, bands, shares, deadlines, queues
             assert policy.limits == adaptive.limits and policy.tokens == adaptive.tokens
             assert policy.backend.metrics == ()
-            assert (pool.shared is not None) == (strategy == "replicas-shared"), strategy
+            assert (pool.shared is not None) == (strategy in SHARED_STRATEGIES), strategy
         if strategy != "replicas-split":
             assert len(set(texts)) == 1  # one policy for every replica
 
@@ -160,6 +174,7 @@ def test_configs_show_the_replica_policies() -> None:
         "replicas-split policy (replica 0)",
         "replicas-split policy (replica 1)",
         "replicas-split policy (replica 2)",
+        "replicas-shared-fair policy (each of 3)",
     }
     assert "max_concurrency: 18" in config["replicas-split policy (replica 2)"]
 
@@ -182,6 +197,28 @@ def test_round_robin_in_arrival_order() -> None:
     assert round_robin([], 3) == [[], [], []]
     with pytest.raises(ValueError):
         round_robin(schedule, 0)
+
+
+def test_tenant_gateway_depends_on_the_name_alone() -> None:
+    names = ["heavy", "light-1", "light-2", "light-3", "light-4"]
+    placed = {n: tenant_gateway(n, 3) for n in names}
+    # Fixed by SHA-256, whatever the process: the placement docs/benchmarks.md reports.
+    assert placed == {"heavy": 2, "light-1": 0, "light-2": 0, "light-3": 1, "light-4": 2}
+    assert all(tenant_gateway(n, 1) == 0 for n in names)
+    with pytest.raises(ValueError):
+        tenant_gateway("heavy", 0)
+
+
+def test_by_tenant_keeps_each_tenant_on_one_gateway() -> None:
+    tenants = ["heavy", "light-1", None, "light-3", "heavy", None, "light-1", None]
+    schedule = [replace(planned(i, 0.5 * i), tenant=t) for i, t in enumerate(tenants)]
+    parts = by_tenant(list(reversed(schedule)), 3)
+    assert [[p.index for p in part] for part in parts] == [[1, 2, 6], [3, 5], [0, 4, 7]]
+    assert all(part == sorted(part, key=lambda p: p.t_s) for part in parts)
+    # Without the heavy tenant the light ones stay where they were.
+    light = [p for p in schedule if p.tenant != "heavy"]
+    assert [[p.index for p in part] for part in by_tenant(light, 3)] == [[1, 2, 6], [3, 5], [7]]
+    assert by_tenant([], 2) == [[], []]
 
 
 def record(i: int, cls: str, *, arrival: float, good: bool = True) -> RequestRecord:
@@ -246,15 +283,19 @@ def test_merge_results() -> None:
         merge_results(_cfg(), [])
 
 
-def test_run_spread_sends_round_robin_to_every_gateway() -> None:
+@pytest.mark.parametrize("spread", ["request", "tenant"])
+def test_run_spread_sends_to_every_gateway(spread: Spread) -> None:
     """Three in-process HTTP servers answer like the simulator (non-streamed and streamed);
-    every request of the schedule reaches one of them, request i the (i mod 3)-th."""
+    every request of the schedule reaches one of them: request i the (i mod 3)-th, or with
+    tenants spread by tenant, its tenant's gateway."""
     seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    tenant_seen: dict[int, set[str | None]] = {0: set(), 1: set(), 2: set()}
 
     def app(k: int) -> web.Application:
         async def chat(request: web.Request) -> web.StreamResponse:
             body = await request.json()
             seen[k].append(int(body["messages"][0]["content"].split("]")[0].lstrip("[")))
+            tenant_seen[k].add(request.headers.get(TENANT_HEADER))
             if not body.get("stream"):
                 return web.json_response({"usage": {"completion_tokens": body["max_tokens"]}})
             resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -277,12 +318,17 @@ def test_run_spread_sends_round_robin_to_every_gateway() -> None:
                 await web.TCPSite(runner, "127.0.0.1", port).start()
                 urls.append(f"http://127.0.0.1:{port}")
             cfg = replace(_cfg(), duration_s=3.0, speedup=20.0, max_run_s=10.0)
+            if spread == "tenant":
+                tenants = (("a", 1.0), ("b", 1.0), ("c", 1.0), ("d", 1.0))
+                # Each tenant's arrivals are a stream of its own: a longer run for as many.
+                classes = tuple(replace(c, tenants=tenants) for c in cfg.classes)
+                cfg = replace(cfg, classes=classes, duration_s=8.0)
             schedule = list(
                 build_schedule(
                     cfg.classes, duration_s=cfg.duration_s, max_requests=cfg.max_requests
                 )
             )
-            return await run_spread(cfg, urls), schedule
+            return await run_spread(cfg, urls, spread), schedule
         finally:
             for runner in runners:
                 await runner.cleanup()
@@ -293,7 +339,12 @@ def test_run_spread_sends_round_robin_to_every_gateway() -> None:
     assert all(r.outcome == "ok" for r in res.records)
     by_arrival = [p.index for p in sorted(schedule, key=lambda p: (p.t_s, p.index))]
     for k in range(3):
-        assert sorted(seen[k]) == sorted(by_arrival[k::3]), k
+        if spread == "request":
+            assert sorted(seen[k]) == sorted(by_arrival[k::3]), k
+        else:
+            mine = {p.tenant for p in schedule if tenant_gateway(str(p.tenant), 3) == k}
+            assert tenant_seen[k] == mine and None not in mine, k
+            assert sorted(seen[k]) == sorted(p.index for p in schedule if p.tenant in mine), k
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,15 +459,19 @@ def test_format_replicas_and_the_peak_column() -> None:
         run_summary("replicas-shared", 56),
         run_summary("replicas-full", 150),
         run_summary("replicas-split", None),
+        run_summary("replicas-shared-fair", 56),
     ]
     text = format_replicas(rows, cap, OPTS)
     lines = text.splitlines()
     assert "3 replicas" in lines[0] and "C = 56" in lines[0]
-    shared, full, split = lines[2:5]
+    shared, full, split, fair = lines[2:6]
     assert "56 shared" in shared and " 1.00 " in shared and "1.50" in shared
     assert "56+56+56" in full and " 150 " in full and "2.68" in full
     assert "19+19+18" in split and " - " in split
-    assert [line.split()[1] for line in lines[2:5]] == list(REPLICA_STRATEGIES)
+    assert "56 shared" in fair
+    assert [line.split()[1] for line in lines[2:6]] == list(REPLICA_STRATEGIES)
+    assert "round robin" in lines[0]
+    assert "each tenant" in format_replicas(rows, cap, replace(OPTS, spread="tenant"))
     assert format_replicas(rows[:1], cap, OPTS) == ""
     runs = format_runs(rows)
     assert "peak" in runs.splitlines()[1]
