@@ -34,8 +34,8 @@ their cap (``min(max_share x limit, cap)``, lowered for the least urgent band by
 during overload or by the band cut, never below its guaranteed share, and only while a more
 urgent band has requests running or waiting: ``demand.cut_band``). The pool's
 ``BucketChoice`` picks one (``order.GuaranteeBandHead``: below its guaranteed share first,
-then the most urgent band, then the earliest head); each bucket's ``QueueOrder`` keys its
-heap (``fifo``, ``cost``).
+then the most urgent band, then the earliest head); each bucket's ``QueueOrder`` keeps its
+queue (``fifo``, ``cost``, ``fair``).
 The winner's head is admitted if its cost fits the token bound (a request is always admitted
 into an empty pool, so one larger than the bound still runs alone); if it does not fit, filling
 stops: nobody passes it, so it cannot starve behind smaller ones. Idle capacity goes to whoever

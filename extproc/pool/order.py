@@ -1,10 +1,11 @@
 """The pool's named decisions: the order within a bucket, and the choice across buckets.
 
-Who gets a freed slot is decided in two steps, each a small class with one method:
+Who gets a freed slot is decided in two steps, each a small class:
 
-1. **Within a bucket** (``QueueOrder.key``): a waiting ticket's key, given once, when it joins;
-   the bucket's queue is a heap on it, so the head is the smallest key, in O(log n). The
-   policy's ``order`` picks the class through one table, ``QUEUE_ORDERS``:
+1. **Within a bucket** (``QueueOrder``): the order keeps the bucket's queue (``push`` a ticket
+   that joins, ``head`` the next one). ``fifo`` and ``cost`` key each ticket once, when it
+   joins (``key``), and the queue is a heap on it, so the head is the smallest key, in
+   O(log n). The policy's ``order`` picks the class through one table, ``QUEUE_ORDERS``:
 
    - ``fifo`` (``FifoOrder``): the enqueue time.
    - ``cost`` (``CostOrder``): the enqueue time plus ``(timeout / 2) x c / (c + c0)``, where
@@ -15,24 +16,30 @@ Who gets a freed slot is decided in two steps, each a small class with one metho
      behind it.
 
    - ``fair`` (``FairOrder``): fair between the bucket's tenants, start-time fair queueing
-     (Goyal, Vin and Cheng, SIGCOMM 1996) on weighted tokens. Each tenant has a finish tag;
-     a ticket's key is its start tag ``S = max(V, F)``, and the tenant's ``F`` becomes
-     ``S + (prompt + 2 x max_tokens) / weight``; ``V`` is the start tag of the latest
-     admission. A tenant's backlog spreads its tags out, so another tenant's request, tagged
-     near ``V``, goes ahead of all but the first of them: a light tenant never waits behind a
-     heavy tenant's queue, and two busy tenants share the slots in proportion to their weights,
-     in tokens, not in requests. Work-conserving: a tenant alone is served first come first
-     served, at full speed. No credit is banked: a tenant idle for a while starts again at
-     ``V``, not before it (that is the "decay", immediate). Output tokens weigh twice: they
-     hold the slot for the decode, one step each (llm-d weighs them 2x for the same reason).
+     (Goyal, Vin and Cheng, SIGCOMM 1996) on weighted tokens, and the ``cost`` order within
+     each tenant. A tenant with waiters has a *turn*, tagged ``S = max(V, F)`` when it starts
+     waiting; the head is the cost order's first waiter of the tenant whose turn has the
+     smallest tag (two heaps, O(log n)). Serving it moves the tenant's finish tag to
+     ``F = S + (prompt + 2 x max_tokens) / weight``, where its next turn starts; ``V`` is the
+     start tag of the latest admission. Only service moves a tag: a request that leaves
+     unserved (refused after it joined, evicted, cancelled: ``left``) charges its tenant
+     nothing, so a flood refused at the door does not push the flooding tenant's next requests
+     back. A tenant's backlog spreads its turns out, so another tenant's request, whose turn
+     starts at ``V``, goes ahead of all but one request of it: a light tenant never waits
+     behind a heavy tenant's queue, and two busy tenants share the slots in proportion to
+     their weights, in tokens, not in requests. Within a tenant, its cheap requests go ahead of
+     its own expensive ones (the cost order's bound: never put back by more than half the
+     queue timeout behind later ones); which tenant is served next does not depend on it.
+     Work-conserving: a tenant alone is served as ``cost`` serves, at full speed. No credit
+     is banked: a tenant idle for a while starts again at ``V``, not before it (that is the
+     "decay", immediate). Output tokens weigh twice: they hold the slot for the decode, one
+     step each (llm-d weighs them 2x for the same reason).
 
-   An order may keep state of its own (``CostOrder``'s running mean, ``FairOrder``'s tags).
-   One that sets ``observes`` also hears each admission (with its key) and release of its
-   bucket's tickets (``admitted``, ``released``); the core calls nothing for the others. Keys
-   do not change while a ticket waits: an order whose ranks move with service received gives
-   the key when the ticket joins (a virtual start time, as start-time fair queueing does).
-   An order whose keys are not times says which time competes across buckets (``band_key``:
-   ``FairOrder``'s is the ticket's arrival).
+   An order may keep state of its own (``CostOrder``'s running mean, ``FairOrder``'s tags and
+   turns). One that sets ``observes`` also hears each admission (with its key), release and
+   departure unserved of its bucket's tickets (``admitted``, ``released``, ``left``); the
+   core calls nothing for the others. An order whose keys are not times says which time
+   competes across buckets (``band_key``: ``FairOrder``'s is the ticket's arrival).
 
 2. **Across buckets** (``BucketChoice.rank``): among the buckets of a pool whose head may take
    the slot (it has waiters and is below its cap), the one with the smallest rank wins.
