@@ -3,8 +3,9 @@
 Only ``extproc.pool.core.Admission`` changes them (a bucket's own side of an admission, a
 release or a waiter leaving unserved through ``BucketState.admitted`` / ``released`` /
 ``left``, which it calls); each bucket's queue is kept by its order (``extproc.pool.order``),
-and the choice across buckets and the band questions (``extproc.pool.demand``) read them. Counts are kept, not recomputed:
-``PoolState.running`` and ``tokens`` are the sums over its buckets' running tickets.
+and the choice across buckets and the band questions (``extproc.pool.demand``) read them.
+Counts are kept, not recomputed: ``PoolState.running`` and ``tokens`` are the sums over its
+buckets' running tickets.
 """
 
 from __future__ import annotations
