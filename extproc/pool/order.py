@@ -237,16 +237,16 @@ class FairOrder(QueueOrder):
 
     def push(self, ticket: Ticket, timeout_s: float) -> None:
         tenant = ticket.tenant
+        last = self.tags.get(tenant)
+        finish = self.virtual if last is None else last[0]
         q = self.queues.get(tenant)
-        if q is None:  # it has nobody waiting: its turn starts at max(V, F)
+        if q is None:  # it had nobody waiting: its turn starts at max(V, F)
             q = self.queues[tenant] = _Backlog()
-            last = self.tags.get(tenant)
-            self._turn(tenant, q, self.virtual if last is None else max(self.virtual, last[0]))
+            self._turn(tenant, q, max(self.virtual, finish))
         heapq.heappush(q.heap, (self.key(ticket, timeout_s), ticket.id))
         q.n += 1
         q.tokens += weighted_tokens(ticket)
-        last = self.tags.get(tenant)
-        self._seen(tenant, self.virtual if last is None else last[0], ticket.enqueued_at)
+        self._seen(tenant, finish, ticket.enqueued_at)
 
     def head(self, waiting: Mapping[int, Ticket]) -> tuple[float, Ticket] | None:
         turns = self.turns
