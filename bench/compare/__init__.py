@@ -22,7 +22,8 @@ request with its ``x-tenant-id`` (:mod:`bench.load`'s ``ClassSpec.tenants``), on
 ``--noisy-seeds`` entry and, per seed, its reference: the light tenants alone, the very same
 requests, through one strategy (the held one). Its strategies when none are named:
 ``sidecar-fair`` (``sidecar``'s policy with tenants by ``x-tenant-id`` and ``order: fair`` in
-every bucket, :mod:`.strategies`), ``sidecar``, ``priority-gateway`` and ``envoy-cb``. Per
+every bucket, :mod:`.strategies`), ``sidecar``, ``priority-gateway`` and ``envoy-cb``; a
+diagnostic, ``sidecar-fifo`` (``sidecar`` with every queue ``fifo``), only when named. Per
 tenant (:mod:`.tenants`): SLO attainment over every request it sent (resolved in the window)
 and good tokens/s; :mod:`.noisy` prints a table per strategy and checks the targets.
 

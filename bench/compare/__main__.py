@@ -297,7 +297,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         "--no-fail-fast",
         dest="pool_fail_fast",
         action="store_false",
-        help="sidecar, sidecar-fair: pool.fail_fast off (no refusal on a predicted wait)",
+        help="sidecar, sidecar-fair, sidecar-fifo: pool.fail_fast off (no refusal on a "
+        "predicted wait)",
     )
     p.add_argument(
         "--sample-every",
@@ -318,7 +319,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         default=None,
         help=f"comma-separated (default: {','.join(STRATEGIES)}; with --scenario noisy alone "
         f"{','.join(NOISY_STRATEGIES)}); also sidecar-fair (sidecar with fairness between "
-        "tenants), "
+        "tenants), sidecar-fifo (sidecar first come first served, a diagnostic), "
         f"{','.join(REPLICA_STRATEGIES)}, not in the default: --replicas gateways (Envoy + "
         "sidecar each) in front of one simulator, sharing one pool of C through Redis, each "
         "with a pool of C (the overshoot), each with C / replicas, or sharing one pool of C "

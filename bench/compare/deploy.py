@@ -28,6 +28,7 @@ from .baselines import adaptive_concurrency, envoy_breakers, envoy_default_break
 from .capacity import Capacity
 from .options import (
     FAIR_STRATEGY,
+    FIFO_STRATEGY,
     PLAIN_ENVOY_STRATEGIES,
     REPLICA_STRATEGIES,
     SHARED_STRATEGIES,
@@ -147,7 +148,13 @@ def deploy(strategy: Strategy, cap: Capacity, opts: Options, log_dir: Path) -> I
         if strategy == "sidecar-static":
             text = sidecar_policy(cap, opts)
         else:
-            text = pool_policy(cap, opts, metrics, fair=strategy == FAIR_STRATEGY)
+            text = pool_policy(
+                cap,
+                opts,
+                metrics,
+                fair=strategy == FAIR_STRATEGY,
+                fifo=strategy == FIFO_STRATEGY,
+            )
         (log_dir / "policy.yaml").write_text(text)
         stack.envoy_patch = policy_envoy_patch(text)
     with stack:

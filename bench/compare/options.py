@@ -21,6 +21,7 @@ Strategy = Literal[
     "sidecar-static",
     "sidecar",
     "sidecar-fair",
+    "sidecar-fifo",
     "replicas-shared",
     "replicas-full",
     "replicas-split",
@@ -50,7 +51,14 @@ SHARED_STRATEGIES: Final[frozenset[Strategy]] = frozenset(
 )
 # ``sidecar`` with fairness between tenants (bench.compare.strategies): run only when asked for.
 FAIR_STRATEGY: Final[Strategy] = "sidecar-fair"
-KNOWN_STRATEGIES: Final[tuple[Strategy, ...]] = (*STRATEGIES, FAIR_STRATEGY, *REPLICA_STRATEGIES)
+# ``sidecar`` with its queues first come first served (a diagnostic): run only when asked for.
+FIFO_STRATEGY: Final[Strategy] = "sidecar-fifo"
+KNOWN_STRATEGIES: Final[tuple[Strategy, ...]] = (
+    *STRATEGIES,
+    FAIR_STRATEGY,
+    FIFO_STRATEGY,
+    *REPLICA_STRATEGIES,
+)
 # The noisy-neighbour scenario's strategies when none are named (bench.compare.scenarios).
 NOISY_STRATEGIES: Final[tuple[Strategy, ...]] = (
     FAIR_STRATEGY,
@@ -60,7 +68,7 @@ NOISY_STRATEGIES: Final[tuple[Strategy, ...]] = (
 )
 # The strategies whose Envoy runs the ext_proc filter and the sidecar.
 SIDECAR_STRATEGIES: Final[frozenset[Strategy]] = frozenset(
-    {"sidecar-static", "sidecar", FAIR_STRATEGY, *REPLICA_STRATEGIES}
+    {"sidecar-static", "sidecar", FAIR_STRATEGY, FIFO_STRATEGY, *REPLICA_STRATEGIES}
 )
 # Envoy in front without ext_proc.
 PLAIN_ENVOY_STRATEGIES: Final[frozenset[Strategy]] = frozenset(
@@ -122,7 +130,7 @@ class Options:
     light_load: float = 0.2
     light_tenants: int = 4
     noisy_seeds: tuple[int, ...] = (0, 1)
-    pool_fail_fast: bool = True  # sidecar, sidecar-fair: pool.fail_fast (off: a diagnostic)
+    pool_fail_fast: bool = True  # sidecar, -fair, -fifo: pool.fail_fast (off: a diagnostic)
     sample_every_s: float = 2.0  # backend and limit gauges sampled this often during a run
     replicas: int = 3  # the replica strategies' gateways in front of the one simulator
     spread: Spread = "request"  # over those gateways: round robin, or each tenant to one

@@ -26,6 +26,7 @@ COLORS: Final = {
     "sidecar-static": "tab:cyan",
     "sidecar": "tab:blue",
     "sidecar-fair": "navy",
+    "sidecar-fifo": "lightsteelblue",
     "replicas-shared": "tab:olive",
     "replicas-full": "tab:pink",
     "replicas-split": "tab:gray",

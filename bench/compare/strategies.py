@@ -15,6 +15,9 @@ starts). The peers they are compared with are in :mod:`.baselines`.
     of a real gateway Envoy's auth sets it; the bench's Envoy does not strip it, so the load
     generator plays that part) and orders its queue ``fair`` instead of ``cost``. Nothing else
     differs, so the two measure the order and nothing but it.
+``sidecar-fifo``
+    ``sidecar`` with every queue ``fifo`` instead of ``cost`` (a diagnostic, not in the default
+    list): what the cost order's cheapest-first adds, apart from fairness.
 ``replicas-shared``, ``replicas-full``, ``replicas-split``
     ``Options.replicas`` gateways (``testing.gateways.Gateways``: Envoy + sidecar each) in front
     of one simulator (:func:`replica_policies`, not in the default list): one static pool of C
@@ -36,7 +39,14 @@ from bench.common.policy import REDIS_PLACEHOLDER, STAND_INS, policy_yaml, wall_
 from bench.load.runner import TENANT_HEADER
 
 from .capacity import Capacity
-from .options import FAIR_STRATEGY, REPLICA_STRATEGIES, SHARED_STRATEGIES, Options, Strategy
+from .options import (
+    FAIR_STRATEGY,
+    FIFO_STRATEGY,
+    REPLICA_STRATEGIES,
+    SHARED_STRATEGIES,
+    Options,
+    Strategy,
+)
 
 __all__ = [
     "REDIS_PLACEHOLDER",
@@ -167,13 +177,19 @@ def _overload(opts: Options) -> dict[str, Any]:
 
 
 def pool_policy(
-    cap: Capacity, opts: Options, metrics_urls: list[str], *, fair: bool = False
+    cap: Capacity,
+    opts: Options,
+    metrics_urls: list[str],
+    *,
+    fair: bool = False,
+    fifo: bool = False,
 ) -> str:
     """``sidecar``'s policy: one pool whose limit the sidecar reads from the simulators' own
     metrics against latency objectives. Nothing here comes from the capacity model but the
     static fallback ``max_concurrency`` (C), used only while the metrics are stale.
     ``fair``: ``sidecar-fair``'s, the same with tenants and the fair order in every bucket
-    (:func:`_fair`), the tenant header trusted.
+    (:func:`_fair`), the tenant header trusted. ``fifo``: ``sidecar-fifo``'s, the same
+    buckets first come first served.
 
     Time: the sidecar's timers (queue deadlines, scrape interval, windows, holds) run on the
     wall clock and are written as simulated / speedup; the objectives are compared with the
@@ -199,6 +215,8 @@ def pool_policy(
         "overload": _overload(opts),
     }  # fmt: skip
     buckets = _pool_buckets(opts)
+    if fifo:
+        buckets = [{**b, "order": "fifo"} for b in buckets]
     data = {
         **_common_policy(opts),
         **({"trusted_headers": [TENANT_HEADER]} if fair else {}),
@@ -210,9 +228,10 @@ def pool_policy(
         "one adaptive pool; max_concurrency is only the fallback while the metrics are stale;\n"
         "the SLOs are simulated seconds (the simulator's histograms are)"
         + (";\ntenants by x-tenant-id, the fair order in every bucket" if fair else "")
+        + (";\nevery bucket first come first served" if fifo else "")
     )
     stand_ins = {**STAND_INS, METRICS_PLACEHOLDER: "http://127.0.0.1:9/metrics"}
-    source = "bench.compare sidecar-fair" if fair else "bench.compare sidecar"
+    source = "bench.compare " + (FAIR_STRATEGY if fair else FIFO_STRATEGY if fifo else "sidecar")
     return policy_yaml(data, source=source, comment=_header(opts, what), stand_ins=stand_ins)
 
 
@@ -301,6 +320,8 @@ def sidecar_configs(cap: Capacity, opts: Options) -> dict[str, Any]:
         out["sidecar policy"] = pool_policy(cap, opts, [METRICS_PLACEHOLDER])
     if FAIR_STRATEGY in s:
         out["sidecar-fair policy"] = pool_policy(cap, opts, [METRICS_PLACEHOLDER], fair=True)
+    if FIFO_STRATEGY in s:
+        out["sidecar-fifo policy"] = pool_policy(cap, opts, [METRICS_PLACEHOLDER], fifo=True)
     for strategy in REPLICA_STRATEGIES:
         if strategy in s:
             policies = replica_policies(strategy, cap, opts)

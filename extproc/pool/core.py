@@ -34,8 +34,8 @@ their cap (``min(max_share x limit, cap)``, lowered for the least urgent band by
 during overload or by the band cut, never below its guaranteed share, and only while a more
 urgent band has requests running or waiting: ``demand.cut_band``). The pool's
 ``BucketChoice`` picks one (``order.GuaranteeBandHead``: below its guaranteed share first,
-then the most urgent band, then the earliest head); each bucket's ``QueueOrder`` keys its
-heap (``fifo``, ``cost``).
+then the most urgent band, then the earliest head); each bucket's ``QueueOrder`` keeps its
+queue (``fifo``, ``cost``, ``fair``).
 The winner's head is admitted if its cost fits the token bound (a request is always admitted
 into an empty pool, so one larger than the bound still runs alone); if it does not fit, filling
 stops: nobody passes it, so it cannot starve behind smaller ones. Idle capacity goes to whoever
@@ -73,7 +73,6 @@ compaction (``extproc.pool.deadlines``); a tenant's bounds are O(1).
 
 from __future__ import annotations
 
-import heapq
 import itertools
 
 from extproc.config.policy import Order, TenantPolicy
@@ -146,7 +145,7 @@ class Admission:
         # Join the queue, then let the rules decide: admitted at once when they pick it now.
         self._where[ticket.id] = b
         b.waiting[ticket.id] = ticket
-        heapq.heappush(b.heap, (b.order.key(ticket, timeout_s), ticket.id))
+        b.order.push(ticket, timeout_s)
         self.queued_bytes += held_bytes
         b.queued_bytes += held_bytes
         if pool.running < pool.limit:
@@ -428,8 +427,7 @@ class Admission:
         del b.waiting[ticket.id]
         self._unqueue(b, ticket)
         del self._where[ticket.id]
-        if b.tenants is not None:
-            b.tenants.left(ticket.tenant)
+        b.left(ticket)
 
     def _unqueue(self, b: BucketState, ticket: Ticket) -> None:
         self.queued_bytes -= ticket.held_bytes

@@ -1,10 +1,11 @@
 """The pool's named decisions: the order within a bucket, and the choice across buckets.
 
-Who gets a freed slot is decided in two steps, each a small class with one method:
+Who gets a freed slot is decided in two steps, each a small class:
 
-1. **Within a bucket** (``QueueOrder.key``): a waiting ticket's key, given once, when it joins;
-   the bucket's queue is a heap on it, so the head is the smallest key, in O(log n). The
-   policy's ``order`` picks the class through one table, ``QUEUE_ORDERS``:
+1. **Within a bucket** (``QueueOrder``): the order keeps the bucket's queue (``push`` a ticket
+   that joins, ``head`` the next one). ``fifo`` and ``cost`` key each ticket once, when it
+   joins (``key``), and the queue is a heap on it, so the head is the smallest key, in
+   O(log n). The policy's ``order`` picks the class through one table, ``QUEUE_ORDERS``:
 
    - ``fifo`` (``FifoOrder``): the enqueue time.
    - ``cost`` (``CostOrder``): the enqueue time plus ``(timeout / 2) x c / (c + c0)``, where
@@ -15,24 +16,30 @@ Who gets a freed slot is decided in two steps, each a small class with one metho
      behind it.
 
    - ``fair`` (``FairOrder``): fair between the bucket's tenants, start-time fair queueing
-     (Goyal, Vin and Cheng, SIGCOMM 1996) on weighted tokens. Each tenant has a finish tag;
-     a ticket's key is its start tag ``S = max(V, F)``, and the tenant's ``F`` becomes
-     ``S + (prompt + 2 x max_tokens) / weight``; ``V`` is the start tag of the latest
-     admission. A tenant's backlog spreads its tags out, so another tenant's request, tagged
-     near ``V``, goes ahead of all but the first of them: a light tenant never waits behind a
-     heavy tenant's queue, and two busy tenants share the slots in proportion to their weights,
-     in tokens, not in requests. Work-conserving: a tenant alone is served first come first
-     served, at full speed. No credit is banked: a tenant idle for a while starts again at
-     ``V``, not before it (that is the "decay", immediate). Output tokens weigh twice: they
-     hold the slot for the decode, one step each (llm-d weighs them 2x for the same reason).
+     (Goyal, Vin and Cheng, SIGCOMM 1996) on weighted tokens, and the ``cost`` order within
+     each tenant. A tenant with waiters has a *turn*, tagged ``S = max(V, F)`` when it starts
+     waiting; the head is the cost order's first waiter of the tenant whose turn has the
+     smallest tag (two heaps, O(log n)). Serving it moves the tenant's finish tag to
+     ``F = S + (prompt + 2 x max_tokens) / weight``, where its next turn starts; ``V`` is the
+     start tag of the latest admission. Only service moves a tag: a request that leaves
+     unserved (refused after it joined, evicted, cancelled: ``left``) charges its tenant
+     nothing, so a flood refused at the door does not push the flooding tenant's next requests
+     back. A tenant's backlog spreads its turns out, so another tenant's request, whose turn
+     starts at ``V``, goes ahead of all but one request of it: a light tenant never waits
+     behind a heavy tenant's queue, and two busy tenants share the slots in proportion to
+     their weights, in tokens, not in requests. Within a tenant, its cheap requests go ahead of
+     its own expensive ones (the cost order's bound: never put back by more than half the
+     queue timeout behind later ones); which tenant is served next does not depend on it.
+     Work-conserving: a tenant alone is served as ``cost`` serves, at full speed. No credit
+     is banked: a tenant idle for a while starts again at ``V``, not before it (that is the
+     "decay", immediate). Output tokens weigh twice: they hold the slot for the decode, one
+     step each (llm-d weighs them 2x for the same reason).
 
-   An order may keep state of its own (``CostOrder``'s running mean, ``FairOrder``'s tags).
-   One that sets ``observes`` also hears each admission (with its key) and release of its
-   bucket's tickets (``admitted``, ``released``); the core calls nothing for the others. Keys
-   do not change while a ticket waits: an order whose ranks move with service received gives
-   the key when the ticket joins (a virtual start time, as start-time fair queueing does).
-   An order whose keys are not times says which time competes across buckets (``band_key``:
-   ``FairOrder``'s is the ticket's arrival).
+   An order may keep state of its own (``CostOrder``'s running mean, ``FairOrder``'s tags and
+   turns). One that sets ``observes`` also hears each admission (with its key), release and
+   departure unserved of its bucket's tickets (``admitted``, ``released``, ``left``); the
+   core calls nothing for the others. An order whose keys are not times says which time
+   competes across buckets (``band_key``: ``FairOrder``'s is the ticket's arrival).
 
 2. **Across buckets** (``BucketChoice.rank``): among the buckets of a pool whose head may take
    the slot (it has waiters and is below its cap), the one with the smallest rank wins.
@@ -48,6 +55,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar, Final
 
 from extproc.config.policy import Order, TenantPolicy
@@ -75,17 +83,47 @@ OUTPUT_WEIGHT: Final = 2.0
 
 
 class QueueOrder:
-    """The order within one bucket's queue: smaller keys go first."""
+    """The order within one bucket's queue: smaller keys go first.
 
-    __slots__ = ()
-    # True: the core calls ``admitted`` and ``released`` for each of the bucket's tickets.
+    The queue itself is the order's: ``push`` a ticket that joins, ``head`` the next one of
+    the bucket's ``waiting`` tickets. Here a heap on ``key`` with lazy deletion (a ticket that
+    left is dropped when it reaches the top; ``compact`` rebuilds once they outnumber the
+    live ones)."""
+
+    __slots__ = ("heap",)
+    # True: the core calls ``admitted``, ``released`` and ``left`` for each of the bucket's
+    # tickets.
     observes: ClassVar[bool] = False
     # True: the order serves tenants in turn (a prediction counts only who it puts ahead).
     by_tenant: ClassVar[bool] = False
 
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, int]] = []  # (key, ticket id)
+
     def key(self, ticket: Ticket, timeout_s: float) -> float:
         """The key of a ticket joining the queue (``timeout_s``: its queue timeout)."""
         raise NotImplementedError
+
+    def push(self, ticket: Ticket, timeout_s: float) -> None:
+        """A ticket joins the queue."""
+        heapq.heappush(self.heap, (self.key(ticket, timeout_s), ticket.id))
+
+    def head(self, waiting: Mapping[int, Ticket]) -> tuple[float, Ticket] | None:
+        """The next of the ``waiting`` tickets and its key (None: nobody waits)."""
+        heap = self.heap
+        while heap:
+            key, tid = heap[0]
+            ticket = waiting.get(tid)
+            if ticket is not None:
+                return key, ticket
+            heapq.heappop(heap)
+        return None
+
+    def compact(self, waiting: Mapping[int, Ticket]) -> None:
+        """Drop the entries of tickets gone once they outnumber the live ones."""
+        if len(self.heap) > 64 and len(self.heap) > 2 * len(waiting):
+            self.heap = [(k, tid) for k, tid in self.heap if tid in waiting]
+            heapq.heapify(self.heap)
 
     def band_key(self, key: float, ticket: Ticket) -> float:
         """The time the bucket's head competes with across buckets (``BucketChoice``): its
@@ -104,11 +142,15 @@ class QueueOrder:
         return []
 
     def admitted(self, ticket: Ticket, key: float, now: float) -> None:
-        """One of the bucket's tickets, queued with ``key``, took a slot (only when
+        """One of the bucket's tickets, the head with ``key``, took a slot (only when
         ``observes``)."""
 
     def released(self, ticket: Ticket, now: float) -> None:
         """One of the bucket's tickets gave its slot back (only when ``observes``)."""
+
+    def left(self, ticket: Ticket) -> None:
+        """One of the bucket's waiters left without a slot: refused after it joined, evicted,
+        cancelled (only when ``observes``)."""
 
 
 class FifoOrder(QueueOrder):
@@ -126,6 +168,7 @@ class CostOrder(QueueOrder):
     __slots__ = ("mean_cost",)
 
     def __init__(self) -> None:
+        super().__init__()
         self.mean_cost: float | None = None
 
     def key(self, ticket: Ticket, timeout_s: float) -> float:
@@ -136,51 +179,170 @@ class CostOrder(QueueOrder):
         return ticket.enqueued_at + delay
 
 
+class _Backlog:
+    """One tenant's waiters in the fair order: a heap on the cost order's keys, how many are
+    live and their weighted tokens, and its turn (start tag, and the sequence number of its
+    one live entry in the order's heap of turns)."""
+
+    __slots__ = ("heap", "n", "seq", "start", "tokens")
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, int]] = []
+        self.n = 0
+        self.tokens = 0.0
+        self.start = 0.0
+        self.seq = 0
+
+
+def weighted_tokens(ticket: Ticket) -> float:
+    """What serving the ticket charges its tenant: (prompt + 2 x max_tokens) / weight."""
+    cost = max(0, ticket.cost) + (OUTPUT_WEIGHT - 1.0) * max(0, ticket.output)
+    return cost / ticket.weight
+
+
 class FairOrder(QueueOrder):
-    """Start-time fair queueing between tenants on weighted tokens (see the module docstring).
+    """Start-time fair queueing between tenants, the cost order within each (see the module
+    docstring).
 
-    ``tags`` holds each tenant's finish tag and when it was last seen, least recently seen
-    first: at most ``max_tracked`` tenants, and none idle past ``idle_s`` (each ``key``
-    forgets from the old end, O(1) amortised). A forgotten tenant starts again at ``V``."""
+    ``queues`` holds each tenant with waiters (``_Backlog``) and ``turns`` a heap of their
+    start tags, one live entry a tenant (the others are stale: dropped at the top, or by
+    ``compact``). ``tags`` holds each tenant's finish tag (its latest admission's) and when it
+    was last seen, least recently seen first: at most ``max_tracked`` tenants, and none idle
+    past ``idle_s`` (each push or admission forgets from the old end, O(1) amortised). A
+    forgotten tenant starts again at ``V``."""
 
-    __slots__ = ("idle_s", "max_tracked", "tags", "virtual")
+    __slots__ = ("idle_s", "max_tracked", "queues", "seq", "stale", "tags", "turns", "virtual",
+                 "within")  # fmt: skip
     observes: ClassVar[bool] = True
     by_tenant: ClassVar[bool] = True
 
     def __init__(self) -> None:
+        super().__init__()
         self.virtual = 0.0
         self.tags: OrderedDict[str | None, tuple[float, float]] = OrderedDict()
         self.max_tracked, self.idle_s = _TENANT.max_tracked, _TENANT.idle_ttl_s
+        self.queues: dict[str | None, _Backlog] = {}
+        self.turns: list[tuple[float, int, str | None]] = []  # (start tag, seq, tenant)
+        self.seq = 0
+        self.stale = 0  # entries of tickets or turns gone, in the heaps
+        self.within = CostOrder()  # the keys within a tenant (its running mean cost)
 
     def tune(self, tenant: TenantPolicy | None) -> None:
         if tenant is not None:
             self.max_tracked, self.idle_s = tenant.max_tracked, tenant.idle_ttl_s
 
     def key(self, ticket: Ticket, timeout_s: float) -> float:
-        tags, now = self.tags, ticket.enqueued_at
-        last = tags.pop(ticket.tenant, None)
-        start = self.virtual if last is None or last[0] < self.virtual else last[0]
-        cost = max(0, ticket.cost) + (OUTPUT_WEIGHT - 1.0) * max(0, ticket.output)
-        tags[ticket.tenant] = (start + cost / ticket.weight, now)
-        while len(tags) > self.max_tracked or next(iter(tags.values()))[1] < now - self.idle_s:
-            tags.popitem(last=False)
-        return start
+        """Its key within its tenant's queue: the cost order's."""
+        return self.within.key(ticket, timeout_s)
+
+    def push(self, ticket: Ticket, timeout_s: float) -> None:
+        tenant = ticket.tenant
+        last = self.tags.get(tenant)
+        finish = self.virtual if last is None else last[0]
+        q = self.queues.get(tenant)
+        if q is None:  # it had nobody waiting: its turn starts at max(V, F)
+            q = self.queues[tenant] = _Backlog()
+            self._turn(tenant, q, max(self.virtual, finish))
+        heapq.heappush(q.heap, (self.key(ticket, timeout_s), ticket.id))
+        q.n += 1
+        q.tokens += weighted_tokens(ticket)
+        self._seen(tenant, finish, ticket.enqueued_at)
+
+    def head(self, waiting: Mapping[int, Ticket]) -> tuple[float, Ticket] | None:
+        turns = self.turns
+        while turns:
+            start, seq, tenant = turns[0]
+            q = self.queues.get(tenant)
+            if q is None or q.seq != seq:
+                heapq.heappop(turns)
+                self.stale -= 1
+                continue
+            heap = q.heap
+            while heap[0][1] not in waiting:  # q.n > 0: a live one is below
+                heapq.heappop(heap)
+                self.stale -= 1
+            return start, waiting[heap[0][1]]
+        return None
+
+    def compact(self, waiting: Mapping[int, Ticket]) -> None:
+        if self.stale <= 64 or self.stale <= len(waiting):
+            return
+        for q in self.queues.values():
+            q.heap = [(k, tid) for k, tid in q.heap if tid in waiting]
+            heapq.heapify(q.heap)
+        self.turns = [(q.start, q.seq, t) for t, q in self.queues.items()]
+        heapq.heapify(self.turns)
+        self.stale = 0
 
     def band_key(self, key: float, ticket: Ticket) -> float:
         return ticket.enqueued_at
 
     def admitted(self, ticket: Ticket, key: float, now: float) -> None:
-        if key > self.virtual:
-            self.virtual = key
+        """The head of the tenant whose turn it was: ``V`` moves to its start tag, the
+        tenant's finish tag to ``start + tokens``, its next waiter's turn starts there."""
+        self.virtual = max(self.virtual, key)
+        tenant = ticket.tenant
+        q = self.queues[tenant]
+        tokens = weighted_tokens(ticket)
+        # The head ``head`` returned, and its tenant's turn: at the top of their heaps.
+        if q.heap[0][1] == ticket.id:
+            heapq.heappop(q.heap)
+        else:
+            self.stale += 1
+        if self.turns[0][1] == q.seq:
+            heapq.heappop(self.turns)
+        else:
+            self.stale += 1
+        finish = q.start + tokens
+        q.n -= 1
+        q.tokens -= tokens
+        self._seen(tenant, finish, now)
+        if q.n:
+            self._turn(tenant, q, finish)
+        else:
+            self._forget_queue(tenant, q)
+
+    def left(self, ticket: Ticket) -> None:
+        """No service, no charge: the tenant's tags stay where they were (a refused or
+        evicted request does not push its tenant's later ones back)."""
+        q = self.queues.get(ticket.tenant)
+        if q is None:
+            return
+        q.n -= 1
+        q.tokens -= weighted_tokens(ticket)
+        self.stale += 1  # its entry in its tenant's heap
+        if not q.n:
+            self.stale += 1  # its tenant's turn
+            self._forget_queue(ticket.tenant, q)
 
     def tenants(self) -> int:
         return len(self.tags)
 
     def heaviest(self, k: int) -> list[tuple[str | None, float]]:
-        """The ``k`` tenants furthest ahead of ``V`` (their backlog, in weighted tokens):
-        for /debug/queues, O(tenants)."""
-        ahead = ((t, f - self.virtual) for t, (f, _) in self.tags.items() if f > self.virtual)
-        return heapq.nlargest(k, ahead, key=lambda x: x[1])
+        """The ``k`` tenants furthest ahead of ``V`` (their backlog, in weighted tokens: the
+        finish tag they will have once their waiters are served): for /debug/queues,
+        O(tenants)."""
+        v = self.virtual
+        ahead = {t: f - v for t, (f, _) in self.tags.items() if f > v}
+        ahead.update((t, q.start + q.tokens - v) for t, q in self.queues.items())
+        return heapq.nlargest(k, ahead.items(), key=lambda x: x[1])
+
+    def _turn(self, tenant: str | None, q: _Backlog, start: float) -> None:
+        self.seq += 1
+        q.start, q.seq = start, self.seq
+        heapq.heappush(self.turns, (start, self.seq, tenant))
+
+    def _forget_queue(self, tenant: str | None, q: _Backlog) -> None:
+        """A tenant with nobody waiting: its heap (every entry stale) goes."""
+        del self.queues[tenant]
+        self.stale -= len(q.heap)
+
+    def _seen(self, tenant: str | None, finish: float, now: float) -> None:
+        tags = self.tags
+        tags.pop(tenant, None)
+        tags[tenant] = (finish, now)
+        while len(tags) > self.max_tracked or next(iter(tags.values()))[1] < now - self.idle_s:
+            tags.popitem(last=False)
 
 
 _TENANT: Final = TenantPolicy()  # the defaults, until ``tune``

@@ -1,15 +1,15 @@
 """The admission core's mutable state: one ``PoolState`` per pool, one ``BucketState`` per bucket.
 
-Only ``extproc.pool.core.Admission`` changes them (a bucket's own side of an admission or a
-release through ``BucketState.admitted`` / ``released``, which it calls); the named
-decisions (``extproc.pool.order``) and the band questions (``extproc.pool.demand``) read
-them. Counts are kept, not recomputed:
-``PoolState.running`` and ``tokens`` are the sums over its buckets' running tickets.
+Only ``extproc.pool.core.Admission`` changes them (a bucket's own side of an admission, a
+release or a waiter leaving unserved through ``BucketState.admitted`` / ``released`` /
+``left``, which it calls); each bucket's queue is kept by its order (``extproc.pool.order``),
+and the choice across buckets and the band questions (``extproc.pool.demand``) read them.
+Counts are kept, not recomputed: ``PoolState.running`` and ``tokens`` are the sums over its
+buckets' running tickets.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import deque
 from typing import Final
@@ -106,7 +106,6 @@ class BucketState:
         "cap",
         "client_expired_total",
         "evicted_total",
-        "heap",
         "max_queue",
         "max_share",
         "mean_hold_s",
@@ -138,8 +137,7 @@ class BucketState:
         self.order: QueueOrder = FifoOrder()
         self.observer: QueueOrder | None = None  # the order, when it observes
         self.tenants: TenantCounts | None = None  # with a tenant policy only
-        self.waiting: dict[int, Ticket] = {}
-        self.heap: list[tuple[float, int]] = []  # (order key, ticket id), lazy deletion
+        self.waiting: dict[int, Ticket] = {}  # queued in ``order``
         # ticket id -> (ticket, admitted_at)
         self.running: dict[int, tuple[Ticket, float]] = {}
         self.tokens = 0
@@ -208,11 +206,10 @@ class BucketState:
         return old
 
     def _rekey(self) -> None:
-        """A new order: the waiters' keys again, in the order they came (a fair order's keys
-        are tokens, another's are times: the two never share a heap)."""
-        order, waiting = self.order, sorted(self.waiting.values(), key=lambda t: t.id)
-        self.heap = [(order.key(t, t.deadline - t.enqueued_at), t.id) for t in waiting]
-        heapq.heapify(self.heap)
+        """A new order: the waiters join it again, in the order they came (a fair order's
+        keys are tokens, another's are times: the two never share a queue)."""
+        for t in sorted(self.waiting.values(), key=lambda t: t.id):
+            self.order.push(t, t.deadline - t.enqueued_at)
 
     def admitted(self, ticket: Ticket, key: float, now: float) -> None:
         """The bucket's side of an admission (the core takes it off the queue first)."""
@@ -238,14 +235,15 @@ class BucketState:
         return ticket, hold
 
     def head(self) -> tuple[float, Ticket] | None:
-        heap = self.heap
-        while heap:
-            key, tid = heap[0]
-            ticket = self.waiting.get(tid)
-            if ticket is not None:
-                return key, ticket
-            heapq.heappop(heap)
-        return None
+        return self.order.head(self.waiting)
+
+    def left(self, ticket: Ticket) -> None:
+        """The bucket's side of a waiter leaving without a slot (the core takes it off the
+        queue first)."""
+        if self.tenants is not None:
+            self.tenants.left(ticket.tenant)
+        if self.observer is not None:
+            self.observer.left(ticket)
 
     def ahead(self) -> int:
         """Waiters of its band and of the more urgent ones (all served before a newcomer)."""
@@ -312,10 +310,8 @@ class BucketState:
         )
 
     def compact(self) -> None:
-        """Rebuild the queue's heap once stale entries (tickets gone) outnumber the live ones."""
-        if len(self.heap) > 64 and len(self.heap) > 2 * len(self.waiting):
-            self.heap = [(k, tid) for k, tid in self.heap if tid in self.waiting]
-            heapq.heapify(self.heap)
+        """Let the order drop its entries of tickets gone (``QueueOrder.compact``)."""
+        self.order.compact(self.waiting)
 
     def min_slots(self, limit: int) -> int:
         return math.floor(self.min_share * limit + 1e-9)

@@ -38,17 +38,36 @@ def drain(a: Admission, holder: int, now: float = 1.0) -> list[str | None]:
         holder = t.id
 
 
-def test_one_tenant_alone_is_first_come_first_served() -> None:
-    order = FairOrder()
-    keys = [order.key(ticket("a", at=float(i), cost=10 * (i % 3 + 1)), 5.0) for i in range(6)]
-    assert keys == sorted(keys) and len(set(keys)) == 6
+@pytest.mark.parametrize("tenant", ["a", None])
+def test_a_tenant_alone_is_served_as_the_cost_order_serves(tenant: str | None) -> None:
+    """Within a tenant the fair order is the cost order: cheaper first, an expensive request
+    put back by at most half its queue timeout. Alone, a tenant (or the anonymous one) is
+    served exactly as ``order: cost`` serves the same requests."""
+    costs = [5000, 100, 3000, 100, 800, 100, 20_000, 100, 100, 400]
+    served: dict[Order, list[int]] = {}
+    for order in (Order.FAIR, Order.COST):
+        a = Admission({})
+        a.set_pool("p", 1, 0.0, fail_fast=False)
+        a.set_bucket("b", 0.0, pool="p", max_queue=100, order=order, tenant=TenantPolicy())
+        holder = a.enqueue("b", 0.0, 10, tenant=tenant).ticket
+        ids = {a.enqueue("b", 0.5 * i, 10, cost=c, tenant=tenant).ticket.id: c
+               for i, c in enumerate(costs)}  # fmt: skip
+        served[order] = []
+        while admitted := a.release(holder.id, 6.0):
+            (holder,) = admitted
+            served[order].append(ids[holder.id])
+    assert served[Order.FAIR] == served[Order.COST]
+    assert served[Order.FAIR][:3] == [100, 100, 100] and served[Order.FAIR] != costs
 
 
 def test_output_tokens_weigh_more_and_a_weight_divides() -> None:
-    order = FairOrder()
-    order.key(ticket("a", cost=300, output=100), 5.0)  # 200 prompt + 100 output
+    """A tenant's finish tag moves, when it is served, by (prompt + 2 x max_tokens) / weight."""
+    a = pool(limit=2)
+    a.enqueue("b", 0.0, 60, cost=300, output=100, tenant="a")  # 200 prompt + 100 output
+    a.enqueue("b", 0.0, 60, cost=300, output=100, tenant="b", weight=2.0)
+    order = a._buckets["b"].order
+    assert isinstance(order, FairOrder)
     assert order.tags["a"][0] == 300 + (OUTPUT_WEIGHT - 1) * 100
-    order.key(ticket("b", cost=300, output=100, weight=2.0), 5.0)
     assert order.tags["b"][0] == (300 + (OUTPUT_WEIGHT - 1) * 100) / 2
 
 
@@ -105,18 +124,75 @@ def test_state_is_bounded_by_max_tracked_and_idle_ttl() -> None:
     order = FairOrder()
     order.tune(TenantPolicy(max_tracked=100, idle_ttl_s=10.0))
     for i in range(10_000):
-        order.key(ticket(f"t{i}", at=0.0), 5.0)
+        order.push(ticket(f"t{i}", at=0.0), 5.0)
     assert len(order.tags) == 100 and "t9999" in order.tags and "t0" not in order.tags
-    order.key(ticket("late", at=11.0), 5.0)  # everyone else idle past the TTL
+    order.push(ticket("late", at=11.0), 5.0)  # everyone else idle past the TTL
     assert list(order.tags) == ["late"]
 
 
 def test_a_forgotten_tenant_starts_at_the_virtual_time() -> None:
-    order = FairOrder()
-    order.tune(TenantPolicy(max_tracked=1))
-    order.key(ticket("a", cost=1000), 5.0)
-    order.key(ticket("b"), 5.0)  # "a" forgotten
-    assert order.key(ticket("a"), 5.0) == order.virtual == 0.0
+    a = pool(limit=2, tenant=TenantPolicy(max_tracked=1))
+    a.enqueue("b", 0.0, 60, cost=1000, tenant="a")  # served: F = 1000
+    a.enqueue("b", 0.0, 60, tenant="b")  # "a" forgotten
+    order = a._buckets["b"].order
+    assert isinstance(order, FairOrder) and "a" not in order.tags
+    a.enqueue("b", 0.0, 60, tenant="a")  # queued: its turn starts at V
+    assert order.queues["a"].start == order.virtual == 0.0
+
+
+@pytest.mark.parametrize("how", ["refused and cancelled", "evicted"])
+def test_a_request_that_leaves_unserved_charges_its_tenant_nothing(how: str) -> None:
+    """The heavy tenant's finish tag moves only when it is served: ten requests refused at the
+    door, cancelled or evicted from the queue do not put its later ones behind the light
+    tenant's. After them, the two alternate, as if they had never come."""
+    a = pool(max_queue=4)
+    holder = a.enqueue("b", 0.0, 60, cost=100, tenant="heavy").ticket  # served: F = 100
+    flood = [a.enqueue("b", 0.0, 1.0, cost=100, tenant="heavy") for _ in range(10)]
+    if how == "evicted":
+        assert len(a.expire(1.0)) == 4  # and 6 refused at the door
+    else:
+        assert [d.verdict for d in flood].count(Verdict.QUEUE_FULL) == 6
+        for d in flood[:4]:
+            a.cancel(d.ticket.id, 0.5)
+    for tenant in ("light", "heavy", "light", "heavy"):
+        a.enqueue("b", 2.0, 60, cost=100, tenant=tenant)
+    assert drain(a, holder.id, 3.0) == ["light", "heavy", "light", "heavy"]
+    order = a._buckets["b"].order
+    assert isinstance(order, FairOrder) and not order.queues and order.stale == 0
+
+
+def test_within_a_tenant_cheaper_first_and_still_a_light_tenant_first() -> None:
+    """The heavy tenant's queue is served cheapest first (its own order), and the light
+    tenant's one request still goes ahead of all of it."""
+    a = pool()
+    holder = a.enqueue("b", 0.0, 60, cost=100, tenant="heavy").ticket
+    costs = {a.enqueue("b", 0.1 * i, 60, cost=c, tenant="heavy").ticket.id: c
+             for i, c in enumerate([4000, 3000, 2000, 1000])}  # fmt: skip
+    light = a.enqueue("b", 1.0, 60, cost=5000, tenant="light").ticket
+    served = []
+    while admitted := a.release(holder.id, 2.0):
+        (holder,) = admitted
+        served.append(costs.get(holder.id, "light"))
+    assert served == ["light", 1000, 2000, 3000, 4000]
+    assert light.id not in costs
+
+
+def test_the_queues_stay_bounded_while_requests_come_and_go() -> None:
+    """Entries of requests that left are dropped lazily; a busy tenant's heap and the heap of
+    turns never hold more than about twice the live ones (plus 64)."""
+    a = pool(max_queue=10_000)
+    a.enqueue("b", 0.0, 600, tenant="x")  # holds the slot
+    for _ in range(5):
+        a.enqueue("b", 0.0, 600, tenant="heavy")
+    order = a._buckets["b"].order
+    assert isinstance(order, FairOrder)
+    for i in range(2_000):
+        for tenant in ("heavy", f"light-{i}"):
+            d = a.enqueue("b", 1.0, 600, tenant=tenant)
+            a.cancel(d.ticket.id, 1.0)
+        entries = sum(len(q.heap) for q in order.queues.values()) + len(order.turns)
+        assert entries <= 2 * (5 + len(order.queues)) + 66
+    assert list(order.queues) == ["heavy"] and order.queues["heavy"].n == 5
 
 
 def test_across_buckets_the_fair_bucket_competes_by_arrival() -> None:
