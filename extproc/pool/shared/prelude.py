@@ -139,12 +139,23 @@ local function seal()
 end
 
 -- The leader and its term (``<term>:<replica>``; a bare id, of an older version: term 0).
+-- ``<term>:`` is the mark a leader that stepped down leaves for a lease: no leader, and the
+-- last term, so that the next one's is later even within the same millisecond.
 local function leader_of()
   local v = redis.call('GET', KEYS[4])
   if not v then return false, 0 end
   local t, who = string.match(v, '^(%d+):(.*)$')
-  if t and #t <= MAX_DIGITS then return who, tonumber(t) end
+  if t and #t <= MAX_DIGITS then
+    if who == '' then return false, tonumber(t) end
+    return who, tonumber(t)
+  end
   return v, 0
+end
+
+-- Step down, if ``me`` leads: leave the mark of the term that ends.
+local function step_down()
+  local who, t = leader_of()
+  if who == me then redis.call('SET', KEYS[4], t .. ':', 'PX', lease_ms) end
 end
 
 -- Whether anybody else waits (a 'freed' message is worth sending).

@@ -12,7 +12,9 @@ in one slot, which a script needs):
   priorities, lower = more urgent): the replica's waiters that a lease would let in and that
   hold none. Removed with the replica's entry when it expires.
 - ``{prefix}:leader``: ``<term>:<replica>``, the replica that computes the adaptive limit
-  (``SET NX PX lease``) and its term (the server time in ms when it won). A limit is
+  (``SET NX PX lease``) and its term (the server time in ms when it won, and always after the
+  last term: a leader that steps down leaves ``<term>:`` for a lease, so a term that starts in
+  the same millisecond is still a new one). A limit is
   published with the term it was computed in, and only in the term in force: a replica that
   wins the leadership back does not publish what it computed in an earlier term, nor a
   stale leader over a new one.
@@ -266,7 +268,7 @@ if ARGV[5] == 'bye' then
   ended = settle()
   set_demand('')
   redis.call('ZREM', KEYS[2], me)
-  if leader_of() == me then redis.call('DEL', KEYS[4]) end
+  step_down()
 else
   expect(me)
   if ARGV[5] ~= '-' then set_demand(ARGV[5]) end
@@ -299,16 +301,17 @@ for i = first + n_renew, first + n_renew + n_back - 1 do
 end
 local leader, term = leader_of()
 if ARGV[6] == '1' then
-  if not leader then
-    leader, term = me, now
+  if not leader then  -- a term after the last one, even one that ended in this millisecond
+    leader, term = me, math.max(now, term + 1)
     redis.call('SET', KEYS[4], term .. ':' .. me, 'PX', lease_ms)
   elseif leader == me then
     redis.call('PEXPIRE', KEYS[4], lease_ms)
   end
 elseif leader == me then
-  redis.call('DEL', KEYS[4])
-  leader, term = false, 0
+  step_down()
+  leader = false
 end
+if not leader then term = 0 end
 local raised = false
 local new, of_term = string.match(ARGV[7], '^(%d+)@(%d+)$')
 if leader == me and new and #new <= max_digits and tonumber(of_term) == term then
