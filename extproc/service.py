@@ -55,7 +55,7 @@ from extproc.pool.shares import Share, Shares
 from extproc.record import NO_BUCKET, RequestRecord
 from extproc.request import respond
 from extproc.request.classify import Classification, TokenCounter, token_counter
-from extproc.request.deadline import Deadline, deadline_of
+from extproc.request.deadline import Deadline, abandoned, deadline_of
 from extproc.request.offload import INLINE_BODY_BYTES, Busy, Offload, Parsed, parse_and_classify
 from extproc.request.parse import Endpoint, check_content_headers, endpoint_for_path
 from extproc.request.routes import Route, RouteCache
@@ -406,7 +406,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if name not in self._deadline_logged:
                 self._deadline_logged.add(name)
                 log.warning(
-                    "deadline header %s: %.64r is not a number of milliseconds >= 0, ignored "
+                    "deadline header %s: %.64r is not a number >= 0, ignored "
                     "(counted in llm_extproc_client_deadline_invalid_total; logged once)",
                     name,
                     value,
@@ -426,7 +426,13 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def _finish(self, st: stream.State) -> None:
         if st.shadow_task is not None and not st.shadow_task.done():
             st.shadow_task.cancel()  # (a task cancelled before it ran never cleans up itself)
+        rec = st.rec
+        rec.ended_at = self._loop.time()
         if st.slot is not None:
+            gone = abandoned(st.deadline, rec.ended_at)  # ended after its client had left
+            self._gate.ends.record(rec.ended_at, gone)
+            if gone:
+                self._metrics.abandoned.labels(rec.bucket).inc()
             st.slot.release()
         if st.waiter is not None:
             st.waiter.cancel()
@@ -434,8 +440,6 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if st.share_slot is not None:
                 st.share_slot.release()
             self._shares.sweep(st.share)
-        rec = st.rec
-        rec.ended_at = self._loop.time()
         if rec.outcome is None:  # the client left before the sidecar answered
             left_while = (
                 Outcome.CANCELLED_WHILE_QUEUED

@@ -214,6 +214,13 @@ class Metrics:
             buckets=_HOLD_BUCKETS,
             registry=r,
         )
+        self.abandoned = Counter(
+            "llm_extproc_abandoned",
+            "Admitted requests whose stream ended at or after their deadline (the client's "
+            "stated timeout, or the route's): answers their client had given up on.",
+            ["bucket"],
+            registry=r,
+        )
         self.prompt_tokens = Histogram(
             "llm_extproc_prompt_tokens",
             "Estimated prompt tokens of classified requests.",
@@ -254,16 +261,19 @@ class Metrics:
         )
         self.client_deadline_invalid = Counter(
             "llm_extproc_client_deadline_invalid",
-            "Deadline headers ignored: not a number of milliseconds >= 0 (negative, NaN, text).",
+            "Deadline headers ignored: not a number >= 0 (negative, NaN, text).",
             registry=r,
         )
 
     def declare(self, buckets: Iterable[str]) -> None:
         """Create the outcome and reload series at zero, so that rates and increase() see the
         first eviction or reload error instead of a series that appears at 1."""
+        buckets = list(buckets)
         for bucket in (*buckets, NO_BUCKET):
             for info in OUTCOMES.values():
                 self.requests.labels(bucket, info.label)
+        for bucket in buckets:
+            self.abandoned.labels(bucket)
         for result in ("ok", "error"):
             self.policy_reloads.labels(result)
 

@@ -27,7 +27,15 @@ Decrease, ``L := floor(L * f)``, when any of these holds, the first one named in
   is what the TTFT objective (which includes it) says; this rule only catches a queue that
   stays long;
 - ``kv`` (``f = 0.8``): the fullest endpoint's KV cache is at or above ``max_kv_usage`` (0.9):
-  past it vLLM preempts running requests and recomputes them, which costs more than it serves.
+  past it vLLM preempts running requests and recomputes them, which costs more than it serves;
+- ``abandoned`` (``f = 0.8``, with ``slo.abandoned``): of the admitted requests whose streams
+  ended in the window (at least ``MIN_OBSERVATIONS``), a larger share than the objective ended
+  at or after their deadline: their clients had given up, and the backend's work on them was
+  wasted (``extproc.pool.ends``; ``ended`` is passed by the pool's controller). It bounds what
+  a loose streaming objective lets through: a slower stream makes long answers outlive their
+  clients' patience, which no latency quantile shows. The sidecar's own count, not vLLM's, so
+  it applies with or without the latency objectives (``objectives``), and it names the
+  limit, not the band cut: every band's streams slow down together.
 
 A breach does not cut again until the last cut has landed:
 
@@ -59,9 +67,10 @@ read per band (``extproc.pool.demand.objectives_apply``).
 Increase, ``L := L + max(1, floor(0.05 * L))``, when all of these hold (and no band cut is
 eased in the same round):
 
-- every objective holds with headroom: the quantile is below ``0.9 *`` its objective, or there
-  is no observation in the window (nothing is slow). Between 0.9x and 1x the limit holds: the
-  quantiles lag by up to the window, so climbing until the objective breaks overshoots;
+- every objective holds with headroom: the quantile (the abandoned share) is below ``0.9 *``
+  its objective, or there is no observation in the window (nothing is slow). Between 0.9x
+  and 1x the limit holds: the quantiles lag by up to the window, so climbing until the
+  objective breaks overshoots;
 - vLLM's waiting queue is within the allowance and KV usage is below ``max_kv_usage``;
 - there is demand: requests wait in our queue, or ``in_flight >= L - max(1, floor(0.1 * L))``.
   Without demand nothing tests the higher limit, and a limit nobody uses would climb forever
@@ -184,6 +193,7 @@ class AdaptiveLimit:
         self._reason = "initial"
         self._last_good: float | None = None  # time of the last good scrape
         self._decreased_at: float | None = None
+        self._ended = (0, 0)  # this round's (ended, abandoned)
         self.band_cut = BandCut()
 
     @property
@@ -199,7 +209,7 @@ class AdaptiveLimit:
         """Why the limit, the band cut or the state last changed: 'initial', 'increase',
         'ttft', 'itl', 'tpot', 'band_ttft', 'band_itl', 'band_tpot' (the band cut), 'lend' (the
         band cut eased),
-        'vllm_queue', 'kv', 'stale', 'fallback', 'no_backend' or 'resumed'."""
+        'vllm_queue', 'kv', 'abandoned', 'stale', 'fallback', 'no_backend' or 'resumed'."""
         return self._reason
 
     def update(
@@ -211,10 +221,13 @@ class AdaptiveLimit:
         waiting: int,
         objectives: bool = True,
         band: BandLoad | None = None,
+        ended: tuple[int, int] = (0, 0),
     ) -> int:
         """One control step; returns the limit. ``in_flight`` and ``waiting`` are our own
         requests to the pool (holding a slot, queued for one); ``objectives`` False leaves the
         latency objectives out of this step (only the least urgent band has requests);
+        ``ended`` (ended, abandoned): the admitted requests whose streams ended in the window,
+        and how many of them after their deadline (``slo.abandoned``);
         ``band`` the least urgent band, for the band cut (None: no band cut, the limit
         answers every breach). ``band_cut.factor(band)`` is then what that band may hold."""
         if (
@@ -239,6 +252,7 @@ class AdaptiveLimit:
             self._state = LimitState.TRACKING
             self._reason = "resumed"
         cooling = self._decreased_at is not None and now - self._decreased_at < self.cooldown_s
+        self._ended = ended
         breach = self._breach(signals, objectives)
         if breach is not None:
             reason, factor = breach
@@ -332,7 +346,17 @@ class AdaptiveLimit:
             self._queued_rounds = 0
         if s.kv_usage >= self.policy.max_kv_usage:
             return "kv", DECREASE_FACTOR
+        share, slo = self._abandoned()
+        if share is not None and slo is not None and share > slo:
+            return "abandoned", DECREASE_FACTOR
         return None
+
+    def _abandoned(self) -> tuple[float | None, float | None]:
+        """(the abandoned share of this round's ends, its objective): the share None with
+        fewer than ``MIN_OBSERVATIONS`` ends, the objective None when there is none."""
+        ended, gone = self._ended
+        share = gone / ended if ended >= MIN_OBSERVATIONS else None
+        return share, self.policy.abandoned_max
 
     def _has_room(self, s: Signals, objectives: bool) -> bool:
         """The signals let the load grow: the objectives with headroom, vLLM's queue and KV
@@ -347,7 +371,12 @@ class AdaptiveLimit:
             )
             and s.waiting <= self._queue_allowance()
             and s.kv_usage < self.policy.max_kv_usage
+            and self._abandoned_room()
         )
+
+    def _abandoned_room(self) -> bool:
+        share, slo = self._abandoned()
+        return slo is None or share is None or share < HEADROOM * slo
 
     def _demand(self, in_flight: int, waiting: int) -> bool:
         margin = max(1, math.floor(DEMAND_MARGIN * self._limit))

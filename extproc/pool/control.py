@@ -277,6 +277,7 @@ class PoolControl:
             self._objectives_apply,
             on_loop_error=self._loop_error,
             band=self._band,
+            ended=self._gate.ends.count,
         )
 
     def _demand(self) -> tuple[int, int]:

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 from extproc.config.policy import BucketPolicy, Policy
 from extproc.outcome import Outcome
 from extproc.pool.core import Admission
+from extproc.pool.ends import Ends
 from extproc.pool.refused import EXPIRED, REFUSED, Refused, retry_after_s
 from extproc.pool.values import BucketStats, PoolStats, Ticket, Verdict
 
@@ -163,6 +164,7 @@ class Gate:
         self._policy_buckets = buckets
         self._owner: LimitOwner | None = None
         self._policy = policy
+        self.ends = Ends()  # how admitted requests ended lately (extproc.pool.ends)
         self.reconfigure(policy)
 
     # --- configuration -----------------------------------------------------------------------

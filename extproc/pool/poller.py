@@ -119,10 +119,13 @@ class Poller:
         objectives: Callable[[], bool] | None = None,
         on_loop_error: Callable[[str], None] | None = None,
         band: Callable[[], BandLoad | None] | None = None,
+        ended: Callable[[float, float], tuple[int, int]] | None = None,
     ) -> None:
         """``demand()`` returns our (in_flight, waiting) for the pool, read at each round;
         ``objectives()`` whether the latency objectives apply this round (default: always);
-        ``band()`` the least urgent band for the band cut (default: none)."""
+        ``band()`` the least urgent band for the band cut (default: none); ``ended(now,
+        window)`` the admitted requests' (ended, abandoned) over the window
+        (``extproc.pool.ends``; default: none)."""
         interval_s = adaptive.policy.interval_s
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
@@ -133,6 +136,7 @@ class Poller:
         self._demand = demand
         self._objectives = objectives
         self._band = band
+        self._ended = ended
         self._task: asyncio.Task[None] | None = None
         self._guard = Guard("backend-poller", log, on_loop_error)
         self._next_at: float | None = None  # when the next round is due (None: now)
@@ -180,14 +184,22 @@ class Poller:
                     band = self._band()
                 except Exception:
                     log.exception("backend band callback failed")  # this round: no band cut
+            now = loop.time()
+            ended = (0, 0)
+            if self._ended is not None:
+                try:
+                    ended = self._ended(now, self.adaptive.policy.window_s)
+                except Exception:
+                    log.exception("backend ended callback failed")  # this round: no count
             before = (self.adaptive.limit, self.adaptive.state)
             limit = self.adaptive.update(
-                loop.time(),
+                now,
                 signals,
                 in_flight=in_flight,
                 waiting=waiting,
                 objectives=objectives,
                 band=band,
+                ended=ended,
             )
             self.rounds += 1
             self._log_round(before, signals)

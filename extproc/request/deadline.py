@@ -7,8 +7,11 @@ it enters a queue (``Deadline.cap``), so the 429 reaches the client before it gi
 
 Rules (``tests/unit/test_deadline.py`` pins each):
 
-1. A header holds the milliseconds left, as Envoy's router writes
-   ``x-envoy-expected-rq-timeout-ms`` (an integer); any number ``float`` reads is taken.
+1. A header of ``client_deadline.headers`` holds the milliseconds left, as Envoy's router
+   writes ``x-envoy-expected-rq-timeout-ms`` (an integer); one of
+   ``client_deadline.seconds_headers`` holds seconds, as the Stainless-generated SDKs (OpenAI's
+   and Anthropic's) send their per-attempt timeout in ``x-stainless-timeout``. Any number
+   ``float`` reads is taken.
 2. ``0`` means no deadline, in a header as in the route's ``timeout``. That is Envoy's meaning
    of 0 for every request timeout (a route's ``timeout: 0s``, a client's
    ``x-envoy-upstream-rq-timeout-ms: 0``), and Envoy never writes 0 into
@@ -27,6 +30,14 @@ Rules (``tests/unit/test_deadline.py`` pins each):
    eviction, so short deadlines of a client's choosing do not look like overload
    (``extproc.pool.core``, ``extproc.pool.overload``).
 
+6. An admitted request whose stream ends at or after ``at`` (the deadline less the margin)
+   was answered for nobody, or nearly (``abandoned``): its client gave up, or Envoy cut the
+   answer at the route's timeout. The margin is the tolerance: the client's clock starts a
+   little before ours (the request's way to the sidecar), and its leaving reaches us a little
+   after it left, so a stream cut at the deadline itself may end on either side of it; an
+   answer that completes within the margin of its deadline counts too. The adaptive limit's
+   ``slo.abandoned`` reads the share of them (``extproc.pool.ends``).
+
 Pure: ``now`` comes from the caller. A request that states nothing (the common case) gets the
 shared ``NO_DEADLINE``, without allocating.
 """
@@ -39,7 +50,7 @@ from dataclasses import dataclass
 
 from extproc.config.policy import ClientDeadlinePolicy
 
-__all__ = ["NO_DEADLINE", "Deadline", "deadline_of", "header_ms"]
+__all__ = ["NO_DEADLINE", "Deadline", "abandoned", "deadline_of", "header_ms"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,6 +86,11 @@ def header_ms(value: str) -> float | None:
     return ms if ms > 0 else None
 
 
+def abandoned(deadline: Deadline, ended_at: float) -> bool:
+    """Whether a stream that ended at ``ended_at`` outlived its deadline (rule 6)."""
+    return deadline.at is not None and ended_at >= deadline.at
+
+
 def deadline_of(
     headers: Mapping[str, str],
     policy: ClientDeadlinePolicy,
@@ -86,18 +102,19 @@ def deadline_of(
     left_s: float | None = route_timeout_s or None
     stated = False
     invalid: list[tuple[str, str]] | None = None
-    for name in policy.headers:
-        value = headers.get(name)
-        if value is None:
-            continue
-        try:
-            ms = header_ms(value)
-        except ValueError:
-            invalid = invalid or []
-            invalid.append((name, value))
-            continue
-        if ms is not None and (left_s is None or ms / 1000 < left_s):
-            left_s, stated = ms / 1000, True
+    for names, unit_s in ((policy.headers, 0.001), (policy.seconds_headers, 1.0)):
+        for name in names:
+            value = headers.get(name)
+            if value is None:
+                continue
+            try:
+                left = header_ms(value)  # a number >= 0, in the header's own unit
+            except ValueError:
+                invalid = invalid or []
+                invalid.append((name, value))
+                continue
+            if left is not None and (left_s is None or left * unit_s < left_s):
+                left_s, stated = left * unit_s, True
     if left_s is None and invalid is None:
         return NO_DEADLINE
     return Deadline(

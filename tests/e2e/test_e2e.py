@@ -192,6 +192,41 @@ def test_slot_is_held_through_sse_and_freed_at_its_end(stack: Stack) -> None:
     run(main())
 
 
+def abandoned(stack: Stack) -> float:
+    return gauge(stack, "llm_extproc_abandoned_total", "interactive")
+
+
+def test_an_answer_its_client_left_at_its_stated_timeout_counts_as_abandoned(
+    stack: Stack,
+) -> None:
+    """The SDKs state their per-attempt timeout in seconds (``x-stainless-timeout``, read by
+    default). A client that gives up at its timeout in the middle of a streamed answer leaves
+    it abandoned (``llm_extproc_abandoned_total``, what ``slo.abandoned`` reads); one that
+    reads its whole answer within its timeout does not. The slot is freed either way."""
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as s:
+            url = f"{stack.url}/v1/chat/completions"
+            before = await asyncio.to_thread(abandoned, stack)
+            in_time = {"x-stainless-timeout": "600", **INTERACTIVE, **slow_stream(2, 100)}
+            r = await post(s, url, chat(stream=True), in_time)
+            assert r.status == 200 and r.body.endswith(b"data: [DONE]\n\n")
+            await until_in_flight(stack, "interactive", 0)
+            assert await asyncio.to_thread(abandoned, stack) == before
+            # 20 chunks 250 ms apart: far longer than the client waits.
+            late = {"x-stainless-timeout": "1", **INTERACTIVE, **slow_stream(20, 250)}
+            headers = {"content-type": "application/json", **late}
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(1.0):  # the SDK's own timeout, as it stated
+                    async with s.post(url, data=chat(stream=True), headers=headers) as resp:
+                        assert resp.status == 200
+                        await resp.read()
+            await until_in_flight(stack, "interactive", 0)
+            assert await asyncio.to_thread(abandoned, stack) == before + 1
+
+    run(main())
+
+
 def test_queued_longer_than_envoy_message_timeout_is_admitted(stack: Stack) -> None:
     """Envoy's message_timeout is 1s; the override sent while queued must keep Envoy from
     answering 504 while the request waits 1.2s for the slot."""

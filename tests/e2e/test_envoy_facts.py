@@ -7,6 +7,10 @@ so the backend starts before admission has decided (a backend that answers witho
 the body answers before it), and header mutations in the body answer come too late. Checked
 here: the backend has the request's headers while the ext_proc server still sits on the body
 message.
+
+And why the sidecar cannot see how an answer ended (``extproc.pool.ends``): Envoy resets the
+ext_proc stream at the end of every HTTP stream, whether the client read the answer to its end,
+left in the middle, or the upstream reset.
 """
 
 from __future__ import annotations
@@ -117,3 +121,115 @@ def test_skipping_request_headers_lets_the_request_through_before_the_answer() -
     # message; only the body waited for the answer.
     assert seen["backend_at"] < seen["answered_at"] - HOLD_S / 2
     assert seen["backend_body_at"] >= seen["answered_at"]
+
+
+async def _ends(tmp: Path) -> dict[str, tuple[str, list[str]]]:
+    """How the ext_proc stream of a streamed answer ends, with the shipped processing mode,
+    when the answer completes, when the client leaves in the middle, and when the upstream
+    resets in the middle."""
+    ends: dict[str, tuple[str, list[str]]] = {}
+    ended = asyncio.Event()
+
+    async def process(call: h2.Call) -> None:
+        kinds: list[str] = []
+        case = "?"
+        try:
+            while (msg := await call.read()) is not h2.EOF:
+                kind = msg.WhichOneof("request")
+                kinds.append(kind)
+                if kind == "request_headers":
+                    for h in msg.request_headers.headers.headers:
+                        if h.key == "x-case":
+                            case = h.raw_value.decode()
+                    await call.write(pb.ProcessingResponse(request_headers=pb.HeadersResponse()))
+                else:
+                    await call.write(pb.ProcessingResponse(request_body=pb.BodyResponse()))
+            ends[case] = ("half-close", kinds)
+        except asyncio.CancelledError:
+            ends[case] = ("reset", kinds)
+            raise
+        finally:
+            ended.set()
+
+    async def backend(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        head = (await r.readuntil(b"\r\n\r\n")).lower()
+        length = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+        await r.readexactly(length)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+        w.write(b"transfer-encoding: chunked\r\n\r\n")
+        for i in range(3):
+            data = b"data: %d\n\n" % i
+            w.write(b"%x\r\n%s\r\n" % (len(data), data))
+            await w.drain()
+        if b"x-case: upstream-reset" in head:
+            w.transport.abort()
+            return
+        if b"x-case: client-leaves" in head:
+            await r.read()  # until Envoy closes: the client has gone
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+        w.close()
+
+    server = h2.H2Server(
+        {
+            "/envoy.service.ext_proc.v3.ExternalProcessor/Process": h2.Method(
+                process, pb.ProcessingRequest.FromString, wire.serialize
+            )
+        },
+        max_message=1 << 20,
+    )
+    extproc_port = await server.listen("127.0.0.1", 0)
+    backend_server = await asyncio.start_server(backend, "127.0.0.1", 0)
+    backend_port = backend_server.sockets[0].getsockname()[1]
+    listener, admin = free_port(), free_port()
+    text = render_envoy_config(
+        listener_port=listener,
+        backend_port=backend_port,
+        extproc_port=extproc_port,
+        admin_port=admin,
+    )
+    path = tmp / "envoy.yaml"
+    path.write_text(text)
+    envoy = Proc("envoy", [envoy_binary(), "-c", str(path), "--concurrency", "1"], tmp)
+    try:
+        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{admin}/ready", 30, envoy)
+        for case in ("complete", "client-leaves", "upstream-reset"):
+            ended.clear()
+            r, w = await asyncio.open_connection("127.0.0.1", listener)
+            body = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
+            w.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                b"content-type: application/json\r\nx-case: %s\r\n"
+                b"content-length: %d\r\n\r\n%s" % (case.encode(), len(body), body)
+            )
+            await w.drain()
+            if case == "complete":
+                await r.readuntil(b"0\r\n\r\n")  # the whole answer, the last chunk included
+            else:
+                await r.readuntil(b"data: 2")
+            if case == "client-leaves":
+                w.transport.abort()  # in the middle of the answer
+            await ended.wait()
+            w.close()
+    finally:
+        envoy.stop()
+        backend_server.close()
+        await server.stop(0)
+    return ends
+
+
+def test_every_streamed_answer_ends_the_ext_proc_stream_the_same_way() -> None:
+    """With the shipped processing mode (request headers SEND, body BUFFERED, the response
+    path skipped) Envoy resets the ext_proc stream when the HTTP stream ends, however it
+    ended: the sidecar cannot tell an answer its client read to the end from one its client
+    left, or one the upstream cut. So it judges waste by the request's deadline instead
+    (``extproc.pool.ends``). A later Envoy that half-closes on completion would give a
+    signal for free: this test would say so."""
+    with tempfile.TemporaryDirectory() as d:
+        ends = asyncio.run(asyncio.wait_for(_ends(Path(d)), 60))
+    only_request = ["request_headers", "request_body"]
+    assert ends == {
+        "complete": ("reset", only_request),
+        "client-leaves": ("reset", only_request),
+        "upstream-reset": ("reset", only_request),
+    }

@@ -13,6 +13,7 @@ import pytest
 from extproc.backend.scrape import Signals
 from extproc.config.policy import AdaptivePolicy
 from extproc.pool.adaptive import AdaptiveLimit, LimitState
+from extproc.pool.bandcut import BandLoad
 from extproc.pool.poller import Poller
 from testing.clock import run_virtual
 
@@ -424,3 +425,58 @@ def test_poller_goes_on_after_a_round_that_raised_outside_its_callbacks(
         "backend-poller: a round failed (1 in a row); the loop goes on in 0.50 s"
     )
     assert record.exc_info is not None
+
+
+def test_abandoned_answers_cut_the_limit() -> None:
+    """``slo.abandoned``: of the admitted requests that ended in the window (at least 10), a
+    larger share than the objective ended after their client had gone: cut by 20 %, with or
+    without the latency objectives; within 0.9x of it the limit holds, below it grows."""
+    a = limiter(initial=100, abandoned_max=0.02)
+    assert a.update(0.0, sig(0), in_flight=100, waiting=5, ended=(100, 3)) == 80
+    assert a.reason == "abandoned"
+    b = limiter(initial=100, abandoned_max=0.02)
+    assert b.update(0.0, sig(0), in_flight=100, waiting=5, ended=(100, 3), objectives=False) == 80
+    c = limiter(initial=100, abandoned_max=0.02)
+    assert c.update(0.0, sig(0), in_flight=100, waiting=5, ended=(100, 2)) == 100  # 2 %: holds
+    assert c.update(1.0, sig(1), in_flight=100, waiting=5, ended=(1000, 19)) == 100  # 1.9 %
+    assert c.update(2.0, sig(2), in_flight=100, waiting=5, ended=(1000, 17)) == 105  # 1.7 %
+    few = limiter(initial=100, abandoned_max=0.02)
+    assert few.update(0.0, sig(0), in_flight=100, waiting=5, ended=(9, 9)) == 105  # too few
+    none = limiter(initial=100)  # no objective: abandoned ends change nothing
+    assert none.update(0.0, sig(0), in_flight=100, waiting=5, ended=(100, 100)) == 105
+
+
+def test_abandoned_answers_cut_the_limit_not_the_band() -> None:
+    """Every band's streams slow down together: a band held above its floor is not cut first,
+    the limit is."""
+    a = limiter(initial=100, abandoned_max=0.02)
+    band = BandLoad(running=40, waiting=5, floor=10, top=90)
+    assert a.update(0.0, sig(0), in_flight=100, waiting=5, band=band, ended=(50, 5)) == 80
+    assert a.band_cut.cap is None
+
+
+def test_poller_passes_the_ends_of_its_window(caplog: pytest.LogCaptureFixture) -> None:
+    """Each round reads ``ended(now, window)``; a callback that raises counts as no ends."""
+
+    class Fine:
+        async def scrape(self, now: float) -> Signals:
+            return sig(now)
+
+    async def main() -> None:
+        asked: list[float] = []
+        answers = iter([(100, 50)])
+
+        def ended(now: float, window_s: float) -> tuple[int, int]:
+            asked.append(window_s)
+            return next(answers)  # StopIteration on the second round
+
+        a = limiter(initial=100, interval_s=1.0, window_s=7.0, abandoned_max=0.1)
+        poller = Poller(Fine(), a, lambda limit, s: None, lambda: (100, 1), ended=ended)
+        assert await poller.poll_once() == 80
+        assert asked == [7.0]
+        a._decreased_at = None  # the cooldown aside: this round is about the callback
+        assert await poller.poll_once() == 84  # no count: grows
+
+    with caplog.at_level(logging.ERROR, logger="extproc.backend"):
+        run(main())
+    assert "backend ended callback failed" in [r.getMessage() for r in caplog.records]

@@ -3,7 +3,9 @@
 The rules: a header holds milliseconds left; 0 means no deadline, in a header as in a route's
 ``timeout`` (Envoy's meaning of 0, and Envoy never writes 0 in the header itself); negative,
 NaN and text are ignored and reported; a huge value is a deadline like any other, so the queue
-timeout applies; ``stated`` tells a header's deadline from the route's.
+timeout applies; ``stated`` tells a header's deadline from the route's; a seconds header
+(the SDKs' ``x-stainless-timeout``) counts like a milliseconds one; an admitted request whose
+stream ends at or after the deadline (less the margin) was abandoned.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ import math
 import pytest
 
 from extproc.config.policy import ClientDeadlinePolicy
-from extproc.request.deadline import NO_DEADLINE, Deadline, deadline_of, header_ms
+from extproc.request.deadline import NO_DEADLINE, Deadline, abandoned, deadline_of, header_ms
 
 HEADER = "x-envoy-expected-rq-timeout-ms"
-POLICY = ClientDeadlinePolicy(headers=(HEADER, "x-deadline-ms"), margin_s=0.5)
+SECONDS = "x-stainless-timeout"
+POLICY = ClientDeadlinePolicy(
+    headers=(HEADER, "x-deadline-ms"), seconds_headers=(SECONDS,), margin_s=0.5
+)
 NOW = 100.0
 
 
@@ -68,6 +73,13 @@ def test_negative_nan_and_text_are_not_a_deadline(value: str) -> None:
         ({HEADER: "soon"}, 30.0, Deadline(at=NOW + 29.5, invalid=((HEADER, "soon"),))),
         # A header the policy does not name is not read.
         ({"x-other-ms": "10"}, None, NO_DEADLINE),
+        # Seconds: the SDK's per-attempt timeout, against milliseconds and the route's.
+        ({SECONDS: "600"}, None, Deadline(at=NOW + 599.5, stated=True)),
+        ({SECONDS: "2", HEADER: "3000"}, None, Deadline(at=NOW + 1.5, stated=True)),
+        ({SECONDS: "5", HEADER: "3000"}, None, Deadline(at=NOW + 2.5, stated=True)),
+        ({SECONDS: "1.5"}, 30.0, Deadline(at=NOW + 1.0, stated=True)),
+        ({SECONDS: "0"}, 30.0, Deadline(at=NOW + 29.5, stated=False)),
+        ({SECONDS: "60s"}, None, Deadline(invalid=((SECONDS, "60s"),))),
     ],
 )
 def test_the_deadline_is_the_earliest_stated_less_the_margin(
@@ -109,3 +121,12 @@ def test_a_huge_header_is_capped_by_the_queue_timeout() -> None:
     for value in ("99999999999999999999", "1e400"):
         d = deadline_of({HEADER: value}, POLICY, None, NOW)
         assert d.invalid == () and d.cap(3.0, NOW) == (3.0, False)
+
+
+def test_an_answer_is_abandoned_when_its_stream_ends_within_the_margin_of_the_deadline() -> None:
+    """The margin is the tolerance: a client that leaves at its deadline may be seen leaving a
+    little before it (its clock started before ours)."""
+    d = deadline_of({HEADER: "30000"}, POLICY, None, NOW)
+    assert not abandoned(d, NOW + 29.4)  # in time
+    assert abandoned(d, NOW + 29.5) and abandoned(d, NOW + 31.0)
+    assert not abandoned(NO_DEADLINE, NOW + 1e9)  # nobody said when they would leave

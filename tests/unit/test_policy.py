@@ -335,9 +335,9 @@ pool:
   adaptive: {min: 2, max: 80, initial: 10, interval: 250ms, window: 5s, max_kv_usage: 0.8,
              stale_after: 2s, fallback_after: 4s,
              slo: {ttft: 1500ms, ttft_quantile: 0.95, inter_token: 50ms,
-                   inter_token_quantile: 0.5}}
+                   inter_token_quantile: 0.5, abandoned: 0.02}}
 backend: {metrics: ["http://vllm:8000/metrics"], scrape_timeout: 1s}
-client_deadline: {headers: [x-deadline-ms], margin: 250ms}
+client_deadline: {headers: [x-deadline-ms], seconds_headers: [x-timeout-s], margin: 250ms}
 buckets:
   - {name: vip, match: {headers: {x-tier: gold}}, trusted: true, priority: 0, min_share: 0.25,
      max_share: 0.5, order: cost, max_concurrency: 8, queue_timeout: 30s, max_queue: 5,
@@ -377,7 +377,9 @@ def test_check_output_of_a_policy_that_sets_everything() -> None:
         "ttft_quantile": 0.95,
         "inter_token": "50ms",
         "inter_token_quantile": 0.5,
+        "abandoned": 0.02,
     }
+    assert printed["client_deadline"]["seconds_headers"] == ["x-timeout-s"]
     assert printed["buckets"][2] == {
         "name": "rest",
         "match": {},

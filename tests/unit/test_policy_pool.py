@@ -35,6 +35,7 @@ def test_a_static_pool_resolves_with_its_defaults() -> None:
     )
     assert chat.max_concurrency == 0  # optional with a pool
     assert p.client_deadline.headers == ("x-envoy-expected-rq-timeout-ms",)
+    assert p.client_deadline.seconds_headers == ("x-stainless-timeout",)
 
 
 def test_an_adaptive_pool_resolves_and_falls_back_to_its_initial_limit() -> None:
@@ -119,6 +120,16 @@ def test_a_policy_without_a_pool_keeps_the_first_design() -> None:
             "pool: {max_concurrency: 4, overload: {tighten_eviction_rate: 2}}\n"
             "buckets: [{name: a, queue_timeout: 1s}]",
             "tighten_eviction_rate: must be between 0 and 1",
+        ),
+        (
+            "pool: {adaptive: {slo: {abandoned: 1}}}\nbackend: {metrics: [http://h/m]}\n"
+            "buckets: [{name: a, queue_timeout: 1s}]",
+            "slo.abandoned: must be a share between 0 and 1",
+        ),
+        (
+            "client_deadline: {seconds_headers: ['bad header']}\n"
+            "buckets: [{name: a, max_concurrency: 1, queue_timeout: 1s}]",
+            "client_deadline.seconds_headers[0]",
         ),
         (
             "client_deadline: {headers: ['bad header']}\n"

@@ -45,6 +45,7 @@ _KEYS: Final[Mapping[str, tuple[str, ...]]] = {
     "itl_quantile": ("slo", "inter_token_quantile"),
     "tpot_slo_s": ("slo", "tpot"),
     "tpot_quantile": ("slo", "tpot_quantile"),
+    "abandoned_max": ("slo", "abandoned"),
 }
 # A quantile is printed only beside its objective.
 _SHOWN_WITH: Final[Mapping[str, str]] = {

@@ -177,6 +177,9 @@ class AdaptivePolicy:
     itl_quantile: float = 0.9
     tpot_slo_s: float | None = None
     tpot_quantile: float = 0.9
+    # The most admitted answers, as a share of those that ended in the window, that may end at
+    # or after their deadline (their client had given up): None, no such objective.
+    abandoned_max: float | None = None
     interval_s: float = 0.5
     window_s: float = 10.0
     max_kv_usage: float = 0.9
@@ -244,7 +247,9 @@ class BackendPolicy:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClientDeadlinePolicy:
-    headers: tuple[str, ...] = ("x-envoy-expected-rq-timeout-ms",)
+    headers: tuple[str, ...] = ("x-envoy-expected-rq-timeout-ms",)  # milliseconds left
+    # Seconds left: the per-attempt timeout the Stainless-generated SDKs send.
+    seconds_headers: tuple[str, ...] = ("x-stainless-timeout",)
     margin_s: float = 0.5
 
 

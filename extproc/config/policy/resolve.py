@@ -263,6 +263,7 @@ def _adaptive(msg: policy_pb2.Adaptive, backend: BackendPolicy) -> AdaptivePolic
         itl_quantile=_set_or(slo, "inter_token_quantile", d.itl_quantile),
         tpot_slo_s=_duration_or(slo, "tpot", d.tpot_slo_s),
         tpot_quantile=_set_or(slo, "tpot_quantile", d.tpot_quantile),
+        abandoned_max=_set_or(slo, "abandoned", d.abandoned_max),
         interval_s=_duration_or(msg, "interval", d.interval_s),
         window_s=_duration_or(msg, "window", d.window_s),
         max_kv_usage=_set_or(msg, "max_kv_usage", d.max_kv_usage),
@@ -278,6 +279,8 @@ def _adaptive(msg: policy_pb2.Adaptive, backend: BackendPolicy) -> AdaptivePolic
     for quantile in (adaptive.ttft_quantile, adaptive.itl_quantile, adaptive.tpot_quantile):
         if not 0 < quantile < 1:
             raise PolicyError("pool.adaptive.slo: quantiles must be between 0 and 1")
+    if adaptive.abandoned_max is not None and not 0 < adaptive.abandoned_max < 1:
+        raise PolicyError("pool.adaptive.slo.abandoned: must be a share between 0 and 1")
     if not 0 < adaptive.max_kv_usage <= 1:
         raise PolicyError("pool.adaptive.max_kv_usage: must be in (0, 1]")
     if not 0.05 <= adaptive.interval_s <= 60:
@@ -336,8 +339,12 @@ def _client_deadline(msg: policy_pb2.ClientDeadline) -> ClientDeadlinePolicy:
     d = ClientDeadlinePolicy()
     where = "client_deadline.headers"
     headers = tuple(_header_name(h, f"{where}[{i}]") for i, h in enumerate(msg.headers))
+    where = "client_deadline.seconds_headers"
+    seconds = tuple(_header_name(h, f"{where}[{i}]") for i, h in enumerate(msg.seconds_headers))
     return ClientDeadlinePolicy(
-        headers=headers or d.headers, margin_s=_duration_or(msg, "margin", d.margin_s)
+        headers=headers or d.headers,
+        seconds_headers=seconds or d.seconds_headers,
+        margin_s=_duration_or(msg, "margin", d.margin_s),
     )
 
 

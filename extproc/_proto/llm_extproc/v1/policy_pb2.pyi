@@ -92,20 +92,22 @@ class Shared(_message.Message):
     def __init__(self, redis: _Optional[str] = ..., key_prefix: _Optional[str] = ..., lease: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class Slo(_message.Message):
-    __slots__ = ("ttft", "ttft_quantile", "inter_token", "inter_token_quantile", "tpot", "tpot_quantile")
+    __slots__ = ("ttft", "ttft_quantile", "inter_token", "inter_token_quantile", "tpot", "tpot_quantile", "abandoned")
     TTFT_FIELD_NUMBER: _ClassVar[int]
     TTFT_QUANTILE_FIELD_NUMBER: _ClassVar[int]
     INTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     INTER_TOKEN_QUANTILE_FIELD_NUMBER: _ClassVar[int]
     TPOT_FIELD_NUMBER: _ClassVar[int]
     TPOT_QUANTILE_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_FIELD_NUMBER: _ClassVar[int]
     ttft: _duration_pb2.Duration
     ttft_quantile: float
     inter_token: _duration_pb2.Duration
     inter_token_quantile: float
     tpot: _duration_pb2.Duration
     tpot_quantile: float
-    def __init__(self, ttft: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., ttft_quantile: _Optional[float] = ..., inter_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., inter_token_quantile: _Optional[float] = ..., tpot: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tpot_quantile: _Optional[float] = ...) -> None: ...
+    abandoned: float
+    def __init__(self, ttft: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., ttft_quantile: _Optional[float] = ..., inter_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., inter_token_quantile: _Optional[float] = ..., tpot: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tpot_quantile: _Optional[float] = ..., abandoned: _Optional[float] = ...) -> None: ...
 
 class Adaptive(_message.Message):
     __slots__ = ("min", "max", "initial", "slo", "interval", "window", "max_kv_usage", "stale_after", "fallback_after", "queue_while_no_backend")
@@ -152,12 +154,14 @@ class Backend(_message.Message):
     def __init__(self, metrics: _Optional[_Iterable[str]] = ..., scrape_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ClientDeadline(_message.Message):
-    __slots__ = ("headers", "margin")
+    __slots__ = ("headers", "margin", "seconds_headers")
     HEADERS_FIELD_NUMBER: _ClassVar[int]
     MARGIN_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_HEADERS_FIELD_NUMBER: _ClassVar[int]
     headers: _containers.RepeatedScalarFieldContainer[str]
     margin: _duration_pb2.Duration
-    def __init__(self, headers: _Optional[_Iterable[str]] = ..., margin: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    seconds_headers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, headers: _Optional[_Iterable[str]] = ..., margin: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., seconds_headers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Tenant(_message.Message):
     __slots__ = ("header", "authorization", "max_tracked", "idle_ttl", "max_queue", "max_share", "class_header", "weights", "export_top")

@@ -1,0 +1,64 @@
+"""How admitted requests ended lately: how many, and how many after their client had gone.
+
+The sidecar cannot see how a response ended: with the request body BUFFERED and the response
+path skipped, Envoy 1.40 resets the ext_proc stream at the end of every HTTP stream, whether
+the last byte reached the client, the client left in the middle, or the upstream reset
+(pinned in ``tests/e2e/test_envoy_facts.py``). What it does know is the request's deadline
+(``extproc.request.deadline``: the client's stated timeout, or the route's): a stream that
+ends at or after it (less the margin, the tolerance) was answered for nobody (the client gave
+up, or Envoy cut the answer at the route's timeout), and the backend's work on it was wasted.
+The servicer records each admitted request's end here (``Gate.ends``); the adaptive limit's
+``slo.abandoned`` compares the share of abandoned ends over its window with its objective
+(``extproc.pool.adaptive``).
+
+Counted in bins of ``BIN_S`` (one second), kept for ``KEEP_S`` or the longest window asked,
+whichever is longer: memory is a few hundred small lists whatever the request rate. A window
+is counted in whole bins, so it covers up to one bin more than asked. Pure: ``now`` comes
+from the caller.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Final
+
+__all__ = ["Ends"]
+
+BIN_S: Final = 1.0
+KEEP_S: Final = 60.0
+
+
+class Ends:
+    def __init__(self) -> None:
+        self._bins: deque[list[int]] = deque()  # [bin index, ended, abandoned], oldest first
+        self._keep_s = KEEP_S
+
+    def record(self, now: float, abandoned: bool) -> None:
+        """One admitted request's stream ended at ``now``; ``abandoned``: after its deadline."""
+        index = int(now // BIN_S)
+        if not self._bins or self._bins[-1][0] != index:
+            self._bins.append([index, 0, 0])
+            self._prune(now)
+        last = self._bins[-1]
+        last[1] += 1
+        last[2] += abandoned
+
+    def count(self, now: float, window_s: float) -> tuple[int, int]:
+        """(ended, abandoned) over the last ``window_s``."""
+        self._keep_s = max(self._keep_s, window_s)
+        self._prune(now)
+        first = int((now - window_s) // BIN_S)
+        ended = gone = 0
+        for index, n, k in self._bins:
+            if index >= first:
+                ended += n
+                gone += k
+        return ended, gone
+
+    def _prune(self, now: float) -> None:
+        oldest = int((now - self._keep_s) // BIN_S)
+        while self._bins and self._bins[0][0] < oldest:
+            self._bins.popleft()
+
+    def __repr__(self) -> str:
+        return f"<Ends {len(self._bins)} bins>"
