@@ -377,6 +377,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         help="that objective in simulated ms (default 100)",
     )
     p.add_argument(
+        "--abandoned",
+        type=float,
+        default=d.abandoned,
+        help="the adaptive sidecar's slo.abandoned: the most answers (a share) that may end "
+        "after their client's timeout (default: no such objective)",
+    )
+    p.add_argument(
         "--batch-queue-frac",
         dest="batch_queue_timeout_frac",
         type=float,

@@ -108,6 +108,9 @@ class Options:
     # (``inter_token``) or each answer's mean gap (``tpot``).
     stream_objective: Literal["inter_token", "tpot"] = "inter_token"
     stream_slo_ms: float = 100.0  # that objective, at p90
+    # The adaptive sidecar's ``slo.abandoned``: the most admitted answers, as a share, that may
+    # end after their client's stated timeout (None: no such objective).
+    abandoned: float | None = None
     batch_queue_timeout_frac: float = 0.8
     queue_bound: Literal["deadline", "drain"] = "drain"
     cb_pending_s: float = 2.0

@@ -28,6 +28,9 @@ TENANT_HEADER: Final = "x-tenant-id"
 # What the OpenAI SDKs (Stainless-generated) send on every attempt: the retries taken so far,
 # "0" on the first (openai-python ``_build_headers``).
 RETRY_COUNT_HEADER: Final = "x-stainless-retry-count"
+# And the attempt's timeout, in seconds (the JS SDK's ``buildHeaders``: ``X-Stainless-Timeout``,
+# whole seconds); here the wall seconds the client waits before it closes its connection.
+TIMEOUT_HEADER: Final = "x-stainless-timeout"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,7 +117,11 @@ async def _run_request(
         attempts += 1
         call = Call(
             body=body,
-            headers={**headers, RETRY_COUNT_HEADER: str(attempts - 1)},
+            headers={
+                **headers,
+                RETRY_COUNT_HEADER: str(attempts - 1),
+                TIMEOUT_HEADER: f"{give_up:g}",
+            },
             path=path,
             stream=spec.stream,
             give_up_s=give_up,
