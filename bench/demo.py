@@ -4,7 +4,9 @@ Starts the vLLM-like simulator (bench/sim/, H100 profile, real time), the sideca
 embedded default policy (extproc/config/default_policy.yaml) and Envoy with envoy/envoy.yaml,
 all on free ports of 127.0.0.1. That policy has one pool of 64 requests at the backend at
 once, shared by its buckets: ``interactive`` (header ``x-llm-class: interactive``, short
-prompts) is guaranteed half of it and waits at most 5 s in a queue of 500; ``batch``
+prompts) is guaranteed half of it, cheapest first, and waits at most 5 s in a queue of 500
+(its retries, marked by the SDKs' ``x-stainless-retry-count``, wait behind it in
+``interactive-retry``; the demo's clients do not retry); ``batch``
 (everything else) may take three quarters of it, waits up to 120 s in a queue of 5,000, the
 cheapest first, and has its ``max_tokens`` clamped to 1024. Then it sends, at once and above
 what the pool takes (:func:`bench.load.presets.demo_burst`):

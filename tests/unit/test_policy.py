@@ -83,6 +83,7 @@ def test_embedded_default_matches_the_documented_example() -> None:
     assert p.pool is not None and p.pool.max_concurrency == 64
     assert [(b.name, b.priority, b.min_share, b.max_share) for b in p.buckets] == [
         ("priority", 0, 0.0, 1.0),
+        ("interactive-retry", 2, 0.0, 1.0),
         ("interactive", 1, 0.5, 1.0),
         ("batch", 10, 0.1, 0.75),
     ]
