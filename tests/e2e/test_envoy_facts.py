@@ -10,7 +10,8 @@ message.
 
 And why the sidecar cannot see how an answer ended (``extproc.pool.ends``): Envoy resets the
 ext_proc stream at the end of every HTTP stream, whether the client read the answer to its end,
-left in the middle, or the upstream reset.
+left in the middle, or the upstream reset; and why it does not time the first token itself:
+once the response body streams to it, an answer to a chunk cannot stop the chunks.
 """
 
 from __future__ import annotations
@@ -233,3 +234,110 @@ def test_every_streamed_answer_ends_the_ext_proc_stream_the_same_way() -> None:
         "client-leaves": ("reset", only_request),
         "upstream-reset": ("reset", only_request),
     }
+
+
+async def _first_byte(tmp: Path) -> list[tuple[str, float]]:
+    """The messages a server gets that asks for the response: its headers (SEND), then the
+    body STREAMED (a ``mode_override`` in the headers answer) until the first chunk, whose
+    answer asks for no more body (``mode_override`` NONE). The backend sends its headers at
+    once and its first chunk 0.3 s later, as a server that streams an answer does before
+    and after a prefill."""
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+
+    seen: list[tuple[str, float]] = []
+    done = asyncio.Event()
+    t0 = time.monotonic()
+
+    async def process(call: h2.Call) -> None:
+        try:
+            while (msg := await call.read()) is not h2.EOF:
+                kind = msg.WhichOneof("request")
+                seen.append((kind, time.monotonic() - t0))
+                if kind == "request_headers":
+                    await call.write(pb.ProcessingResponse(request_headers=pb.HeadersResponse()))
+                elif kind == "request_body":
+                    await call.write(pb.ProcessingResponse(request_body=pb.BodyResponse()))
+                elif kind == "response_headers":
+                    answer = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+                    answer.mode_override.response_body_mode = pm.ProcessingMode.STREAMED
+                    await call.write(answer)
+                else:
+                    answer = pb.ProcessingResponse(response_body=pb.BodyResponse())
+                    answer.mode_override.response_body_mode = pm.ProcessingMode.NONE
+                    await call.write(answer)
+        finally:
+            done.set()
+
+    async def backend(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        head = (await r.readuntil(b"\r\n\r\n")).lower()
+        await r.readexactly(int(head.split(b"content-length:")[1].split(b"\r\n")[0]))
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+        w.write(b"transfer-encoding: chunked\r\n\r\n")
+        await w.drain()
+        await asyncio.sleep(0.3)
+        for i in range(4):
+            data = b"data: %d\n\n" % i
+            w.write(b"%x\r\n%s\r\n" % (len(data), data))
+            await w.drain()
+            await asyncio.sleep(0.05)
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+        w.close()
+
+    server = h2.H2Server(
+        {
+            "/envoy.service.ext_proc.v3.ExternalProcessor/Process": h2.Method(
+                process, pb.ProcessingRequest.FromString, wire.serialize
+            )
+        },
+        max_message=1 << 20,
+    )
+    extproc_port = await server.listen("127.0.0.1", 0)
+    backend_server = await asyncio.start_server(backend, "127.0.0.1", 0)
+    listener, admin = free_port(), free_port()
+    text = render_envoy_config(
+        listener_port=listener,
+        backend_port=backend_server.sockets[0].getsockname()[1],
+        extproc_port=extproc_port,
+        admin_port=admin,
+    )
+    text = with_ext_proc(text, processing_mode={"response_header_mode": "SEND"})
+    path = tmp / "envoy.yaml"
+    path.write_text(text)
+    envoy = Proc("envoy", [envoy_binary(), "-c", str(path), "--concurrency", "1"], tmp)
+    try:
+        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{admin}/ready", 30, envoy)
+        r, w = await asyncio.open_connection("127.0.0.1", listener)
+        body = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
+        t0 = time.monotonic()
+        w.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await w.drain()
+        await r.readuntil(b"0\r\n\r\n")
+        await done.wait()
+        w.close()
+    finally:
+        envoy.stop()
+        backend_server.close()
+        await server.stop(0)
+    return seen
+
+
+def test_a_body_answer_cannot_stop_the_body_once_it_streams() -> None:
+    """Why the sidecar does not time the first token itself (issue 20 asked what Envoy
+    allows): the response headers come when the backend sends them, before the first token
+    (here 0.3 s before), so they say nothing of TTFT; and once the body streams to the
+    server, a ``mode_override`` in a body answer is ignored (Envoy honours it only in an
+    answer to headers): every chunk, one per token of an SSE answer, would be one more
+    message each way for the rest of the stream."""
+    with tempfile.TemporaryDirectory() as d:
+        seen = asyncio.run(asyncio.wait_for(_first_byte(Path(d)), 60))
+    kinds = [k for k, _ in seen]
+    assert kinds[:3] == ["request_headers", "request_body", "response_headers"]
+    at = dict(seen[:3])
+    bodies = [t for k, t in seen if k == "response_body"]
+    assert bodies[0] - at["response_headers"] >= 0.25  # headers long before the first chunk
+    # Asked to stop after the first chunk: every chunk still came (4, and the last, empty).
+    assert len(bodies) >= 4
