@@ -430,7 +430,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         rec.ended_at = self._loop.time()
         if st.slot is not None:
             gone = abandoned(st.deadline, rec.ended_at)  # ended after its client had left
-            self._gate.ends.record(rec.ended_at, gone)
+            self._gate.ends.record(rec.ended_at, rec.hold_s or 0.0, gone)
             if gone:
                 self._metrics.abandoned.labels(rec.bucket).inc()
             st.slot.release()

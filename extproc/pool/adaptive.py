@@ -28,10 +28,11 @@ Decrease, ``L := floor(L * f)``, when any of these holds, the first one named in
   stays long;
 - ``kv`` (``f = 0.8``): the fullest endpoint's KV cache is at or above ``max_kv_usage`` (0.9):
   past it vLLM preempts running requests and recomputes them, which costs more than it serves;
-- ``abandoned`` (``f = 0.8``, with ``slo.abandoned``): of the admitted requests whose streams
-  ended in the window (at least ``MIN_OBSERVATIONS``), a larger share than the objective ended
-  at or after their deadline: their clients had given up, and the backend's work on them was
-  wasted (``extproc.pool.ends``; ``ended`` is passed by the pool's controller). It bounds what
+- ``abandoned`` (``f = 0.8``, with ``slo.abandoned``): of the slot time of the admitted
+  requests whose streams ended in the window (at least ``MIN_OBSERVATIONS`` of them), a larger
+  share than the objective went to requests that ended at or after their deadline: their
+  clients had given up, and the backend's work on them was wasted (``extproc.pool.ends``;
+  ``ended`` is passed by the pool's controller). It bounds what
   a loose streaming objective lets through: a slower stream makes long answers outlive their
   clients' patience, which no latency quantile shows. The sidecar's own count, not vLLM's, so
   it applies with or without the latency objectives (``objectives``), and it names the
@@ -193,7 +194,7 @@ class AdaptiveLimit:
         self._reason = "initial"
         self._last_good: float | None = None  # time of the last good scrape
         self._decreased_at: float | None = None
-        self._ended = (0, 0)  # this round's (ended, abandoned)
+        self._ended: tuple[int, float] = (0, 0.0)  # this round's (ended, abandoned share)
         self.band_cut = BandCut()
 
     @property
@@ -221,13 +222,14 @@ class AdaptiveLimit:
         waiting: int,
         objectives: bool = True,
         band: BandLoad | None = None,
-        ended: tuple[int, int] = (0, 0),
+        ended: tuple[int, float] = (0, 0.0),
     ) -> int:
         """One control step; returns the limit. ``in_flight`` and ``waiting`` are our own
         requests to the pool (holding a slot, queued for one); ``objectives`` False leaves the
         latency objectives out of this step (only the least urgent band has requests);
-        ``ended`` (ended, abandoned): the admitted requests whose streams ended in the window,
-        and how many of them after their deadline (``slo.abandoned``);
+        ``ended``: the admitted requests whose streams ended in the window, and the share of
+        their slot time that went to those that ended after their deadline
+        (``slo.abandoned``);
         ``band`` the least urgent band, for the band cut (None: no band cut, the limit
         answers every breach). ``band_cut.factor(band)`` is then what that band may hold."""
         if (
@@ -354,9 +356,8 @@ class AdaptiveLimit:
     def _abandoned(self) -> tuple[float | None, float | None]:
         """(the abandoned share of this round's ends, its objective): the share None with
         fewer than ``MIN_OBSERVATIONS`` ends, the objective None when there is none."""
-        ended, gone = self._ended
-        share = gone / ended if ended >= MIN_OBSERVATIONS else None
-        return share, self.policy.abandoned_max
+        ended, share = self._ended
+        return (share if ended >= MIN_OBSERVATIONS else None), self.policy.abandoned_max
 
     def _has_room(self, s: Signals, objectives: bool) -> bool:
         """The signals let the load grow: the objectives with headroom, vLLM's queue and KV

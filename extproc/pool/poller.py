@@ -119,12 +119,13 @@ class Poller:
         objectives: Callable[[], bool] | None = None,
         on_loop_error: Callable[[str], None] | None = None,
         band: Callable[[], BandLoad | None] | None = None,
-        ended: Callable[[float, float], tuple[int, int]] | None = None,
+        ended: Callable[[float, float], tuple[int, float]] | None = None,
     ) -> None:
         """``demand()`` returns our (in_flight, waiting) for the pool, read at each round;
         ``objectives()`` whether the latency objectives apply this round (default: always);
         ``band()`` the least urgent band for the band cut (default: none); ``ended(now,
-        window)`` the admitted requests' (ended, abandoned) over the window
+        window)`` the admitted requests ended over the window and the abandoned share of their
+        slot time
         (``extproc.pool.ends``; default: none)."""
         interval_s = adaptive.policy.interval_s
         if interval_s <= 0:
@@ -185,7 +186,7 @@ class Poller:
                 except Exception:
                     log.exception("backend band callback failed")  # this round: no band cut
             now = loop.time()
-            ended = (0, 0)
+            ended: tuple[int, float] = (0, 0.0)
             if self._ended is not None:
                 try:
                     ended = self._ended(now, self.adaptive.policy.window_s)

@@ -428,22 +428,23 @@ def test_poller_goes_on_after_a_round_that_raised_outside_its_callbacks(
 
 
 def test_abandoned_answers_cut_the_limit() -> None:
-    """``slo.abandoned``: of the admitted requests that ended in the window (at least 10), a
-    larger share than the objective ended after their client had gone: cut by 20 %, with or
-    without the latency objectives; within 0.9x of it the limit holds, below it grows."""
+    """``slo.abandoned``: of the slot time of the admitted requests that ended in the window (at
+    least 10 of them), a larger share than the objective went to answers that ended after their
+    client had gone: cut by 20 %, with or without the latency objectives; within 0.9x of it the
+    limit holds, below it grows."""
     a = limiter(initial=100, abandoned_max=0.02)
-    assert a.update(0.0, sig(0), in_flight=100, waiting=5, ended=(100, 3)) == 80
+    assert a.update(0.0, sig(0), in_flight=100, waiting=5, ended=(100, 0.03)) == 80
     assert a.reason == "abandoned"
     b = limiter(initial=100, abandoned_max=0.02)
-    assert b.update(0.0, sig(0), in_flight=100, waiting=5, ended=(100, 3), objectives=False) == 80
+    assert b.update(0.0, sig(0), in_flight=100, waiting=5, ended=(100, 0.03), objectives=False) == 80
     c = limiter(initial=100, abandoned_max=0.02)
-    assert c.update(0.0, sig(0), in_flight=100, waiting=5, ended=(100, 2)) == 100  # 2 %: holds
-    assert c.update(1.0, sig(1), in_flight=100, waiting=5, ended=(1000, 19)) == 100  # 1.9 %
-    assert c.update(2.0, sig(2), in_flight=100, waiting=5, ended=(1000, 17)) == 105  # 1.7 %
+    assert c.update(0.0, sig(0), in_flight=100, waiting=5, ended=(100, 0.02)) == 100  # 2 %
+    assert c.update(1.0, sig(1), in_flight=100, waiting=5, ended=(1000, 0.019)) == 100  # 1.9 %
+    assert c.update(2.0, sig(2), in_flight=100, waiting=5, ended=(1000, 0.017)) == 105  # 1.7 %
     few = limiter(initial=100, abandoned_max=0.02)
-    assert few.update(0.0, sig(0), in_flight=100, waiting=5, ended=(9, 9)) == 105  # too few
+    assert few.update(0.0, sig(0), in_flight=100, waiting=5, ended=(9, 1.0)) == 105  # too few
     none = limiter(initial=100)  # no objective: abandoned ends change nothing
-    assert none.update(0.0, sig(0), in_flight=100, waiting=5, ended=(100, 100)) == 105
+    assert none.update(0.0, sig(0), in_flight=100, waiting=5, ended=(100, 1.0)) == 105
 
 
 def test_abandoned_answers_cut_the_limit_not_the_band() -> None:
@@ -451,7 +452,7 @@ def test_abandoned_answers_cut_the_limit_not_the_band() -> None:
     the limit is."""
     a = limiter(initial=100, abandoned_max=0.02)
     band = BandLoad(running=40, waiting=5, floor=10, top=90)
-    assert a.update(0.0, sig(0), in_flight=100, waiting=5, band=band, ended=(50, 5)) == 80
+    assert a.update(0.0, sig(0), in_flight=100, waiting=5, band=band, ended=(50, 0.1)) == 80
     assert a.band_cut.cap is None
 
 
@@ -464,9 +465,9 @@ def test_poller_passes_the_ends_of_its_window(caplog: pytest.LogCaptureFixture) 
 
     async def main() -> None:
         asked: list[float] = []
-        answers = iter([(100, 50)])
+        answers = iter([(100, 0.5)])
 
-        def ended(now: float, window_s: float) -> tuple[int, int]:
+        def ended(now: float, window_s: float) -> tuple[int, float]:
             asked.append(window_s)
             return next(answers)  # StopIteration on the second round
 

@@ -177,8 +177,9 @@ class AdaptivePolicy:
     itl_quantile: float = 0.9
     tpot_slo_s: float | None = None
     tpot_quantile: float = 0.9
-    # The most admitted answers, as a share of those that ended in the window, that may end at
-    # or after their deadline (their client had given up): None, no such objective.
+    # The most slot time, as a share of that of the requests that ended in the window, that
+    # may go to answers that end at or after their deadline (their client had given up): None,
+    # no such objective.
     abandoned_max: float | None = None
     interval_s: float = 0.5
     window_s: float = 10.0
