@@ -436,7 +436,8 @@ def test_abandoned_answers_cut_the_limit() -> None:
     assert a.update(0.0, sig(0), in_flight=100, waiting=5, ended=(100, 0.03)) == 80
     assert a.reason == "abandoned"
     b = limiter(initial=100, abandoned_max=0.02)
-    assert b.update(0.0, sig(0), in_flight=100, waiting=5, ended=(100, 0.03), objectives=False) == 80
+    alone = {"ended": (100, 0.03), "objectives": False}
+    assert b.update(0.0, sig(0), in_flight=100, waiting=5, **alone) == 80  # type: ignore[arg-type]
     c = limiter(initial=100, abandoned_max=0.02)
     assert c.update(0.0, sig(0), in_flight=100, waiting=5, ended=(100, 0.02)) == 100  # 2 %
     assert c.update(1.0, sig(1), in_flight=100, waiting=5, ended=(1000, 0.019)) == 100  # 1.9 %
