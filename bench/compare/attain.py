@@ -29,9 +29,11 @@ crossings when both fall); a load above that passes again does not raise it. Not
 it reads ``< L`` (the lowest load already fails) or ``>= L`` (the highest still passes).
 
 Then the **target**: the sidecar's figure >= 1.5x every other strategy's. A bound that leaves
-the ratio undecided reads ``?`` (measure further loads). Several OUT directories (seeds) of
-the same loads: the shares are averaged per load (``+-`` half their spread, max - min), the
-figure is read from the mean shares, and each seed's own figure is printed beside it.
+the ratio undecided reads ``?`` (measure further loads). OUT directories of the same seed
+(``compare.json``'s options) add their loads to one curve (a load measured twice keeps the
+later directory's). Several seeds: the shares are averaged per load that every seed measured
+(``+-`` half their spread, max - min), the figure is read from the mean shares, and each
+seed's own figure is printed beside it.
 """
 
 from __future__ import annotations
@@ -139,11 +141,12 @@ def ratio_verdict(mine: Figure, other: Figure) -> tuple[str, str]:
 Curves = dict[str, dict[float, tuple[Shares, dict[str, int]]]]  # strategy -> load -> ...
 
 
-def curves_of(out: Path) -> Curves:
-    """Strategy -> offered load -> (shares, open at the cut), of one output directory."""
+def curves_of(out: Path, into: Curves | None = None) -> Curves:
+    """Strategy -> offered load -> (shares, open at the cut), of one output directory, added
+    to ``into`` (another directory's of the same seed) when given."""
     doc = json.loads((out / "compare.json").read_text())
     records = json.loads((out / "records.json").read_text())
-    curves: Curves = {}
+    curves: Curves = {} if into is None else into
     for r in doc["runs"]:
         if r["scenario"] != "steady":
             continue
@@ -206,7 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("outs", nargs="+", type=Path, help="bench.compare --out directories (seeds)")
     p.add_argument("--sidecar", default="sidecar", help="the strategy held to the target")
     args = p.parse_args(argv)
-    print(report([curves_of(o) for o in args.outs], sidecar=args.sidecar))
+    seeds: dict[int, Curves] = {}
+    for out in args.outs:  # the directories of one seed (their loads) make one curve
+        seed = json.loads((out / "compare.json").read_text())["options"]["seed"]
+        seeds[seed] = curves_of(out, seeds.get(seed))
+    print(report(list(seeds.values()), sidecar=args.sidecar))
     return 0
 
 

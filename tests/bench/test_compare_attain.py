@@ -77,7 +77,7 @@ def test_the_ratio_and_its_verdict_respect_the_bounds(
     assert ratio_verdict(mine, other) == expected
 
 
-def _write(out: Path, on_time: dict[tuple[str, float], int]) -> None:
+def _write(out: Path, on_time: dict[tuple[str, float], int], seed: int) -> None:
     """Ten interactive requests per run, ``on_time`` of them answered within 2 s; batch all good."""
     out.mkdir()
     runs, records = [], {}
@@ -88,7 +88,7 @@ def _write(out: Path, on_time: dict[tuple[str, float], int]) -> None:
         recs = [_rec("interactive", ttft_s=0.5 if i < n else 3.0) for i in range(10)]
         records[f"steady-{load:g}x/{strategy}"] = [*recs, _rec("batch")]
     runs.append({"scenario": "shift", "load": 1.0, "strategy": "sidecar", "window_s": [0, 1]})
-    (out / "compare.json").write_text(json.dumps({"runs": runs}))
+    (out / "compare.json").write_text(json.dumps({"options": {"seed": seed}, "runs": runs}))
     (out / "records.json").write_text(json.dumps(records))
 
 
@@ -96,10 +96,11 @@ def test_seeds_average_the_shares_and_the_sidecar_is_held_to_the_ratio(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _write(tmp_path / "a", {("sidecar", 1.0): 10, ("sidecar", 2.0): 10, ("peer", 1.0): 10,
-                            ("peer", 2.0): 8})  # fmt: skip
-    _write(tmp_path / "b", {("sidecar", 1.0): 10, ("sidecar", 2.0): 9, ("peer", 1.0): 10,
-                            ("peer", 2.0): 6})  # fmt: skip
-    assert main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+                            ("peer", 2.0): 8}, seed=0)  # fmt: skip
+    _write(tmp_path / "b", {("sidecar", 1.0): 10, ("peer", 1.0): 10}, seed=1)
+    _write(tmp_path / "b2", {("sidecar", 2.0): 9, ("peer", 2.0): 6}, seed=1)  # seed 1's 2x
+    _write(tmp_path / "c", {("sidecar", 4.0): 0, ("peer", 4.0): 0}, seed=0)  # seed 0 only
+    assert main([str(tmp_path / d) for d in ("a", "b", "b2", "c")]) == 0
     shares, figures = capsys.readouterr().out.split("\n\n")
     assert ["sidecar", "2", "95.0+-5.0", "100.0+-0.0", "0/0"] in [
         ln.split() for ln in shares.splitlines()
