@@ -364,6 +364,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         help="the sidecar pool's batch bucket's min_share (default 0: no guaranteed share)",
     )
     p.add_argument(
+        "--relegate",
+        action="store_true",
+        help="the pool policies' interactive bucket relegates to interactive-retry: a first "
+        "attempt past its queue timeout waits there once more instead of a 429",
+    )
+    p.add_argument(
         "--stream-objective",
         choices=("inter_token", "tpot"),
         default=d.stream_objective,
