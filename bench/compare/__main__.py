@@ -365,9 +365,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
     )
     p.add_argument(
         "--relegate",
-        action="store_true",
-        help="the pool policies' interactive bucket relegates to interactive-retry: a first "
-        "attempt past its queue timeout waits there once more instead of a 429",
+        nargs="?",
+        const="retry",
+        default=d.relegate,
+        choices=("retry", "band"),
+        help="the pool policies' interactive bucket relegates (a first attempt past its queue "
+        "timeout waits once more instead of a 429): to interactive-retry (retry, the default), "
+        "or to interactive-late, a bucket of its own in band 0 (band)",
     )
     p.add_argument(
         "--stream-objective",
