@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         need = policy.longest_queue_timeout_s + MESSAGE_TIMEOUT_MARGIN_S
         print(
             f"# Envoy's ext_proc max_message_timeout must be at least {need:g}s "
-            "(longest queue_timeout + margin)."
+            "(the longest wait: queue_timeout, and a relegation's after it, + margin)."
         )
         if args.envoy:
             problems = _deadline_problems(policy, args.envoy)

@@ -32,6 +32,7 @@ class RequestRecord:
         "max_tokens_action",
         "outcome",
         "prompt_tokens",
+        "relegated_to",
         "request_id",
         "shadow_outcome",
         "stream",
@@ -52,6 +53,7 @@ class RequestRecord:
         self.max_tokens: int | None = None
         self.max_tokens_action: str | None = None
         self.stream = False
+        self.relegated_to: str | None = None  # the bucket it was relegated to, if it was
 
     def classified(self, cls: Classification) -> None:
         """What classification found: the bucket and the token counts."""
@@ -59,6 +61,12 @@ class RequestRecord:
         self.prompt_tokens = cls.prompt_tokens
         self.max_tokens = cls.max_tokens
         self.max_tokens_action = str(cls.max_tokens_action)
+
+    def relegated(self, source: str | None, target: str) -> None:
+        """Where the ticket that decided was: relegated from ``source`` to ``target``, or not
+        relegated (``source`` None)."""
+        if source is not None:
+            self.relegated_to = target
 
     def decide(self, outcome: Outcome, now: float, code: str | None = None) -> None:
         """The request's outcome, decided at ``now``; a request is decided once."""
@@ -90,7 +98,7 @@ class RequestRecord:
             "outcome": str(self.outcome),
             "queue_ms": round(self.queue_s * 1000, 1),
         }
-        for key in ("code", "prompt_tokens", "max_tokens", "max_tokens_action"):
+        for key in ("code", "prompt_tokens", "max_tokens", "max_tokens_action", "relegated_to"):
             value = getattr(self, key)
             if value is not None:
                 out[key] = value

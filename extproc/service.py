@@ -83,7 +83,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         count: TokenCounter = token_counter(policy.tokens)
         self._gate.reconfigure(policy)
         self._shares.reconfigure(policy)
-        self._metrics.declare(b.name for b in policy.buckets)
+        self._metrics.declare(policy.buckets)
         self._policy, self._count = policy, count
         self._routes.clear()  # route overrides are validated against the policy
 
@@ -224,7 +224,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return parse_and_classify(policy, self._count, headers, endpoint, body, route.override)
         longest = policy.longest_queue_timeout_s
         if route.override is not None and route.override.queue_timeout_s is not None:
-            longest = max(longest, route.override.queue_timeout_s)
+            longest = max(longest, route.override.queue_timeout_s + policy.longest_relegation_s)
         st.overridden = True
         st.answer_by = self._loop.time() + longest
         await context.write(respond.timeout_override(longest + MESSAGE_TIMEOUT_MARGIN_S))
@@ -254,28 +254,31 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             timeout, own = st.deadline.cap(timeout, now)
         cost = cls.prompt_tokens + cls.max_tokens
         deadline = now + timeout
+        limit = timeout + (0.0 if own else self._policy.relegation_s(cls.bucket))  # relegated
         read: asyncio.Future[Any] | None = None
         if share is not None:  # first a place in the route's own share of the bucket
             st.share = share
             got = await self._slot(
-                context, st, lambda: self._shares.enter(share, timeout, size, own), timeout, read
+                context, st, lambda: self._shares.enter(share, timeout, size, own), limit, read
             )
             if got is None:
                 return
             st.share_slot, read = got
         remaining = max(0.0, deadline - self._loop.time())
+        by = st.own_deadline()  # a relegation's bound
         got = await self._slot(
             context,
             st,
             lambda: self._gate.enter(
-                cls.bucket.name, remaining, size, cost, own, *tenant, cls.max_tokens
+                cls.bucket.name, remaining, size, cost, own, *tenant, cls.max_tokens, by
             ),
-            timeout,
+            limit,
             read,
         )
         if got is None:
             return
         st.slot, read = got
+        rec.relegated(st.slot.ticket.relegated_from, st.slot.ticket.bucket)
         rec.decide(Outcome.ADMITTED, self._loop.time())
         await context.write(respond.admitted(cls, rec))
         await stream.hold(context, read)
@@ -354,6 +357,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             slot = await waiter.admitted_unless(read)
         except Refused as r:
             read.cancel()
+            rec.relegated(r.relegated_from, r.bucket)
             await self._refuse_queue(context, rec, r, limit_s)
             return None, None
         except asyncio.CancelledError:

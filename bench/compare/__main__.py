@@ -364,6 +364,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         help="the sidecar pool's batch bucket's min_share (default 0: no guaranteed share)",
     )
     p.add_argument(
+        "--relegate",
+        nargs="?",
+        const="retry",
+        default=d.relegate,
+        choices=("retry", "band"),
+        help="the pool policies' interactive bucket relegates (a first attempt past its queue "
+        "timeout waits once more instead of a 429): to interactive-retry (retry, the default), "
+        "or to interactive-late, a bucket of its own in band 0 (band)",
+    )
+    p.add_argument(
         "--stream-objective",
         choices=("inter_token", "tpot"),
         default=d.stream_objective,

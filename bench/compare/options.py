@@ -104,6 +104,9 @@ class Options:
     max_retries: int = 2
     interactive_queue_timeout_s: float = 1.0
     batch_min_share: float = 0.0  # the sidecar pool's batch bucket: its guaranteed share
+    # The pool policies' interactive bucket relegates: "" no, "retry" to its retries' band,
+    # "band" to a bucket of its own in band 0.
+    relegate: Literal["", "retry", "band"] = ""
     # The adaptive sidecar's streaming objective: every token's gap
     # (``inter_token``) or each answer's mean gap (``tpot``).
     stream_objective: Literal["inter_token", "tpot"] = "inter_token"

@@ -330,7 +330,13 @@ def _admission_text(r: RunSummary) -> str:
                 outcomes[outcome] = outcomes.get(outcome, 0) + int(v)
         admitted = outcomes.pop("admitted", 0)
         rest = ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()) if v)
-        return f"admitted {admitted}" + (f", {rest}" if rest else "")
+        relegated = {k.split(" ", 1)[1]: int(v) for k, v in a.items() if k.startswith("relegated ")}
+        ends = ", ".join(f"{k} {v}" for k, v in sorted(relegated.items()) if v)
+        return (
+            f"admitted {admitted}"
+            + (f", {rest}" if rest else "")
+            + (f"; of them relegated: {ends}" if ends else "")
+        )
     if r.strategy == "priority-gateway":
         return (
             f"admitted {n('admitted')} ({n('admitted_short')} short), 503 expired at dequeue "

@@ -75,7 +75,8 @@ async def _json(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
 
 
 async def _sidecar_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """Outcome counters as ``sidecar.<bucket>/<outcome>``; the pool limit as ``pool_limit``, a
+    """Outcome counters as ``sidecar.<bucket>/<outcome>``, relegations (every bucket) as
+    ``sidecar.relegated <outcome>``; the pool limit as ``pool_limit``, a
     shared pool's (all replicas together) as ``shared_pool_limit``."""
     async with session.get(url, timeout=_TIMEOUT) as r:
         text = await r.text()
@@ -84,6 +85,9 @@ async def _sidecar_metrics(session: aiohttp.ClientSession, url: str) -> dict[str
         for s in family.samples:
             if s.name == "llm_extproc_requests_total":
                 key = f"sidecar.{s.labels.get('bucket')}/{s.labels.get('outcome')}"
+                out[key] = out.get(key, 0.0) + s.value
+            elif s.name == "llm_extproc_relegated_total":  # no "/": not an outcome of its own
+                key = f"sidecar.relegated {s.labels.get('outcome')}"
                 out[key] = out.get(key, 0.0) + s.value
             elif s.name == POOL_LIMIT_GAUGE:
                 out["pool_limit"] = out.get("pool_limit", 0.0) + s.value

@@ -149,13 +149,33 @@ def _pool_buckets(opts: Options) -> list[dict[str, Any]]:
     interactive guaranteed half the pool, cheapest first; its retries (the SDK's
     ``x-stainless-retry-count`` above 0) in a band of their own behind its first attempts (a
     retry has already waited; first attempts can still start fast); batch in the least urgent
-    band, cheapest first, with ``--batch-min-share`` of the pool guaranteed (default none)."""
+    band, cheapest first, with ``--batch-min-share`` of the pool guaranteed (default none).
+    ``--relegate``: a first attempt past its queue timeout moves into the retries' band
+    (``retry``) or into ``interactive-late``, a bucket of band 0 that no request matches
+    (``band``), for their queue timeout (``relegate_to``), instead of being refused."""
     qt = {k: wall_ms(v, opts.speedup) for k, v in opts.queue_timeouts_s.items()}
+    target = {"retry": "interactive-retry", "band": "interactive-late"}.get(opts.relegate)
+    relegate = {"relegate_to": target} if target else {}
+    late = (
+        [
+            {
+                "name": "interactive-late",
+                "match": {"headers": {"x-llm-relegated": "never-sent"}},
+                "priority": 0,
+                "order": "cost",
+                "queue_timeout": qt["interactive"],
+                "max_queue": 2000,
+            },
+        ]
+        if opts.relegate == "band"
+        else []
+    )
     return [
         {"name": "interactive-retry", "match": {**_INTERACTIVE, "retried": True}, "priority": 1,
          "order": "cost", "queue_timeout": qt["interactive"], "max_queue": 2000},
         {"name": "interactive", "match": _INTERACTIVE, "priority": 0, "min_share": 0.5,
-         "order": "cost", "queue_timeout": qt["interactive"], "max_queue": 2000},
+         "order": "cost", "queue_timeout": qt["interactive"], "max_queue": 2000, **relegate},
+        *late,
         {"name": "batch", "priority": 10, "min_share": opts.batch_min_share, "max_share": 0.9,
          "order": "cost",
          "queue_timeout": qt["batch"], "max_queue": 5000},

@@ -157,7 +157,9 @@ def render(
     longest_route_queue_timeout_s: float = 0.0,
 ) -> dict[str, Any]:
     """The policy-dependent parts of an Envoy config, as dicts in Envoy's YAML shape."""
-    longest_wait = max(policy.longest_queue_timeout_s, longest_route_queue_timeout_s)
+    route_wait = longest_route_queue_timeout_s  # a route's waiter may be relegated after it
+    route_wait += policy.longest_relegation_s if route_wait else 0.0
+    longest_wait = max(policy.longest_queue_timeout_s, route_wait)
     streams = extproc_streams(policy)
     buffer = body_buffer_bytes(policy)
 

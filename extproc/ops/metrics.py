@@ -24,8 +24,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from extproc.config.policy import BucketPolicy
 from extproc.ops.loops import LOOPS
-from extproc.outcome import OUTCOMES
+from extproc.outcome import OUTCOMES, Outcome
 from extproc.pool.adaptive import AdaptiveSnapshot
 from extproc.pool.lease_adapter import SharedSnapshot
 from extproc.pool.overload import OverloadSnapshot
@@ -41,6 +42,8 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _HOLD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# How a relegated request ends (series created at zero); one whose client left is not counted.
+_RELEGATED_ENDS = (Outcome.ADMITTED, Outcome.EVICTED_TIMEOUT, Outcome.EXPIRED_CLIENT_DEADLINE)
 _TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
@@ -259,21 +262,32 @@ class Metrics:
             "Route metadata overrides refused (the file's policy applied instead).",
             registry=r,
         )
+        self.relegated = Counter(
+            "llm_extproc_relegated",
+            "Requests that waited past their bucket's queue_timeout and were moved into the "
+            "bucket it relegates to, by the bucket they left and how they ended there.",
+            ["bucket", "outcome"],
+            registry=r,
+        )
         self.client_deadline_invalid = Counter(
             "llm_extproc_client_deadline_invalid",
             "Deadline headers ignored: not a number >= 0 (negative, NaN, text).",
             registry=r,
         )
 
-    def declare(self, buckets: Iterable[str]) -> None:
-        """Create the outcome and reload series at zero, so that rates and increase() see the
-        first eviction or reload error instead of a series that appears at 1."""
-        buckets = list(buckets)
-        for bucket in (*buckets, NO_BUCKET):
+    def declare(self, buckets: Iterable[BucketPolicy]) -> None:
+        """Create the outcome, relegation, abandoned and reload series at zero, so that rates
+        and increase() see the first eviction or reload error instead of a series that
+        appears at 1."""
+        for bucket in (*buckets, None):
+            name = NO_BUCKET if bucket is None else bucket.name
             for info in OUTCOMES.values():
-                self.requests.labels(bucket, info.label)
-        for bucket in buckets:
-            self.abandoned.labels(bucket)
+                self.requests.labels(name, info.label)
+            if bucket is not None:
+                self.abandoned.labels(name)
+            if bucket is not None and bucket.relegate_to is not None:
+                for outcome in _RELEGATED_ENDS:
+                    self.relegated.labels(name, OUTCOMES[outcome].label)
         for result in ("ok", "error"):
             self.policy_reloads.labels(result)
 
@@ -303,6 +317,8 @@ class Metrics:
             self.max_tokens_adjusted.labels(bucket, rec.max_tokens_action).inc()
         if rec.shadow_outcome is not None:
             self.shadow.labels(bucket, OUTCOMES[rec.shadow_outcome].label).inc()
+        if rec.relegated_to is not None:
+            self.relegated.labels(bucket, outcome).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

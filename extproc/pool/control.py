@@ -8,8 +8,8 @@
   band (``extproc.pool.bandcut``: cut before the limit) goes to ``Gate.set_cut(..., band=True)``.
 - Staged recovery (``pool.overload``): once a second, ``extproc.pool.overload.OverloadMonitor``
   reads the counts of the protected traffic (``demand.protected``: every band but the least
-  urgent) from the gate (admitted, evicted, refused, the p95 of recent waits, the queue; not
-  the requests whose client's own deadline passed: ``client_expired_total``) and,
+  urgent) from the gate (admitted, evicted or relegated, refused, the p95 of recent waits, the
+  queue; not the requests whose client's own deadline passed: ``client_expired_total``) and,
   when its state or factor changes, gives the factor to ``Gate.set_cut``: while overloaded, the
   least urgent band holds no more than its guaranteed share; when it clears, its cap comes back
   50% -> 80% -> 100%, each step held ``step_hold``. A policy whose buckets share one priority
@@ -358,7 +358,10 @@ class PoolControl:
         verdict = monitor.update(
             now,
             admitted=sum(stats[b.name].admitted_total for b in protected),
-            evicted=sum(stats[b.name].evicted_total for b in protected),
+            # A relegation is a miss of its bucket's deadline: an eviction to the monitor.
+            evicted=sum(
+                stats[b.name].evicted_total + stats[b.name].relegated_total for b in protected
+            ),
             refused=sum(stats[b.name].refused_total for b in protected),
             p95_wait_s=_p95(waits),
             queued=sum(stats[b.name].queued for b in protected),

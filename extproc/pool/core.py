@@ -24,8 +24,8 @@ A request asks with ``enqueue``; the answer is one of
 - QUEUED: it waits; it has a deadline (enqueue time + its queue timeout);
 - QUEUE_FULL: its bucket's queue was full, or the bytes of request bodies held by queued
   tickets (all buckets together) would pass ``max_queued_bytes``; nothing is held;
-- WAIT_TOO_LONG: (pools with ``fail_fast``) the predicted wait is longer than its deadline, so
-  waiting cannot succeed; nothing is held.
+- WAIT_TOO_LONG: (pools with ``fail_fast``) the predicted wait is longer than its deadline
+  (and its relegation's, ``relegate.longest_wait``), so waiting cannot succeed; nothing is held.
 
 Who gets a freed slot (``_fill``, run after every change)
 --------------------------------------------------------
@@ -52,7 +52,9 @@ Rules (the invariants tests check):
    waiting while its pool has room.
 3. A waiter leaves the queue in exactly one way: admitted (hand-over), evicted (``expire`` once
    its deadline has passed, whatever its place in the queue), or cancelled. One at a deadline of
-   its client's own (``client_deadline``) is counted apart: ``client_expired_total``.
+   its client's own (``client_deadline``) is counted apart: ``client_expired_total``. A waiter
+   of a bucket that relegates moves at its deadline, at most once, into its target's queue
+   (``extproc.pool.relegate``: ``relegated_total``), and leaves from there in one of the ways.
 4. ``running <= limit`` for every pool, except after the limit is lowered, when running
    requests finish and no one new is admitted until ``running`` drops below it. A pool's limit
    may be 0 (``set_pool_limit``: a replica of a shared pool that holds no lease,
@@ -79,6 +81,7 @@ from extproc.config.policy import Order, TenantPolicy
 from extproc.pool.deadlines import Deadlines
 from extproc.pool.demand import cut_band
 from extproc.pool.order import QUEUE_ORDERS, BucketChoice
+from extproc.pool.relegate import Relegation, longest_wait, relegate
 from extproc.pool.state import BucketState, PoolState, ewma
 from extproc.pool.values import BucketStats, Decision, PoolStats, Ticket, Verdict
 
@@ -116,11 +119,13 @@ class Admission:
         tenant: str | None = None,
         weight: float = 1.0,
         output: int = 0,
+        own_deadline: tuple[float, bool] | None = None,
     ) -> Decision:
         """``client_deadline``: ``timeout_s`` is the client's own deadline, sooner than the
         bucket's queue timeout (rule 3: it expires there rather than being evicted);
         ``tenant``, ``weight``, ``output``: who it is for, for the fair order and the
-        tenant's bounds (rule 6)."""
+        tenant's bounds (rule 6); ``own_deadline``: (when, whether the client's) its own
+        deadline, which a relegation never waits past."""
         b = self._buckets[bucket]
         pool = b.pool
         ticket = Ticket(
@@ -134,6 +139,8 @@ class Admission:
             tenant=tenant,
             weight=weight,
             output=output,
+            own_deadline=None if own_deadline is None else own_deadline[0],
+            own_stated=own_deadline is not None and own_deadline[1],
         )
         counts = b.tenants
         if counts is not None:
@@ -160,7 +167,7 @@ class Admission:
             return Decision(verdict=Verdict.QUEUE_FULL, ticket=ticket)
         if pool.fail_fast:
             wait = b.predicted_wait_s(exclude=ticket)
-            if wait is not None and wait > timeout_s:
+            if wait is not None and wait > longest_wait(b, ticket, now):
                 self._drop(b, ticket)
                 b.refused_total += 1
                 return Decision(verdict=Verdict.WAIT_TOO_LONG, ticket=ticket, predicted_wait_s=wait)
@@ -195,12 +202,19 @@ class Admission:
         return self._fill(b.pool, now) if b.pool.max_tokens is not None else []
 
     def expire(self, now: float) -> list[Ticket]:
-        """Evict every waiter whose deadline is at or before ``now``, earliest first."""
+        """Evict every waiter whose deadline is at or before ``now``, earliest first, or
+        relegate it (``extproc.pool.relegate``)."""
         evicted: list[Ticket] = []
         pools: set[PoolState] = set()
         for tid in self._deadlines.due(now):
             b = self._where[tid]
             ticket = b.waiting[tid]
+            moved = relegate(ticket, b, self._buckets, now) if b.relegate else None
+            if moved is not None:
+                self._where[tid] = moved[0]
+                self._deadlines.push(moved[1].deadline, tid)  # later than now: not due here
+                pools.add(b.pool)  # its target may have room its bucket had not (rule 2)
+                continue
             self._drop(b, ticket)
             if ticket.client_deadline:
                 b.client_expired_total += 1
@@ -209,12 +223,13 @@ class Admission:
             evicted.append(ticket)
             if b.pool.max_tokens is not None:
                 pools.add(b.pool)
-        for pool in pools:  # see cancel: a blocked head may have left
+        for pool in pools:  # see cancel: a blocked head may have left; and relegations
             self._admitted_by_expiry.extend(self._fill(pool, now))
         return evicted
 
     def take_admitted(self) -> list[Ticket]:
-        """Tickets admitted as a side effect of ``expire`` (a head the token bound held left)."""
+        """Tickets admitted as a side effect of ``expire`` (a head the token bound held left,
+        a relegated waiter)."""
         out, self._admitted_by_expiry = self._admitted_by_expiry, []
         return out
 
@@ -292,9 +307,11 @@ class Admission:
         cap: int | None = None,
         order: Order = Order.FIFO,
         tenant: TenantPolicy | None = None,
+        relegate_to: Relegation | None = None,
     ) -> list[Ticket]:
         """Create a bucket in a shared pool (``set_pool`` first), or change it; a bucket that
-        had slots of its own, or another pool, moves with its running and waiting requests."""
+        had slots of its own, or another pool, moves with its running and waiting requests.
+        ``relegate_to``: where its waiters go at their deadline (``extproc.pool.relegate``)."""
         if max_queue < 0 or not 0 <= min_share <= max_share <= 1 or max_share <= 0:
             raise ValueError(f"bucket {bucket!r}: bad max_queue or shares")
         target = self._pools[pool]
@@ -314,6 +331,7 @@ class Admission:
             cap=cap or None,
             order=QUEUE_ORDERS[order],
             tenant=tenant,
+            relegate=relegate_to,
         )
         target.buckets.sort(key=lambda x: x.priority)
         return admitted + self._fill(target, now)
@@ -378,31 +396,12 @@ class Admission:
         """Hand free slots to the waiters the rules pick, while there is room (rule 2)."""
         admitted: list[Ticket] = []
         band = cut_band(pool.buckets) if pool.factor < 1.0 else None
-        rank = pool.choice.rank
-        limit = pool.limit
-        while pool.running < limit:
-            best: BucketState | None = None
-            best_key = 0.0
-            ticket: Ticket | None = None
-            best_rank: tuple[float, ...] | None = None
-            for b in pool.buckets:
-                head = b.head()
-                if head is None:
-                    continue
-                if b.shared and len(b.running) >= b.max_slots(limit, band):
-                    continue
-                if best is None:
-                    best, (best_key, ticket) = b, head  # alone so far: no rank needed
-                    continue
-                if best_rank is None:
-                    assert ticket is not None
-                    best_rank = rank(best, best.order.band_key(best_key, ticket), limit)
-                r = rank(b, b.order.band_key(*head), limit)
-                if r < best_rank:
-                    best, best_rank = b, r
-                    best_key, ticket = head
-            if best is None or ticket is None:
+        pick = pool.choice.pick
+        while pool.running < pool.limit:
+            picked = pick(pool.buckets, pool.limit, band)
+            if picked is None:
                 break
+            best, best_key, ticket = picked
             if (
                 pool.max_tokens is not None
                 and pool.running > 0

@@ -42,6 +42,7 @@ from extproc.outcome import Outcome
 from extproc.pool.core import Admission
 from extproc.pool.ends import Ends
 from extproc.pool.refused import EXPIRED, REFUSED, Refused, retry_after_s
+from extproc.pool.relegate import relegation
 from extproc.pool.values import BucketStats, PoolStats, Ticket, Verdict
 
 __all__ = ["POOL", "Gate", "LimitOwner", "Refused", "Slot", "Waiter", "retry_after_s"]
@@ -226,6 +227,7 @@ class Gate:
                 cap=cap,
                 order=b.order,
                 tenant=b.tenant,
+                relegate_to=relegation(self._policy, b),
             )
         )
 
@@ -316,18 +318,29 @@ class Gate:
         tenant: str | None = None,
         weight: float = 1.0,
         output: int = 0,
+        own_deadline: tuple[float, bool] | None = None,
     ) -> Slot | Waiter:
         """A slot now, a place in the queue, or ``Refused`` (queue full, the bytes held by
         queued requests past the policy's bound, a predicted wait over ``timeout_s``, or the
         tenant over its bounds). ``cost``: estimated prompt + max_tokens (the token bound,
         the ``cost`` and ``fair`` orders); ``client_deadline``: ``timeout_s`` is the client's
         own (``EXPIRED_CLIENT_DEADLINE``); ``tenant``, ``weight``, ``output`` (max_tokens):
-        for the ``fair`` order and the tenant's bounds."""
+        for the ``fair`` order and the tenant's bounds; ``own_deadline``: (loop time, whether
+        the client's) the request's own deadline, which bounds a relegation."""
         if self._closed:
             raise self._shutting_down(bucket)
         now = self._loop.time()
         decision = self._core.enqueue(
-            bucket, now, timeout_s, held_bytes, cost, client_deadline, tenant, weight, output
+            bucket,
+            now,
+            timeout_s,
+            held_bytes,
+            cost,
+            client_deadline,
+            tenant,
+            weight,
+            output,
+            own_deadline,
         )
         if decision.verdict is Verdict.ADMITTED:
             self._changed()
@@ -431,6 +444,7 @@ class Gate:
                         self._retry_after(ticket.bucket),
                         self._core.queued(ticket.bucket),
                         now - ticket.enqueued_at,
+                        ticket.relegated_from,
                     )
                 )
         self._hand_over(self._core.take_admitted())

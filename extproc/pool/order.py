@@ -44,8 +44,9 @@ Who gets a freed slot is decided in two steps, each a small class:
 2. **Across buckets** (``BucketChoice.rank``): among the buckets of a pool whose head may take
    the slot (it has waiters and is below its cap), the one with the smallest rank wins.
    ``GuaranteeBandHead`` (the pool's rule): a bucket below its guaranteed share first, then the
-   most urgent band, then the earliest head by the buckets' queue keys. ``rank`` must be pure:
-   the core calls it only when two buckets or more compete.
+   most urgent band, then the earliest head by the buckets' queue keys. ``pick`` (which the
+   core's ``_fill`` calls) finds that bucket; it calls ``rank``, which must be pure, only when
+   two buckets or more compete.
 
 A new order (EDF, say) is a new class here and its test; the core's ``_fill`` does not
 change.
@@ -55,7 +56,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar, Final
 
 from extproc.config.policy import Order, TenantPolicy
@@ -363,6 +364,37 @@ class BucketChoice:
     def rank(self, bucket: BucketState, head_key: float, limit: int) -> tuple[float, ...]:
         """The bucket's rank, given its head's queue key and the pool's limit."""
         raise NotImplementedError
+
+    def pick(
+        self, buckets: Sequence[BucketState], limit: int, band: int | None
+    ) -> tuple[BucketState, float, Ticket] | None:
+        """The bucket whose head takes the next free slot of a pool of ``limit`` (``band``: the
+        band the pool's cut applies to, ``demand.cut_band``), the head's key and the head; None
+        when no bucket with waiters is below its cap."""
+        rank = self.rank
+        best: BucketState | None = None
+        best_key = 0.0
+        ticket: Ticket | None = None
+        best_rank: tuple[float, ...] | None = None
+        for b in buckets:
+            head = b.head()
+            if head is None:
+                continue
+            if b.shared and len(b.running) >= b.max_slots(limit, band):
+                continue
+            if best is None:
+                best, (best_key, ticket) = b, head  # alone so far: no rank needed
+                continue
+            if best_rank is None:
+                assert ticket is not None
+                best_rank = rank(best, best.order.band_key(best_key, ticket), limit)
+            r = rank(b, b.order.band_key(*head), limit)
+            if r < best_rank:
+                best, best_rank = b, r
+                best_key, ticket = head
+        if best is None or ticket is None:
+            return None
+        return best, best_key, ticket
 
 
 class GuaranteeBandHead(BucketChoice):

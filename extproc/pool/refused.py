@@ -32,9 +32,17 @@ class Refused(Exception):
     deadline (evicted, expired); carries what the 429 or 503 needs."""
 
     def __init__(
-        self, outcome: Outcome, bucket: str, retry_after_s: float, queued: int, waited_s: float
+        self,
+        outcome: Outcome,
+        bucket: str,
+        retry_after_s: float,
+        queued: int,
+        waited_s: float,
+        relegated_from: str | None = None,
     ) -> None:
+        """``relegated_from``: evicted (or expired) after a relegation from that bucket."""
         super().__init__(f"{outcome} in {bucket}")
+        self.relegated_from = relegated_from
         self.outcome = outcome
         self.code = OUTCOMES[outcome].code
         self.bucket = bucket

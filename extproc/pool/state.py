@@ -16,6 +16,7 @@ from typing import Final
 
 from extproc.config.policy import TenantPolicy
 from extproc.pool.order import BucketChoice, FifoOrder, GuaranteeBandHead, QueueOrder
+from extproc.pool.relegate import Relegation
 from extproc.pool.tenants import TenantBounds, TenantCounts
 from extproc.pool.values import BucketStats, PoolStats, Ticket
 
@@ -117,6 +118,8 @@ class BucketState:
         "priority",
         "queued_bytes",
         "refused_total",
+        "relegate",
+        "relegated_total",
         "running",
         "shared",
         "tenants",
@@ -137,6 +140,7 @@ class BucketState:
         self.order: QueueOrder = FifoOrder()
         self.observer: QueueOrder | None = None  # the order, when it observes
         self.tenants: TenantCounts | None = None  # with a tenant policy only
+        self.relegate: Relegation | None = None  # where its waiters go at their deadline
         self.waiting: dict[int, Ticket] = {}  # queued in ``order``
         # ticket id -> (ticket, admitted_at)
         self.running: dict[int, tuple[Ticket, float]] = {}
@@ -147,6 +151,7 @@ class BucketState:
         self.evicted_total = 0
         self.refused_total = 0
         self.client_expired_total = 0
+        self.relegated_total = 0
         self.waits: deque[float] = deque(maxlen=WAIT_SAMPLES)
 
     @property
@@ -167,11 +172,13 @@ class BucketState:
         cap: int | None = None,
         order: type[QueueOrder] = FifoOrder,
         tenant: TenantPolicy | None = None,
+        relegate: Relegation | None = None,
     ) -> None:
         """Its settings (the defaults: a bucket with slots of its own). An order of the same
         class keeps its state (the cost order's running mean, the fair order's tags), and the
         tenants' counts stay while the bucket has a tenant policy."""
         self.max_queue, self.priority, self.cap = max_queue, priority, cap
+        self.relegate = relegate
         self.min_share, self.max_share = min_share, max_share
         new_order = type(self.order) is not order
         if new_order:
@@ -306,6 +313,7 @@ class BucketState:
             evicted_total=self.evicted_total,
             refused_total=self.refused_total,
             client_expired_total=self.client_expired_total,
+            relegated_total=self.relegated_total,
             tenants=self.order.tenants(),
         )
 

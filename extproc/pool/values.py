@@ -41,6 +41,12 @@ class Ticket:
     tenant: str | None = None
     weight: float = 1.0
     output: int = 0
+    # The request's own deadline (its client's or its route's; None: none) and whether it is
+    # the client's (stated): a relegation never waits past it (``extproc.pool.relegate``).
+    own_deadline: float | None = None
+    own_stated: bool = False
+    # The bucket it was relegated from (None: it waits or runs in the bucket it joined).
+    relegated_from: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,6 +79,9 @@ class BucketStats:
     evicted_total: int = 0
     refused_total: int = 0
     client_expired_total: int = 0
+    # Waiters moved at their deadline into the bucket this one relegates to (neither admitted
+    # nor evicted here: they leave from there).
+    relegated_total: int = 0
     # Tenants the bucket's order remembers (the fair order; 0 for the others).
     tenants: int = 0
 

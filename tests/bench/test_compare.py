@@ -110,9 +110,15 @@ def test_pool_policy_timers_scaled_slos_not(cap: Capacity) -> None:
     assert (b["batch"].priority, b["batch"].max_share) == (10, 0.9)
     assert b["batch"].min_share == 0.0  # by default, no guaranteed share
     assert b["batch"].queue_timeout_s == pytest.approx(240 / OPTS.speedup, abs=1e-3)
-    opts, _ = parse_args(["--batch-min-share", "0.1"])
+    assert all(x.relegate_to is None for x in policy.buckets)  # by default, 429 at the deadline
+    opts, _ = parse_args(["--batch-min-share", "0.1", "--relegate"])
     shared = policy_from_yaml(pool_policy(cap, opts, ["http://127.0.0.1:9/metrics"]), "generated")
     assert {x.name: x.min_share for x in shared.buckets}["batch"] == 0.1
+    assert {x.name: x.relegate_to for x in shared.buckets}["interactive"] == "interactive-retry"
+    opts, _ = parse_args(["--relegate", "band"])
+    band = policy_from_yaml(pool_policy(cap, opts, ["http://127.0.0.1:9/metrics"]), "generated")
+    late = band.bucket("interactive-late")
+    assert band.bucket("interactive").relegate_to == late.name and late.priority == 0
 
 
 def _envoy(**kwargs: Any) -> dict[str, Any]:

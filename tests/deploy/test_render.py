@@ -112,6 +112,25 @@ buckets:
     )
 
 
+def test_the_message_timeout_covers_a_relegation() -> None:
+    """A waiter of a bucket that relegates may wait its queue_timeout and its target's: the
+    policy's buckets, and a route's longer queue_timeout, each with the relegation after it."""
+    policy = policy_from_yaml(
+        """
+pool: {max_concurrency: 4}
+buckets:
+  - {name: a, match: {headers: {x: a}}, queue_timeout: 10s, relegate_to: b}
+  - {name: b, priority: 1, queue_timeout: 5s}
+"""
+    )
+
+    def timeout(route_s: float) -> str:
+        r = render(policy, longest_route_queue_timeout_s=route_s)
+        return str(r["http_filters"][-1]["typed_config"]["max_message_timeout"])
+
+    assert (timeout(0), timeout(30)) == ("16s", "36s")
+
+
 def test_render_envoy_command_prints_valid_yaml() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "extproc", "render-envoy", "--extproc-port", "6000"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from extproc.config.policy import Order, PolicyError, policy_from_yaml
 
@@ -143,3 +144,49 @@ def test_bad_pool_settings_name_the_key_and_why(text: str, error: str) -> None:
         policy_from_yaml(text, "p.yaml")
     assert error in str(info.value)
     assert str(info.value).startswith("p.yaml: ")
+
+
+RELEGATING = """
+pool: {max_concurrency: 4}
+buckets:
+  - {name: chat, match: {headers: {x: chat}}, queue_timeout: 1s, relegate_to: late}
+  - {name: late, match: {headers: {x: late}}, priority: 1, queue_timeout: 3s}
+  - {name: batch, priority: 10, queue_timeout: 60s}
+"""
+
+
+def test_a_relegation_resolves_and_lengthens_the_longest_wait() -> None:
+    p = policy_from_yaml(RELEGATING)
+    chat, late, batch = p.buckets
+    assert (chat.relegate_to, late.relegate_to, batch.relegate_to) == ("late", None, None)
+    assert (p.relegation_s(chat), p.relegation_s(late), p.longest_relegation_s) == (3.0, 0.0, 3.0)
+    assert p.to_dict()["buckets"][0]["relegate_to"] == "late"
+    assert "relegate_to" not in p.to_dict()["buckets"][1]
+    assert policy_from_yaml(yaml.safe_dump(p.to_dict())) == p
+    # 60 s of batch, or 1 s + 3 s of chat; a 30 s chat timeout would wait 33 s in all.
+    assert p.longest_queue_timeout_s == 60.0
+    longer = policy_from_yaml(RELEGATING.replace("queue_timeout: 1s", "queue_timeout: 58s"))
+    assert longer.longest_queue_timeout_s == 61.0
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        (("relegate_to: late", "relegate_to: nope"), "buckets[0].relegate_to: 'nope' is not"),
+        (("relegate_to: late", "relegate_to: chat"), "'chat' is not another bucket"),
+        (("priority: 1,", "priority: 0, relegate_to: batch,"), "'late' relegates too"),
+        (("relegate_to: late", "relegate_to: late, priority: 1"), None),  # its own band
+        (("relegate_to: late", "relegate_to: late, priority: 2"), "'late' is more urgent"),
+        (("pool: {max_concurrency: 4}\n", ""), "buckets[0].relegate_to: needs a `pool`"),
+    ],
+)
+def test_bad_relegations_name_the_key_and_why(change: tuple[str, str], error: str | None) -> None:
+    text = RELEGATING.replace(*change)
+    if "pool" not in text:
+        text = text.replace("queue_timeout", "max_concurrency: 1, queue_timeout")
+    if error is None:
+        policy_from_yaml(text)
+        return
+    with pytest.raises(PolicyError) as info:
+        policy_from_yaml(text, "p.yaml")
+    assert error in str(info.value)

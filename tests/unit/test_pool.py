@@ -9,6 +9,7 @@ import pytest
 
 from extproc.config.policy import Order
 from extproc.pool.core import Admission
+from extproc.pool.relegate import Relegation
 from extproc.pool.values import Ticket, Verdict
 
 POOL = "p"
@@ -258,9 +259,11 @@ def test_raising_the_pool_limit_admits_at_once_lowering_takes_nothing_away() -> 
     assert a.release(w[0].id, 2.0) == [w[1]]
 
 
-def test_random_operations_keep_the_invariants() -> None:
+@pytest.mark.parametrize("relegate", [False, True])
+def test_random_operations_keep_the_invariants(relegate: bool) -> None:
     """No slot lost or given twice, the limit and caps hold, the token bound holds (bar one
-    running alone), and nobody waits while the rules would admit them."""
+    running alone), and nobody waits while the rules would admit them; with ``relegate``, the
+    most urgent bucket's waiters relegated once at their deadline (``extproc.pool.relegate``)."""
     rng = random.Random(7)
     a = Admission({}, max_queued_bytes=5000)
     a.set_pool(POOL, 6, 0.0, max_tokens=3000, fail_fast=True)
@@ -275,6 +278,7 @@ def test_random_operations_keep_the_invariants() -> None:
             min_share=(0.0, 0.3, 0.0)[i],
             max_share=(1.0, 1.0, 0.5)[i],
             order=Order.COST if i == 2 else Order.FIFO,
+            relegate_to=Relegation(target="c", timeout_s=0.5) if relegate and i == 0 else None,
         )
     running: set[int] = set()
     waiting: set[int] = set()
@@ -316,6 +320,8 @@ def test_random_operations_keep_the_invariants() -> None:
             t = a.ticket(tid)
             if t is None:
                 waiting.discard(tid)
+            elif t.relegated_from is not None:
+                assert (t.relegated_from, t.bucket) == ("a", "c")  # once, to its target
         st = a.statistics()
         ps = a.pool_statistics(now)[POOL]
         assert ps.in_flight == sum(s.in_flight for s in st.values())
@@ -338,6 +344,7 @@ def test_random_operations_keep_the_invariants() -> None:
         a.cancel(tid, now + 100)
     st = a.statistics()
     assert all(s.in_flight == 0 and s.queued == 0 for s in st.values())
+    assert (st["a"].relegated_total > 0) is relegate
     assert a.pool_statistics(now)[POOL].in_flight == 0
     assert a.pool_statistics(now)[POOL].tokens_in_flight == 0
     assert a.queued_bytes == 0

@@ -7,8 +7,8 @@ taken off (the value printed as ``250ms`` below a second, ``5s`` from one up), u
 out:
 
 1. a value that is None (unset), except the ones in ``_NULL_SHOWN``, printed as null;
-2. a bucket's pool settings (priority, shares, order, tenant) when there is no pool: a file without
-   one may not state them;
+2. a bucket's pool settings (priority, shares, order, tenant, relegate_to) when there is no
+   pool: a file without one may not state them;
 3. an SLO quantile whose objective is unset;
 4. a match's headers when it has none, a tenant's weights and ``authorization`` unless set
    (``_SHOWN_AS``, which also prints the Redis URL with
@@ -54,7 +54,9 @@ _SHOWN_WITH: Final[Mapping[str, str]] = {
     "tpot_quantile": "tpot_slo_s",
 }
 _NULL_SHOWN: Final = frozenset({"tokenizer", "max_tokens_in_flight"})
-_POOL_ONLY: Final = frozenset({"priority", "min_share", "max_share", "order", "tenant"})
+_POOL_ONLY: Final = frozenset(
+    {"priority", "min_share", "max_share", "order", "tenant", "relegate_to"}
+)
 # Values printed as something other than the field's own value (None: left out).
 _SHOWN_AS: Final[Mapping[tuple[type, str], Callable[[Any], object]]] = {
     (MatchRule, "headers"): lambda match: dict(match.headers) or None,

@@ -162,6 +162,9 @@ class BucketPolicy:
     vllm_priority: int | None = None
     # Who each request is for (None: all one tenant).
     tenant: TenantPolicy | None = None
+    # With a pool: the bucket a waiter moves into at its queue deadline instead of being
+    # evicted (extproc.pool.relegate); None: evicted there.
+    relegate_to: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -287,9 +290,21 @@ class Policy:
                 return bucket
         raise KeyError(name)
 
+    def relegation_s(self, bucket: BucketPolicy) -> float:
+        """The most a request of ``bucket`` waits after its relegation: the queue_timeout of
+        the bucket it relegates to (0: it does not relegate, or to none of this policy's)."""
+        target = bucket.relegate_to
+        return next((b.queue_timeout_s for b in self.buckets if b.name == target), 0.0)
+
+    @property
+    def longest_relegation_s(self) -> float:
+        return max(self.relegation_s(b) for b in self.buckets)
+
     @property
     def longest_queue_timeout_s(self) -> float:
-        return max(b.queue_timeout_s for b in self.buckets)
+        """The longest wait of any request: a bucket's queue_timeout, and for a bucket that
+        relegates its target's after it."""
+        return max(b.queue_timeout_s + self.relegation_s(b) for b in self.buckets)
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved policy in the file's own shape (what `llm-extproc check` prints)."""

@@ -153,7 +153,33 @@ def _buckets(
         )
     if sum(b.min_share for b in buckets) > 1.0 + 1e-9:
         raise PolicyError("buckets: the min_share values add up to more than 1")
+    _relegations(buckets)
     return tuple(buckets)
+
+
+def _relegations(buckets: Sequence[BucketPolicy]) -> None:
+    """Each ``relegate_to`` names another bucket of the pool, no more urgent, that does not
+    relegate itself: a waiter is relegated once at most (no chains, no cycles)."""
+    by_name = {b.name: b for b in buckets}
+    for i, b in enumerate(buckets):
+        if b.relegate_to is None:
+            continue
+        where, target = f"buckets[{i}].relegate_to", by_name.get(b.relegate_to)
+        if target is None or target is b:
+            raise PolicyError(
+                f"{where}: {b.relegate_to!r} is not another bucket of the policy "
+                f"(known: {', '.join(n for n in by_name if n != b.name)})"
+            )
+        if target.priority < b.priority:
+            raise PolicyError(
+                f"{where}: {target.name!r} is more urgent (priority {target.priority} < "
+                f"{b.priority}); a waiter may only be relegated to its own band or a later one"
+            )
+        if target.relegate_to is not None:
+            raise PolicyError(
+                f"{where}: {target.name!r} relegates too (to {target.relegate_to!r}); a waiter "
+                "is relegated once at most, so a bucket relegated to must not relegate"
+            )
 
 
 def _bucket(
@@ -168,6 +194,8 @@ def _bucket(
         if msg.order != policy_pb2.ORDER_UNSPECIFIED or msg.HasField("tenant"):
             key = "order" if msg.order != policy_pb2.ORDER_UNSPECIFIED else "tenant"
             raise PolicyError(f"{where}.{key}: needs a `pool` (the buckets' shared slots)")
+        if msg.relegate_to:
+            raise PolicyError(f"{where}.relegate_to: needs a `pool` (the buckets' shared slots)")
     min_share = _set_or(msg, "min_share", _default(BucketPolicy, "min_share"))
     max_share = _set_or(msg, "max_share", _default(BucketPolicy, "max_share"))
     if not 0.0 <= min_share <= 1.0 or not 0.0 < max_share <= 1.0 or min_share > max_share:
@@ -202,6 +230,7 @@ def _bucket(
         order=_ORDERS.get(msg.order, _default(BucketPolicy, "order")),
         vllm_priority=_set_or(msg, "vllm_priority", _default(BucketPolicy, "vllm_priority")),
         tenant=tenant,
+        relegate_to=msg.relegate_to or None,
     )
 
 

@@ -248,7 +248,7 @@ class Match(_message.Message):
     def __init__(self, headers: _Optional[_Mapping[str, str]] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., retried: _Optional[bool] = ...) -> None: ...
 
 class Bucket(_message.Message):
-    __slots__ = ("name", "match", "max_concurrency", "queue_timeout", "max_queue", "trusted", "priority", "min_share", "max_share", "order", "vllm_priority", "tenant")
+    __slots__ = ("name", "match", "max_concurrency", "queue_timeout", "max_queue", "trusted", "priority", "min_share", "max_share", "order", "vllm_priority", "tenant", "relegate_to")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +261,7 @@ class Bucket(_message.Message):
     ORDER_FIELD_NUMBER: _ClassVar[int]
     VLLM_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    RELEGATE_TO_FIELD_NUMBER: _ClassVar[int]
     name: str
     match: Match
     max_concurrency: int
@@ -273,7 +274,8 @@ class Bucket(_message.Message):
     order: Order
     vllm_priority: int
     tenant: Tenant
-    def __init__(self, name: _Optional[str] = ..., match: _Optional[_Union[Match, _Mapping]] = ..., max_concurrency: _Optional[int] = ..., queue_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_queue: _Optional[int] = ..., trusted: _Optional[bool] = ..., priority: _Optional[int] = ..., min_share: _Optional[float] = ..., max_share: _Optional[float] = ..., order: _Optional[_Union[Order, str]] = ..., vllm_priority: _Optional[int] = ..., tenant: _Optional[_Union[Tenant, _Mapping]] = ...) -> None: ...
+    relegate_to: str
+    def __init__(self, name: _Optional[str] = ..., match: _Optional[_Union[Match, _Mapping]] = ..., max_concurrency: _Optional[int] = ..., queue_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_queue: _Optional[int] = ..., trusted: _Optional[bool] = ..., priority: _Optional[int] = ..., min_share: _Optional[float] = ..., max_share: _Optional[float] = ..., order: _Optional[_Union[Order, str]] = ..., vllm_priority: _Optional[int] = ..., tenant: _Optional[_Union[Tenant, _Mapping]] = ..., relegate_to: _Optional[str] = ...) -> None: ...
 
 class RouteOverride(_message.Message):
     __slots__ = ("bucket", "max_concurrency", "max_queue", "queue_timeout", "max_prompt_tokens", "max_output_tokens", "default_max_tokens", "timeout")
