@@ -17,8 +17,10 @@ once the response body streams to it, an answer to a chunk cannot stop the chunk
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,61 @@ from testing.envoy import envoy_binary, render_envoy_config, with_ext_proc
 from testing.stack import Proc, free_port, wait_http
 
 HOLD_S = 0.5  # below the shipped message_timeout (1 s)
+
+
+@contextlib.asynccontextmanager
+async def _through_envoy(
+    tmp: Path,
+    process: Callable[[h2.Call], Awaitable[None]],
+    backend: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    **ext_proc: Any,
+) -> AsyncIterator[int]:
+    """The real Envoy (the shipped config, ``ext_proc`` fields merged into its filter) between
+    a client and ``backend``, with ``process`` as its ext_proc server; yields the listener's
+    port and stops all three after."""
+    server = h2.H2Server(
+        {
+            "/envoy.service.ext_proc.v3.ExternalProcessor/Process": h2.Method(
+                process, pb.ProcessingRequest.FromString, wire.serialize
+            )
+        },
+        max_message=1 << 20,
+    )
+    extproc_port = await server.listen("127.0.0.1", 0)
+    backend_server = await asyncio.start_server(backend, "127.0.0.1", 0)
+    listener, admin = free_port(), free_port()
+    text = render_envoy_config(
+        listener_port=listener,
+        backend_port=backend_server.sockets[0].getsockname()[1],
+        extproc_port=extproc_port,
+        admin_port=admin,
+    )
+    if ext_proc:
+        text = with_ext_proc(text, **ext_proc)
+    path = tmp / "envoy.yaml"
+    path.write_text(text)
+    envoy = Proc("envoy", [envoy_binary(), "-c", str(path), "--concurrency", "1"], tmp)
+    try:
+        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{admin}/ready", 30, envoy)
+        yield listener
+    finally:
+        envoy.stop()
+        backend_server.close()
+        await server.stop(0)
+
+
+async def _post(
+    listener: int, body: bytes, headers: bytes = b""
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """An HTTP/1.1 chat request through the listener; the connection, to read the answer."""
+    r, w = await asyncio.open_connection("127.0.0.1", listener)
+    w.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+        b"content-type: application/json\r\n%s"
+        b"content-length: %d\r\n\r\n%s" % (headers, len(body), body)
+    )
+    await w.drain()
+    return r, w
 
 
 async def _run(tmp: Path) -> dict[str, Any]:
@@ -65,48 +122,14 @@ async def _run(tmp: Path) -> dict[str, Any]:
         await w.drain()
         w.close()
 
-    server = h2.H2Server(
-        {
-            "/envoy.service.ext_proc.v3.ExternalProcessor/Process": h2.Method(
-                process, pb.ProcessingRequest.FromString, wire.serialize
-            )
-        },
-        max_message=1 << 20,
-    )
-    extproc_port = await server.listen("127.0.0.1", 0)
-    backend_server = await asyncio.start_server(backend, "127.0.0.1", 0)
-    backend_port = backend_server.sockets[0].getsockname()[1]
-    listener, admin = free_port(), free_port()
-    text = render_envoy_config(
-        listener_port=listener,
-        backend_port=backend_port,
-        extproc_port=extproc_port,
-        admin_port=admin,
-    )
-    text = with_ext_proc(
-        text,
-        processing_mode={"request_header_mode": "SKIP"},
-        request_attributes=["request.path", "request.id"],
-    )
-    path = tmp / "envoy.yaml"
-    path.write_text(text)
-    envoy = Proc("envoy", [envoy_binary(), "-c", str(path), "--concurrency", "1"], tmp)
-    try:
-        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{admin}/ready", 30, envoy)
-        r, w = await asyncio.open_connection("127.0.0.1", listener)
-        body = b'{"messages": [{"role": "user", "content": "hi"}]}'
-        w.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-            b"content-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(body), body)
-        )
-        await w.drain()
+    ext_proc = {
+        "processing_mode": {"request_header_mode": "SKIP"},
+        "request_attributes": ["request.path", "request.id"],
+    }
+    async with _through_envoy(tmp, process, backend, **ext_proc) as listener:
+        r, w = await _post(listener, b'{"messages": [{"role": "user", "content": "hi"}]}')
         seen["client_status"] = (await asyncio.wait_for(r.readline(), 10)).decode().strip()
         w.close()
-    finally:
-        envoy.stop()
-        backend_server.close()
-        await server.stop(0)
     return seen
 
 
@@ -171,39 +194,14 @@ async def _ends(tmp: Path) -> dict[str, tuple[str, list[str]]]:
         await w.drain()
         w.close()
 
-    server = h2.H2Server(
-        {
-            "/envoy.service.ext_proc.v3.ExternalProcessor/Process": h2.Method(
-                process, pb.ProcessingRequest.FromString, wire.serialize
-            )
-        },
-        max_message=1 << 20,
-    )
-    extproc_port = await server.listen("127.0.0.1", 0)
-    backend_server = await asyncio.start_server(backend, "127.0.0.1", 0)
-    backend_port = backend_server.sockets[0].getsockname()[1]
-    listener, admin = free_port(), free_port()
-    text = render_envoy_config(
-        listener_port=listener,
-        backend_port=backend_port,
-        extproc_port=extproc_port,
-        admin_port=admin,
-    )
-    path = tmp / "envoy.yaml"
-    path.write_text(text)
-    envoy = Proc("envoy", [envoy_binary(), "-c", str(path), "--concurrency", "1"], tmp)
-    try:
-        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{admin}/ready", 30, envoy)
+    async with _through_envoy(tmp, process, backend) as listener:
         for case in ("complete", "client-leaves", "upstream-reset"):
             ended.clear()
-            r, w = await asyncio.open_connection("127.0.0.1", listener)
-            body = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
-            w.write(
-                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-                b"content-type: application/json\r\nx-case: %s\r\n"
-                b"content-length: %d\r\n\r\n%s" % (case.encode(), len(body), body)
+            r, w = await _post(
+                listener,
+                b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}',
+                b"x-case: %s\r\n" % case.encode(),
             )
-            await w.drain()
             if case == "complete":
                 await r.readuntil(b"0\r\n\r\n")  # the whole answer, the last chunk included
             else:
@@ -212,10 +210,6 @@ async def _ends(tmp: Path) -> dict[str, tuple[str, list[str]]]:
                 w.transport.abort()  # in the middle of the answer
             await ended.wait()
             w.close()
-    finally:
-        envoy.stop()
-        backend_server.close()
-        await server.stop(0)
     return ends
 
 
@@ -284,44 +278,15 @@ async def _first_byte(tmp: Path) -> list[tuple[str, float]]:
         await w.drain()
         w.close()
 
-    server = h2.H2Server(
-        {
-            "/envoy.service.ext_proc.v3.ExternalProcessor/Process": h2.Method(
-                process, pb.ProcessingRequest.FromString, wire.serialize
-            )
-        },
-        max_message=1 << 20,
-    )
-    extproc_port = await server.listen("127.0.0.1", 0)
-    backend_server = await asyncio.start_server(backend, "127.0.0.1", 0)
-    listener, admin = free_port(), free_port()
-    text = render_envoy_config(
-        listener_port=listener,
-        backend_port=backend_server.sockets[0].getsockname()[1],
-        extproc_port=extproc_port,
-        admin_port=admin,
-    )
-    text = with_ext_proc(text, processing_mode={"response_header_mode": "SEND"})
-    path = tmp / "envoy.yaml"
-    path.write_text(text)
-    envoy = Proc("envoy", [envoy_binary(), "-c", str(path), "--concurrency", "1"], tmp)
-    try:
-        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{admin}/ready", 30, envoy)
-        r, w = await asyncio.open_connection("127.0.0.1", listener)
-        body = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
+    mode = {"response_header_mode": "SEND"}
+    async with _through_envoy(tmp, process, backend, processing_mode=mode) as listener:
         t0 = time.monotonic()
-        w.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        r, w = await _post(
+            listener, b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
         )
-        await w.drain()
         await r.readuntil(b"0\r\n\r\n")
         await done.wait()
         w.close()
-    finally:
-        envoy.stop()
-        backend_server.close()
-        await server.stop(0)
     return seen
 
 
