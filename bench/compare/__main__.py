@@ -394,6 +394,20 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         "after their client's timeout (default: no such objective)",
     )
     p.add_argument(
+        "--admission-objective",
+        choices=("ttft", "queue_time", "both"),
+        default=d.admission_objective,
+        help="the adaptive sidecar's p90 objective on starting answers: time to first token "
+        "(1 s), the wait in vLLM's own queue (--queue-time-ms), or both (default ttft)",
+    )
+    p.add_argument(
+        "--queue-time-ms",
+        dest="queue_time_ms",
+        type=float,
+        default=d.queue_time_ms,
+        help="the queue_time objective in simulated ms (default 500: a bound of vLLM's buckets)",
+    )
+    p.add_argument(
         "--batch-queue-frac",
         dest="batch_queue_timeout_frac",
         type=float,

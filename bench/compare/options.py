@@ -114,6 +114,11 @@ class Options:
     # The adaptive sidecar's ``slo.abandoned``: the most admitted answers, as a share, that may
     # end after their client's stated timeout (None: no such objective).
     abandoned: float | None = None
+    # The adaptive sidecar's admission objective: ``ttft`` 1 s p90 (the time to first token,
+    # the prompt's own prefill included), ``queue_time`` (vLLM's queue wait alone, p90, at
+    # ``queue_time_ms`` simulated ms) or ``both``.
+    admission_objective: Literal["ttft", "queue_time", "both"] = "ttft"
+    queue_time_ms: float = 500.0
     batch_queue_timeout_frac: float = 0.8
     queue_bound: Literal["deadline", "drain"] = "drain"
     cb_pending_s: float = 2.0

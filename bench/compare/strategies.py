@@ -196,6 +196,16 @@ def _overload(opts: Options) -> dict[str, Any]:
     }
 
 
+def _admission_objectives(opts: Options) -> dict[str, Any]:
+    """The objectives on starting answers (``--admission-objective``), at p90."""
+    slo: dict[str, Any] = {}
+    if opts.admission_objective in ("ttft", "both"):
+        slo |= {"ttft": "1s", "ttft_quantile": 0.9}
+    if opts.admission_objective in ("queue_time", "both"):
+        slo |= {"queue_time": f"{opts.queue_time_ms:g}ms", "queue_time_quantile": 0.9}
+    return slo
+
+
 def pool_policy(
     cap: Capacity,
     opts: Options,
@@ -225,7 +235,7 @@ def pool_policy(
             "min": 8,
             "max": opts.engine.max_num_seqs,
             "initial": 32,
-            "slo": {"ttft": "1s", "ttft_quantile": 0.9,
+            "slo": {**_admission_objectives(opts),
                     opts.stream_objective: f"{opts.stream_slo_ms:g}ms",
                     f"{opts.stream_objective}_quantile": 0.9,
                     **({} if opts.abandoned is None else {"abandoned": opts.abandoned})},

@@ -103,6 +103,9 @@ class Signals:
     # Each finished request's mean time per output token (None, 0: none, or not exported).
     tpot_s: float | None = None
     tpot_count: int = 0
+    # Each finished request's time in vLLM's waiting queue (None, 0: none, or not exported).
+    queue_time_s: float | None = None
+    queue_time_count: int = 0
     errors: tuple[str, ...] = ()
     # Every host named no address (NXDOMAIN, no record): no backend exists at all, as a
     # headless Service with no ready pod says (not a DNS failure, which is no data).
@@ -149,6 +152,7 @@ class Scraper:
         ttft_quantile: float,
         itl_quantile: float,
         tpot_quantile: float = 0.9,
+        queue_time_quantile: float = 0.9,
         max_body_bytes: int = MAX_BODY_BYTES,
         resolve: Resolver | None = None,
     ) -> None:
@@ -157,7 +161,7 @@ class Scraper:
         plain ``http://``, or for out-of-range settings."""
         if not urls:
             raise ValueError("no URL to scrape")
-        for q in (ttft_quantile, itl_quantile, tpot_quantile):
+        for q in (ttft_quantile, itl_quantile, tpot_quantile, queue_time_quantile):
             if not 0.0 < q < 1.0:
                 raise ValueError(f"quantile {q} is not in (0, 1)")
         if timeout_s <= 0 or window_s <= 0 or max_body_bytes <= 0:
@@ -168,11 +172,13 @@ class Scraper:
         self.ttft_quantile = ttft_quantile
         self.itl_quantile = itl_quantile
         self.tpot_quantile = tpot_quantile
+        self.queue_time_quantile = queue_time_quantile
         self.max_body_bytes = max_body_bytes
         self._resolve: Resolver = resolve or _getaddrinfo
         self._ttft = HistogramWindow(window_s)
         self._itl = HistogramWindow(window_s)
         self._tpot = HistogramWindow(window_s)
+        self._queue_time = HistogramWindow(window_s)
         self._parse_turn = asyncio.Lock()  # one page parsed per iteration of the event loop
 
     @classmethod
@@ -192,6 +198,7 @@ class Scraper:
             ttft_quantile=adaptive.ttft_quantile,
             itl_quantile=adaptive.itl_quantile,
             tpot_quantile=adaptive.tpot_quantile,
+            queue_time_quantile=adaptive.queue_time_quantile,
             max_body_bytes=max_body_bytes,
             resolve=resolve,
         )
@@ -267,6 +274,7 @@ class Scraper:
         ttft: dict[str, Mapping[float, float] | None] = {}
         itl: dict[str, Mapping[float, float] | None] = {}
         tpot: dict[str, Mapping[float, float] | None] = {}
+        queue_time: dict[str, Mapping[float, float] | None] = {}
         for key, result in results.items():
             if isinstance(result, str):
                 failed += 1
@@ -279,12 +287,15 @@ class Scraper:
             ttft[key] = result.ttft
             itl[key] = result.itl
             tpot[key] = result.tpot
+            queue_time[key] = result.queue_time
         self._ttft.add(now, ttft)
         self._itl.add(now, itl)
         self._tpot.add(now, tpot)
+        self._queue_time.add(now, queue_time)
         ttft_total = self._ttft.total(now)
         itl_total = self._itl.total(now)
         tpot_total = self._tpot.total(now)
+        queue_time_total = self._queue_time.total(now)
         if len(errors) > _MAX_ERRORS:
             errors[_MAX_ERRORS - 1 :] = [f"+{len(errors) - _MAX_ERRORS + 1} more"]
         return Signals(
@@ -300,6 +311,8 @@ class Scraper:
             itl_count=observations(itl_total),
             tpot_s=histogram_quantile(self.tpot_quantile, tpot_total),
             tpot_count=observations(tpot_total),
+            queue_time_s=histogram_quantile(self.queue_time_quantile, queue_time_total),
+            queue_time_count=observations(queue_time_total),
             errors=tuple(errors),
             no_backend=no_backend,
         )

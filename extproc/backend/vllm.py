@@ -6,8 +6,10 @@ and ``vllm:kv_cache_usage_perc`` (older vLLM: ``vllm:gpu_cache_usage_perc``; a f
 max is taken rather than its sum), and the histograms ``vllm:time_to_first_token_seconds``,
 ``vllm:inter_token_latency_seconds`` (older vLLM: ``vllm:time_per_output_token_seconds``; when a
 version exposes both during the rename they carry the same observations, so only the new one
-is read) and ``vllm:request_time_per_output_token_seconds`` (each finished request's mean gap
-between its tokens, the ``tpot`` objective's; versions without it leave ``tpot`` None). A
+is read), ``vllm:request_time_per_output_token_seconds`` (each finished request's mean gap
+between its tokens, the ``tpot`` objective's; versions without it leave ``tpot`` None) and
+``vllm:request_queue_time_seconds`` (each finished request's time in vLLM's waiting queue
+before its first scheduling step, the ``queue_time`` objective's). A
 histogram is read from its ``_bucket`` samples: upper bound (``le``) -> cumulative count, the
 counts of one bound summed over label sets.
 
@@ -46,9 +48,10 @@ _TTFT = "vllm:time_to_first_token_seconds_bucket"
 _ITL = "vllm:inter_token_latency_seconds_bucket"
 _ITL_OLD = "vllm:time_per_output_token_seconds_bucket"
 _TPOT = "vllm:request_time_per_output_token_seconds_bucket"
+_QUEUE = "vllm:request_queue_time_seconds_bucket"
+_BUCKETS = frozenset({_TTFT, _ITL, _ITL_OLD, _TPOT, _QUEUE})
 # The families read.
-FAMILIES = frozenset({_WAITING, _RUNNING, _KV, _KV_OLD, _TTFT, _ITL, _ITL_OLD, _TPOT})
-_BUCKETS = frozenset({_TTFT, _ITL, _ITL_OLD, _TPOT})
+FAMILIES = frozenset({_WAITING, _RUNNING, _KV, _KV_OLD, *_BUCKETS})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,6 +66,7 @@ class EndpointSample:
     ttft: Mapping[float, float] | None = None
     itl: Mapping[float, float] | None = None
     tpot: Mapping[float, float] | None = None
+    queue_time: Mapping[float, float] | None = None
 
 
 def parse_metrics(page: str | bytes) -> EndpointSample:
@@ -104,6 +108,7 @@ def parse_metrics(page: str | bytes) -> EndpointSample:
         ttft=buckets.get(_TTFT),
         itl=buckets.get(_ITL, buckets.get(_ITL_OLD)),
         tpot=buckets.get(_TPOT),
+        queue_time=buckets.get(_QUEUE),
     )
 
 

@@ -18,6 +18,12 @@ Decrease, ``L := floor(L * f)``, when any of these holds, the first one named in
   ``f = min(0.8, max(0.5, o / q))``: a small breach takes 20 %, a quantile twice its objective
   halves the limit at once, so a backend that lost half its speed is followed in one cut, not
   one cut per cooldown while the queue deadlines expire;
+- ``queue_time``, the same rule on the time each request waited in vLLM's own queue before its
+  first scheduling step (``vllm:request_queue_time_seconds``, observed when a request
+  finishes; vLLM's ``queued_time = scheduled_ts - queued_ts``, ``vllm/v1/metrics/stats.py``).
+  A request's time to first token is that wait plus its prefill, and the prefill grows with
+  the prompt, which no admission shortens; the wait is what admitting too much adds, whatever
+  the prompt's size. It lags by the answers' length, as ``tpot`` does;
 - ``vllm_queue`` (``f = 0.8``): vLLM's own waiting queue (summed over endpoints) is longer than
   the allowance ``max(8, floor(0.1 * L))`` in three rounds in a row: vLLM could not take in
   everything we admitted. A request joins vLLM's waiting queue on arrival and leaves it at a
@@ -133,7 +139,7 @@ QUEUE_MIN: Final = 8  # ... and at least this many
 QUEUE_ROUNDS: Final = 3  # rounds in a row above the allowance that are a breach
 DEMAND_MARGIN: Final = 0.1  # in flight within this share of the limit is demand
 # The breaches a band cut answers first (extproc.pool.bandcut).
-LATENCY: Final = ("ttft", "itl", "tpot")
+LATENCY: Final = ("ttft", "itl", "tpot", "queue_time")
 
 
 class LimitState(StrEnum):
@@ -208,8 +214,8 @@ class AdaptiveLimit:
     @property
     def reason(self) -> str:
         """Why the limit, the band cut or the state last changed: 'initial', 'increase',
-        'ttft', 'itl', 'tpot', 'band_ttft', 'band_itl', 'band_tpot' (the band cut), 'lend' (the
-        band cut eased),
+        'ttft', 'itl', 'tpot', 'queue_time', 'band_ttft', 'band_itl', 'band_tpot',
+        'band_queue_time' (the band cut), 'lend' (the band cut eased),
         'vllm_queue', 'kv', 'abandoned', 'stale', 'fallback', 'no_backend' or 'resumed'."""
         return self._reason
 
@@ -327,6 +333,7 @@ class AdaptiveLimit:
             ("ttft", s.ttft_s, s.ttft_count, p.ttft_slo_s),
             ("itl", s.itl_s, s.itl_count, p.itl_slo_s),
             ("tpot", s.tpot_s, s.tpot_count, p.tpot_slo_s),
+            ("queue_time", s.queue_time_s, s.queue_time_count, p.queue_time_slo_s),
         )
 
     def _latency_cut(self, q: float, slo: float) -> float:

@@ -75,6 +75,12 @@ class BackendSnapshot:
             "Windowed quantile of vLLM's time per output token per request (the SLO's).",
         )
     )
+    queue_time_s: float | None = field(
+        metadata=gauge(
+            "backend_queue_time_seconds",
+            "Windowed quantile of the time requests waited in vLLM's own queue (the SLO's).",
+        )
+    )
     errors: tuple[str, ...]
 
     @classmethod
@@ -88,6 +94,7 @@ class BackendSnapshot:
             ttft_s=s.ttft_s,
             itl_s=s.itl_s,
             tpot_s=s.tpot_s,
+            queue_time_s=s.queue_time_s,
             errors=tuple(s.errors),
         )
 

@@ -119,6 +119,13 @@ def test_pool_policy_timers_scaled_slos_not(cap: Capacity) -> None:
     band = policy_from_yaml(pool_policy(cap, opts, ["http://127.0.0.1:9/metrics"]), "generated")
     late = band.bucket("interactive-late")
     assert band.bucket("interactive").relegate_to == late.name and late.priority == 0
+    assert a.queue_time_slo_s is None  # by default, time to first token only
+    for choice, ttft, queue in (("queue_time", None, 0.3), ("both", 1.0, 0.3)):
+        opts, _ = parse_args(["--admission-objective", choice, "--queue-time-ms", "300"])
+        generated = policy_from_yaml(pool_policy(cap, opts, ["http://127.0.0.1:9/m"]), "generated")
+        assert generated.pool is not None and generated.pool.adaptive is not None
+        got = generated.pool.adaptive
+        assert (got.ttft_slo_s, got.queue_time_slo_s, got.queue_time_quantile) == (ttft, queue, 0.9)
 
 
 def _envoy(**kwargs: Any) -> dict[str, Any]:

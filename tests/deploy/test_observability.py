@@ -52,6 +52,9 @@ vllm:inter_token_latency_seconds_bucket{le="+Inf",model_name="m"} COUNT
 # TYPE vllm:request_time_per_output_token_seconds histogram
 vllm:request_time_per_output_token_seconds_bucket{le="0.01",model_name="m"} COUNT
 vllm:request_time_per_output_token_seconds_bucket{le="+Inf",model_name="m"} COUNT
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_bucket{le="0.3",model_name="m"} COUNT
+vllm:request_queue_time_seconds_bucket{le="+Inf",model_name="m"} COUNT
 """
 
 # An adaptive pool, so that every pool gauge can appear: two bands (one to protect), a token
@@ -302,6 +305,7 @@ def test_dashboard_panels_query_exported_metrics(exported: set[str]) -> None:
         "llm_extproc_backend_ttft_seconds",
         "llm_extproc_backend_itl_seconds",
         "llm_extproc_backend_tpot_seconds",
+        "llm_extproc_backend_queue_time_seconds",
         "llm_extproc_adaptive_state",
         "llm_extproc_adaptive_limit_changes_total",
     } <= used

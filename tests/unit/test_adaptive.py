@@ -34,6 +34,8 @@ def sig(
     itl_n: int = 100,
     tpot: float | None = None,
     tpot_n: int = 100,
+    queue: float | None = None,
+    queue_n: int = 100,
 ) -> Signals:
     return Signals(
         at=at,
@@ -48,6 +50,8 @@ def sig(
         itl_count=itl_n if itl is not None else 0,
         tpot_s=tpot,
         tpot_count=tpot_n if tpot is not None else 0,
+        queue_time_s=queue,
+        queue_time_count=queue_n if queue is not None else 0,
     )
 
 
@@ -95,10 +99,12 @@ def test_does_not_rise_without_demand() -> None:
         ({"ttft": 2.0, "ttft_n": 9}, "too few observations to break the objective"),
         ({"tpot": 0.038}, "inside the 0.9x headroom band"),
         ({"tpot": 0.2, "tpot_n": 9}, "too few finished requests to break the objective"),
+        ({"queue": 0.46}, "inside the 0.9x headroom band"),
+        ({"queue": 3.0, "queue_n": 9}, "too few finished requests to break the objective"),
     ],
 )
 def test_holds_between_increase_and_decrease(signals: dict[str, float], why: str) -> None:
-    a = limiter(initial=100, tpot_slo_s=0.04)
+    a = limiter(initial=100, tpot_slo_s=0.04, queue_time_slo_s=0.5)
     for t in range(3):
         assert a.update(float(t), sig(t, **signals), in_flight=100, waiting=5) == 100, why  # type: ignore[arg-type]
     assert a.reason == "initial"
@@ -118,10 +124,13 @@ def test_holds_between_increase_and_decrease(signals: dict[str, float], why: str
         ({"tpot": 0.041}, "tpot", 80),
         ({"tpot": 0.06, "itl": 0.06}, "itl", 80),  # itl is named before tpot
         ({"tpot": 0.08}, "tpot", 50),
+        ({"queue": 0.51}, "queue_time", 80),
+        ({"queue": 0.8}, "queue_time", 62),  # 0.5 / 0.8 = 0.625
+        ({"queue": 0.8, "tpot": 0.05}, "tpot", 80),  # tpot is named before queue_time
     ],
 )
 def test_falls_on_each_breach(signals: dict[str, float], reason: str, limit: int) -> None:
-    a = limiter(initial=100, tpot_slo_s=0.04)
+    a = limiter(initial=100, tpot_slo_s=0.04, queue_time_slo_s=0.5)
     assert a.update(0.0, sig(0, **signals), in_flight=100, waiting=10) == limit  # type: ignore[arg-type]
     assert a.reason == reason
 
@@ -160,6 +169,33 @@ def test_tpot_alone_lets_slow_single_tokens_through() -> None:
     by_token = limiter(initial=100, itl_slo_s=0.1)
     assert by_token.update(0.0, stalled, in_flight=100, waiting=5) == 80
     assert by_token.reason == "itl"
+
+
+def test_queue_time_alone_lets_long_prompts_through() -> None:
+    """A long prompt's own prefill is most of its time to first token, and no admission
+    shortens it: the TTFT p90 breaks while the time requests waited in vLLM's queue holds.
+    With only ``queue_time`` the limit grows; with ``ttft`` it is cut. A queue that did grow
+    cuts the limit by the same law."""
+    long_prompts = sig(0, ttft=1.8, queue=0.2)
+    by_wait = limiter(initial=100, ttft_slo_s=None, queue_time_slo_s=0.5)
+    assert by_wait.update(0.0, long_prompts, in_flight=100, waiting=5) == 105
+    by_ttft = limiter(initial=100)
+    assert by_ttft.update(0.0, long_prompts, in_flight=100, waiting=5) == 55  # 1 / 1.8
+    assert by_ttft.reason == "ttft"
+    queued = limiter(initial=100, ttft_slo_s=None, queue_time_slo_s=0.5)
+    assert queued.update(0.0, sig(0, ttft=1.8, queue=1.0), in_flight=100, waiting=5) == 50
+    assert queued.reason == "queue_time"
+
+
+def test_queue_time_breach_cuts_the_least_urgent_band_first() -> None:
+    """Batch's long prompts take vLLM's prefill budget, so the urgent band's requests wait
+    behind them in vLLM's queue: a ``queue_time`` breach cuts the band above its floor, like
+    the other latency objectives, not the limit."""
+    a = limiter(initial=100, ttft_slo_s=None, queue_time_slo_s=0.5)
+    band = BandLoad(running=40, waiting=5, floor=10, top=90)
+    assert a.update(0.0, sig(0, queue=0.6), in_flight=100, waiting=5, band=band) == 100
+    assert a.reason == "band_queue_time"
+    assert a.band_cut.cap is not None
 
 
 def test_cooldown_after_a_decrease() -> None:

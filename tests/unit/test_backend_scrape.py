@@ -74,6 +74,7 @@ class Engine:
     ttft: dict[float, int] = field(default_factory=dict)
     itl: dict[float, int] = field(default_factory=dict)
     tpot: dict[float, int] = field(default_factory=dict)
+    queue: dict[float, int] = field(default_factory=dict)
 
 
 def _le(bound: float) -> str:
@@ -146,8 +147,10 @@ def vllm_page(*engines: Engine, old_names: bool = False, both_itl: bool = False)
         lines += _histogram(name, "Histogram of inter-token latency.", ITL_BOUNDS, engines,
                             lambda e: e.itl)  # fmt: skip
     # Families we do not read, with observations that must not leak into ours.
-    for name in ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"):
-        lines += _histogram(name, "Latency.", LATENCY_BOUNDS, engines, lambda e: {0.3: 1000})
+    lines += _histogram("vllm:e2e_request_latency_seconds", "Latency.", LATENCY_BOUNDS, engines,
+                        lambda e: {0.3: 1000})  # fmt: skip
+    lines += _histogram("vllm:request_queue_time_seconds", "Queue time.", LATENCY_BOUNDS, engines,
+                        lambda e: e.queue)  # fmt: skip
     lines += _histogram(
         "vllm:request_time_per_output_token_seconds", "TPOT.", ITL_BOUNDS, engines,
         lambda e: e.tpot,
@@ -257,6 +260,7 @@ def test_parse_sums_label_sets_takes_kv_max_and_skips_other_families() -> None:
     assert s.itl[0.05] == 8 and s.itl[INF] == 8  # request_time_per_output_token not mixed in
     assert s.tpot is not None  # each request's mean, a family of its own
     assert (s.tpot[0.01], s.tpot[0.15], s.tpot[0.2], s.tpot[INF]) == (1000, 1000, 1005, 1005)
+    assert s.queue_time is not None and s.queue_time[INF] == 0  # exported, nothing observed
 
 
 def test_parse_older_vllm_names_and_one_itl_when_both_are_exposed() -> None:
@@ -371,10 +375,16 @@ def test_urls_and_settings_are_checked() -> None:
 
 def test_from_policy_takes_the_resolved_policy_settings() -> None:
     backend = BackendPolicy(metrics=("http://a:1/m", "http://b:2/m"), scrape_timeout_s=0.2)
-    adaptive = AdaptivePolicy(window_s=7.0, ttft_quantile=0.5, itl_quantile=0.99, tpot_quantile=0.8)
+    adaptive = AdaptivePolicy(
+        window_s=7.0,
+        ttft_quantile=0.5,
+        itl_quantile=0.99,
+        tpot_quantile=0.8,
+        queue_time_quantile=0.7,
+    )
     s = Scraper.from_policy(backend, adaptive)
     assert (s.timeout_s, s.window_s, s.ttft_quantile, s.itl_quantile) == (0.2, 7.0, 0.5, 0.99)
-    assert s.tpot_quantile == 0.8
+    assert (s.tpot_quantile, s.queue_time_quantile) == (0.8, 0.7)
     assert s.max_body_bytes == MAX_BODY_BYTES
     assert repr(s) == "<Scraper a:1, b:2, 0 endpoints known>"
 
@@ -448,6 +458,8 @@ def test_every_address_of_a_name_and_windowed_quantiles_over_all_of_them() -> No
             b.ttft = {0.1: 50, 0.5: 2}
             a.itl = {0.05: 100, 0.075: 10}
             b.tpot = {0.1: 20}
+            a.queue = {0.3: 5, 0.5: 10}
+            b.queue = {0.3: 15}
             sa.page, sb.page = vllm_page(a), vllm_page(b)
             second = await scraper.scrape(101.0)
         # Window: (0.1, 0.25] 6, (0.25, 0.5] 4; 10 in all. p90: rank 9 is the 3rd of the 4 in
@@ -459,6 +471,10 @@ def test_every_address_of_a_name_and_windowed_quantiles_over_all_of_them() -> No
         # TPOT (B's 20 requests in (0.075, 0.1]), apart from the tokens' gaps.
         assert (first.tpot_s, first.tpot_count, second.tpot_count) == (None, 0, 20)
         assert second.tpot_s == pytest.approx(0.075 + 0.025 * 0.9)
+        # vLLM's queue time, both endpoints: 20 in [0, 0.3], 10 in (0.3, 0.5]; p90 is rank 27,
+        # the 7th of the 10 in (0.3, 0.5].
+        assert (first.queue_time_s, second.queue_time_count) == (None, 30)
+        assert second.queue_time_s == pytest.approx(0.3 + 0.2 * 7 / 10)
 
     run(main())
 

@@ -43,7 +43,10 @@ def test_an_adaptive_pool_resolves_and_falls_back_to_its_initial_limit() -> None
     p = policy_from_yaml(
         """
 pool:
-  adaptive: {min: 2, max: 100, initial: 10, slo: {ttft: 1500ms, inter_token: 50ms, tpot: 40ms}}
+  adaptive:
+    {min: 2, max: 100, initial: 10,
+     slo: {ttft: 1500ms, inter_token: 50ms, tpot: 40ms,
+           queue_time: 500ms, queue_time_quantile: 0.8}}
 backend: {metrics: ["http://vllm-headless.llm.svc:8000/metrics"]}
 """
         + BUCKETS
@@ -53,6 +56,7 @@ backend: {metrics: ["http://vllm-headless.llm.svc:8000/metrics"]}
     assert (a.min_limit, a.max_limit, a.initial) == (2, 100, 10)
     assert (a.ttft_slo_s, a.itl_slo_s, a.ttft_quantile) == (1.5, 0.05, 0.9)
     assert (a.tpot_slo_s, a.tpot_quantile) == (0.04, 0.9)
+    assert (a.queue_time_slo_s, a.queue_time_quantile) == (0.5, 0.8)
     assert p.pool.max_concurrency == 10  # the fallback: the initial limit unless stated
     assert p.to_dict()["pool"]["adaptive"]["slo"] == {
         "ttft": "1.5s",
@@ -61,6 +65,8 @@ backend: {metrics: ["http://vllm-headless.llm.svc:8000/metrics"]}
         "inter_token_quantile": 0.9,
         "tpot": "40ms",
         "tpot_quantile": 0.9,
+        "queue_time": "500ms",
+        "queue_time_quantile": 0.8,
     }
 
 
@@ -111,6 +117,11 @@ def test_a_policy_without_a_pool_keeps_the_first_design() -> None:
             "pool: {adaptive: {slo: {tpot_quantile: 0}}}\nbackend: {metrics: [http://h/m]}\n"
             "buckets: [{name: a, queue_timeout: 1s}]",
             "quantiles must be between 0 and 1",
+        ),
+        (
+            "pool: {adaptive: {slo: {queue_time: 0s}}}\nbackend: {metrics: [http://h/m]}\n"
+            "buckets: [{name: a, queue_timeout: 1s}]",
+            "an objective must be above 0",
         ),
         (
             "pool: {max_concurrency: 4}\nbackend: {metrics: ['https://h/m']}\n"

@@ -167,6 +167,8 @@ buckets: [{name: a, queue_timeout: 1s, max_queue: 5}]
             ttft_count=20,
             tpot_s=0.05,
             tpot_count=12,
+            queue_time_s=0.4,
+            queue_time_count=12,
             errors=(),
         )
         control._on_limit(4, up)
@@ -178,6 +180,7 @@ buckets: [{name: a, queue_timeout: 1s, max_queue: 5}]
             "backend_kv_usage": 0.5,
             "backend_ttft_seconds": 0.2,
             "backend_tpot_seconds": 0.05,
+            "backend_queue_time_seconds": 0.4,
         }
         signals = control.debug()["adaptive"]["signals"]  # type: ignore[index]
         assert signals == {
@@ -189,6 +192,7 @@ buckets: [{name: a, queue_timeout: 1s, max_queue: 5}]
             "ttft_s": 0.2,
             "itl_s": None,
             "tpot_s": 0.05,
+            "queue_time_s": 0.4,
             "errors": [],
         }
 

@@ -45,6 +45,8 @@ _KEYS: Final[Mapping[str, tuple[str, ...]]] = {
     "itl_quantile": ("slo", "inter_token_quantile"),
     "tpot_slo_s": ("slo", "tpot"),
     "tpot_quantile": ("slo", "tpot_quantile"),
+    "queue_time_slo_s": ("slo", "queue_time"),
+    "queue_time_quantile": ("slo", "queue_time_quantile"),
     "abandoned_max": ("slo", "abandoned"),
 }
 # A quantile is printed only beside its objective.
@@ -52,6 +54,7 @@ _SHOWN_WITH: Final[Mapping[str, str]] = {
     "ttft_quantile": "ttft_slo_s",
     "itl_quantile": "itl_slo_s",
     "tpot_quantile": "tpot_slo_s",
+    "queue_time_quantile": "queue_time_slo_s",
 }
 _NULL_SHOWN: Final = frozenset({"tokenizer", "max_tokens_in_flight"})
 _POOL_ONLY: Final = frozenset(

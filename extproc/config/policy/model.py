@@ -180,6 +180,10 @@ class AdaptivePolicy:
     itl_quantile: float = 0.9
     tpot_slo_s: float | None = None
     tpot_quantile: float = 0.9
+    # vLLM's own queue time (vllm:request_queue_time_seconds): what the backend adds to the
+    # time to first token beyond the prompt's own prefill.
+    queue_time_slo_s: float | None = None
+    queue_time_quantile: float = 0.9
     # The most slot time, as a share of that of the requests that ended in the window, that
     # may go to answers that end at or after their deadline (their client had given up): None,
     # no such objective.

@@ -292,6 +292,8 @@ def _adaptive(msg: policy_pb2.Adaptive, backend: BackendPolicy) -> AdaptivePolic
         itl_quantile=_set_or(slo, "inter_token_quantile", d.itl_quantile),
         tpot_slo_s=_duration_or(slo, "tpot", d.tpot_slo_s),
         tpot_quantile=_set_or(slo, "tpot_quantile", d.tpot_quantile),
+        queue_time_slo_s=_duration_or(slo, "queue_time", d.queue_time_slo_s),
+        queue_time_quantile=_set_or(slo, "queue_time_quantile", d.queue_time_quantile),
         abandoned_max=_set_or(slo, "abandoned", d.abandoned_max),
         interval_s=_duration_or(msg, "interval", d.interval_s),
         window_s=_duration_or(msg, "window", d.window_s),
@@ -302,10 +304,22 @@ def _adaptive(msg: policy_pb2.Adaptive, backend: BackendPolicy) -> AdaptivePolic
     )
     if not 1 <= adaptive.min_limit <= adaptive.initial <= adaptive.max_limit:
         raise PolicyError("pool.adaptive: need 1 <= min <= initial <= max")
-    for objective in (adaptive.ttft_slo_s, adaptive.itl_slo_s, adaptive.tpot_slo_s):
+    objectives = (
+        adaptive.ttft_slo_s,
+        adaptive.itl_slo_s,
+        adaptive.tpot_slo_s,
+        adaptive.queue_time_slo_s,
+    )
+    quantiles = (
+        adaptive.ttft_quantile,
+        adaptive.itl_quantile,
+        adaptive.tpot_quantile,
+        adaptive.queue_time_quantile,
+    )
+    for objective in objectives:
         if objective is not None and objective <= 0:
             raise PolicyError("pool.adaptive.slo: an objective must be above 0")
-    for quantile in (adaptive.ttft_quantile, adaptive.itl_quantile, adaptive.tpot_quantile):
+    for quantile in quantiles:
         if not 0 < quantile < 1:
             raise PolicyError("pool.adaptive.slo: quantiles must be between 0 and 1")
     if adaptive.abandoned_max is not None and not 0 < adaptive.abandoned_max < 1:

@@ -92,7 +92,7 @@ class Shared(_message.Message):
     def __init__(self, redis: _Optional[str] = ..., key_prefix: _Optional[str] = ..., lease: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class Slo(_message.Message):
-    __slots__ = ("ttft", "ttft_quantile", "inter_token", "inter_token_quantile", "tpot", "tpot_quantile", "abandoned")
+    __slots__ = ("ttft", "ttft_quantile", "inter_token", "inter_token_quantile", "tpot", "tpot_quantile", "abandoned", "queue_time", "queue_time_quantile")
     TTFT_FIELD_NUMBER: _ClassVar[int]
     TTFT_QUANTILE_FIELD_NUMBER: _ClassVar[int]
     INTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,8 @@ class Slo(_message.Message):
     TPOT_FIELD_NUMBER: _ClassVar[int]
     TPOT_QUANTILE_FIELD_NUMBER: _ClassVar[int]
     ABANDONED_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIME_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIME_QUANTILE_FIELD_NUMBER: _ClassVar[int]
     ttft: _duration_pb2.Duration
     ttft_quantile: float
     inter_token: _duration_pb2.Duration
@@ -107,7 +109,9 @@ class Slo(_message.Message):
     tpot: _duration_pb2.Duration
     tpot_quantile: float
     abandoned: float
-    def __init__(self, ttft: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., ttft_quantile: _Optional[float] = ..., inter_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., inter_token_quantile: _Optional[float] = ..., tpot: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tpot_quantile: _Optional[float] = ..., abandoned: _Optional[float] = ...) -> None: ...
+    queue_time: _duration_pb2.Duration
+    queue_time_quantile: float
+    def __init__(self, ttft: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., ttft_quantile: _Optional[float] = ..., inter_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., inter_token_quantile: _Optional[float] = ..., tpot: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tpot_quantile: _Optional[float] = ..., abandoned: _Optional[float] = ..., queue_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., queue_time_quantile: _Optional[float] = ...) -> None: ...
 
 class Adaptive(_message.Message):
     __slots__ = ("min", "max", "initial", "slo", "interval", "window", "max_kv_usage", "stale_after", "fallback_after", "queue_while_no_backend")
