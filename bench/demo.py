@@ -6,7 +6,7 @@ all on free ports of 127.0.0.1. That policy has one pool of 64 requests at the b
 once, shared by its buckets: ``interactive`` (header ``x-llm-class: interactive``, short
 prompts) is guaranteed half of it, cheapest first, and waits at most 5 s in a queue of 500
 (its retries, marked by the SDKs' ``x-stainless-retry-count``, wait behind it in
-``interactive-retry``; the demo's clients do not retry); ``batch``
+``interactive-retry``); ``batch``
 (everything else) may take three quarters of it, waits up to 120 s in a queue of 5,000, the
 cheapest first, and has its ``max_tokens`` clamped to 1024. Then it sends, at once and above
 what the pool takes (:func:`bench.load.presets.demo_burst`):
@@ -14,6 +14,10 @@ what the pool takes (:func:`bench.load.presets.demo_burst`):
 - short interactive chat requests (~100-token prompts, max_tokens 64) at 250 req/s for 4 s;
 - long batch requests (~1500-token prompts, max_tokens 4000): 60 at once;
 - three oversize prompts (~40k tokens, above the 32,768-token limit), which get 413.
+
+An interactive client refused with 429 comes back once, as the OpenAI and Anthropic SDKs do:
+after the Retry-After it was given (at most ``--max-retry-wait``), with
+``x-stainless-retry-count: 1``; those second attempts are the ``interactive-retry`` row.
 
 It prints one row per kind of request: how many were sent, then one column per answer seen
 (200 and 413 always; each refusal by its status and error code, e.g. ``429 queue_timeout``;
@@ -30,6 +34,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import replace
 
 from bench.common.stats import percentile
 from bench.common.table import fmt, format_table
@@ -39,7 +44,8 @@ from testing.stack import Stack
 
 __all__ = ["KINDS", "burst", "column", "columns", "main", "nonzero_counters", "table"]
 
-KINDS = ("interactive", "batch", "oversize")
+KINDS = ("interactive", "interactive-retry", "batch", "oversize")
+RETRY = {"x-stainless-retry-count": "1"}  # what the SDKs send on a second attempt
 OTHER = "other"  # no HTTP answer: the connection broke or the client gave up
 # What the sidecar's refusal codes mean (extproc/outcome.py), printed under the table.
 CODES = {
@@ -51,15 +57,25 @@ CODES = {
 Result = tuple[str, Reply]  # (kind of request, what it got)
 
 
-async def burst(url: str, rate: float, seconds: float, batch: int) -> list[Result]:
-    """Send :func:`~bench.load.presets.demo_burst` to ``url``; every request's answer."""
+async def burst(
+    url: str, rate: float, seconds: float, batch: int, max_retry_wait_s: float = 10.0
+) -> list[Result]:
+    """Send :func:`~bench.load.presets.demo_burst` to ``url``; every attempt's answer. An
+    interactive request refused with 429 is sent once more after its Retry-After (at most
+    ``max_retry_wait_s``; 1 s without one), marked as the SDKs mark a retry."""
     async with session() as http:
 
-        async def send(call: Call, at: float) -> Result:
-            return call.label, await attempt(http, url, call)
+        async def send(call: Call, at: float) -> list[Result]:
+            first = await attempt(http, url, call)
+            if call.label != "interactive" or first.status != 429:
+                return [(call.label, first)]
+            ra = first.retry_after
+            await asyncio.sleep(min(max_retry_wait_s, float(ra) if ra and ra.isdigit() else 1.0))
+            again = replace(call, headers={**call.headers, **RETRY}, label="interactive-retry")
+            return [(call.label, first), (again.label, await attempt(http, url, again))]
 
         sent = await send_all(demo_burst(rate, seconds, batch), send)
-    return [result for _, result in sent.done]
+    return [result for _, results in sent.done for result in results]
 
 
 def column(reply: Reply) -> str:
@@ -129,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interactive-rate", type=float, default=250.0, help="req/s")
     ap.add_argument("--seconds", type=float, default=4.0, help="interactive burst length")
     ap.add_argument("--batch", type=int, default=60, help="batch requests sent at once")
+    ap.add_argument(
+        "--max-retry-wait", type=float, default=10.0, help="s, the longest a 429 is waited out"
+    )
     args = ap.parse_args(argv)
 
     backend = [sys.executable, "-m", "bench.sim", "--port", "{port}", "--profile", "h100"]
@@ -140,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.seconds:g}s, {args.batch} batch requests and 3 oversize prompts at once ..."
         )
         t0 = time.monotonic()
-        results = asyncio.run(burst(stack.url, args.interactive_rate, args.seconds, args.batch))
+        results = asyncio.run(
+            burst(stack.url, args.interactive_rate, args.seconds, args.batch, args.max_retry_wait)
+        )
         print(f"done in {time.monotonic() - t0:.1f}s\n")
         print(table(results))
         with urllib.request.urlopen(stack.metrics_url) as r:

@@ -27,6 +27,7 @@ RESULTS = [
     ("interactive", reply(429, "queue_wait_too_long")),
     ("interactive", reply(None, outcome="timeout")),
     ("interactive", reply(200, outcome="conn_error")),  # a 200 whose answer broke
+    ("interactive-retry", reply(200)),
     ("batch", reply(200)),
     ("batch", reply(503)),  # no error body: the status alone
     *(("oversize", reply(413, "prompt_too_long")) for _ in range(3)),
@@ -67,7 +68,7 @@ def rows(text: str) -> dict[str, dict[str, str]]:
 def test_each_row_adds_up_to_sent() -> None:
     text = table(RESULTS)
     got = rows(text)
-    assert set(got) == {"interactive", "batch", "oversize"}
+    assert set(got) == {"interactive", "interactive-retry", "batch", "oversize"}
     answers = columns(RESULTS)
     for kind, row in got.items():
         assert sum(int(row[c]) for c in answers) == int(row["sent"]), kind
@@ -75,6 +76,7 @@ def test_each_row_adds_up_to_sent() -> None:
     assert (i["sent"], i["200"], i["429 queue_wait_too_long"], i["other"]) == ("13", "5", "1", "2")
     assert i["retry-after"] == "3-3s" and got["batch"]["503"] == "1"
     assert got["oversize"]["413"] == "3"
+    assert (got["interactive-retry"]["sent"], got["interactive-retry"]["200"]) == ("1", "1")
     # The refusal codes the table shows are explained under it.
     assert "  queue_wait_too_long: refused at once" in text
 

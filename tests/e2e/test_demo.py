@@ -43,10 +43,14 @@ def test_demo_runs_and_prints_the_table() -> None:
     headers = cells.pop("requests")
     answers = headers[headers.index("sent") + 1 : headers.index("other") + 1]
     assert answers[:2] == ["200", "413"]
-    assert set(cells) == {"interactive", "batch", "oversize"}
+    assert set(cells) == {"interactive", "interactive-retry", "batch", "oversize"}
     for row in cells.values():
         got = dict(zip(headers, row, strict=True))
         assert sum(int(got[c]) for c in answers) == int(got["sent"]), got
+    # Each interactive request refused with 429 came back once, and only those.
+    first = dict(zip(headers, cells["interactive"], strict=True))
+    refused = sum(int(first[c]) for c in answers if c.startswith("429"))
+    assert int(dict(zip(headers, cells["interactive-retry"], strict=True))["sent"]) == refused
     # Only the counters that are not zero.
     assert " 0.0" not in out.stdout
     assert "all processes stopped." in out.stdout
