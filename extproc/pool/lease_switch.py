@@ -153,6 +153,11 @@ class LeaseSwitch:
         else:
             self._retiring[old] = old_leases
             old.retiring = True  # its next renewal gives the leadership up
+            # The same Redis, reached: a first call of the new manager that fails does not
+            # make this replica one that never reached it (decide rule 7), whose local share
+            # would come on top of the leases the old manager keeps.
+            same_redis = built.shared.redis == old.policy.redis
+            built.manager.reached_before = same_redis and (old.connected or old.reached_before)
             if built.leases.pool_id != old_leases.pool_id:  # another pool: a lease's grace
                 now = asyncio.get_running_loop().time()
                 left = [m for m, a in self._retiring.items() if a.pool_id == old_leases.pool_id]

@@ -25,9 +25,11 @@ from extproc import app
 from extproc.app import Sidecar
 from extproc.config.policy import load_policy
 from extproc.pool.gate import POOL, Gate, Waiter
-from extproc.pool.shared import LeaseManager
+from extproc.pool.shared import LeaseManager, Mode, decide
+from extproc.pool.shared.decide import Phase
 from testing.leases import leases_in_redis, with_redis
 from testing.redis import RedisServer
+from testing.tcp_proxy import TcpProxy
 from testing.wait import until_async
 
 pytestmark = [pytest.mark.redis]
@@ -291,3 +293,60 @@ def test_a_refused_reload_changes_nothing(
         r.getMessage().startswith("policy reload refused, keeping the current policy")
         for r in caplog.records
     )
+
+
+def test_a_reload_while_redis_is_cut_off_admits_nobody_on_a_share(
+    redis_server: RedisServer, managers: list[LeaseManager], tmp_path: Path
+) -> None:
+    """The network to Redis is cut, then the policy changes ``pool.shared.timeout`` (the same
+    Redis, the same pool): the new manager's first calls fail and it degrades. It is the
+    manager of a replica that had reached Redis, so it runs on the leases it holds, none: as
+    the old manager's requests end, nobody new is admitted. It used to count as a replica
+    that never reached Redis and run its local share (3 of 6) on top of the requests the old
+    manager kept (7 running on a pool of 6 in the test above, when a first call was slow)."""
+    with TcpProxy(redis_server.port) as proxy:
+        url = f"redis://127.0.0.1:{proxy.port}"
+        path = tmp_path / "policy.yaml"
+        path.write_text(policy_text(url))
+
+        async def main() -> None:
+            s = await sidecar(path)
+            assert s.gate is not None and s.control is not None
+            gate, old = s.gate, s.control._shared
+            assert old is not None
+            await until_async(lambda: old.connected, "reached Redis")
+            entered = [gate.enter("all", 30.0) for _ in range(LIMIT + 4)]
+            admitted = [
+                asyncio.ensure_future(e.admitted())
+                for e in entered
+                if isinstance(e, Waiter)  # admitted as the leases come
+            ]
+            await until_async(lambda: running(gate) == LIMIT, "the pool full on its leases")
+            assert old.held == LIMIT
+            proxy.cut()
+            path.write_text(policy_text(url, timeout="150ms"))
+            assert s.reload()
+            new = s.control._shared
+            assert new is not None and new is not old and new.reached_before
+            await until_async(lambda: new.mode is Mode.DEGRADED, "the new manager degraded")
+            now = asyncio.get_running_loop().time()
+            assert decide.phase(new.known(), now) is Phase.HOLDING
+            assert "never reached" not in new.outage_plan(now)
+            slots = [e for e in entered if not isinstance(e, Waiter)]
+            slots += [a.result() for a in admitted if a.done()]
+            assert len(slots) == LIMIT
+            for slot in slots[:2]:  # two of the old manager's requests end
+                slot.release()
+            pool = gate.pool_statistics()[POOL]
+            assert (pool.in_flight, pool.queued) == (LIMIT - 2, 4)  # nobody new on a share
+            proxy.restore()
+            await until_async(lambda: new.mode is Mode.SHARED, "Redis reached again")
+            for slot in slots[2:]:
+                slot.release()
+            for e, a in zip((e for e in entered if isinstance(e, Waiter)), admitted, strict=True):
+                if not a.done():  # still queued: leaves (admitted ones are in ``slots``)
+                    a.cancel()
+                    e.cancel()
+            await s.stop(0)
+
+        asyncio.run(asyncio.wait_for(main(), 30))

@@ -315,6 +315,13 @@ def test_local_shares_add_up_to_the_limit(limit: int, replicas: int, shares: lis
             Phase.LOCAL_SHARE,
             1,
         ),
+        # A reload's new manager, on the Redis its predecessor had reached, whose first call
+        # failed: the leases it holds (none yet), never a share on top of the predecessor's.
+        (
+            {"mode": Mode.DEGRADED, "connected": False, "reached_before": True, "now": 200.0},
+            Phase.HOLDING,
+            0,
+        ),
     ],
 )
 def test_local_limit(kw: dict[str, Any], phase: Phase | None, limit: int) -> None:

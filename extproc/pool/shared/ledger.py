@@ -107,6 +107,9 @@ class Ledger:
         self._seq = itertools.count(1)
         self.mode = Mode.SHARED
         self.connected = False  # a renewal succeeded since the start
+        # A reload put this manager in place of one that had reached the same Redis
+        # (``pool.lease_switch``): degraded, it runs on its leases, never on a share (rule 7).
+        self.reached_before = False
         self.degraded_since: float | None = None
         self.degraded_transitions = 0
         self.last_error: str | None = None
@@ -178,6 +181,7 @@ class Ledger:
             acquiring=self._acquiring,
             updating=self._updating,
             last_acquire=self._last_acquire,
+            reached_before=self.reached_before,
         )
 
     # --- ids -----------------------------------------------------------------------------------
@@ -363,7 +367,7 @@ class Ledger:
 
     def outage_plan(self, now: float) -> str:
         """What the replica runs on, degraded at ``now`` (for the log)."""
-        if not self.connected:
+        if not self.connected and not self.reached_before:
             return (
                 f"Redis never reached: a local share of {decide.share(self.known())} of the "
                 f"limit {self.limit} until Redis answers"
