@@ -35,6 +35,13 @@ Who gets a freed slot is decided in two steps, each a small class:
      "decay", immediate). Output tokens weigh twice: they hold the slot for the decode, one
      step each (llm-d weighs them 2x for the same reason).
 
+   What a newcomer waits for (``ahead``, for ``fail_fast``'s predicted wait): in ``fifo``
+   every waiter that came before it; in ``cost`` only those whose key is smaller, counted
+   over the heap while it holds at most ``AHEAD_SCAN`` entries (past that, every waiter, as
+   ``fifo``: the count stays bounded in time). Counting every waiter of a cost-ordered queue
+   refused the cheap requests the order would have served first, and kept the queue, which is
+   what the order chooses from, short (docs/benchmarks.md, "`fail_fast` and the cost order").
+
    An order may keep state of its own (``CostOrder``'s running mean, ``FairOrder``'s tags and
    turns). One that sets ``observes`` also hears each admission (with its key), release and
    departure unserved of its bucket's tickets (``admitted``, ``released``, ``left``); the
@@ -79,6 +86,8 @@ __all__ = [
 
 # Weight of the newest cost in a bucket's running mean cost (the ``cost`` order's c0).
 COST_EWMA_ALPHA: Final = 0.05
+# A cost order counts who goes before a newcomer over at most this many heap entries.
+AHEAD_SCAN: Final = 256
 # How much more an output token weighs than a prompt token in the fair order.
 OUTPUT_WEIGHT: Final = 2.0
 
@@ -108,6 +117,11 @@ class QueueOrder:
     def push(self, ticket: Ticket, timeout_s: float) -> None:
         """A ticket joins the queue."""
         heapq.heappush(self.heap, (self.key(ticket, timeout_s), ticket.id))
+
+    def ahead(self, ticket: Ticket, waiting: Mapping[int, Ticket]) -> int | None:
+        """How many of the ``waiting`` tickets (``ticket`` the last to join, among them) go
+        before it; None: all that came before it, as in ``fifo``."""
+        return None
 
     def head(self, waiting: Mapping[int, Ticket]) -> tuple[float, Ticket] | None:
         """The next of the ``waiting`` tickets and its key (None: nobody waits)."""
@@ -166,11 +180,24 @@ class FifoOrder(QueueOrder):
 class CostOrder(QueueOrder):
     """Cheaper first, delayed by at most half the queue timeout (see the module docstring)."""
 
-    __slots__ = ("mean_cost",)
+    __slots__ = ("_last", "mean_cost")
 
     def __init__(self) -> None:
         super().__init__()
         self.mean_cost: float | None = None
+        self._last: tuple[int, float] = (-1, 0.0)  # the last ticket to join, and its key
+
+    def push(self, ticket: Ticket, timeout_s: float) -> None:
+        key = self.key(ticket, timeout_s)
+        heapq.heappush(self.heap, (key, ticket.id))
+        self._last = (ticket.id, key)
+
+    def ahead(self, ticket: Ticket, waiting: Mapping[int, Ticket]) -> int | None:
+        tid, key = self._last
+        if tid != ticket.id or len(self.heap) > AHEAD_SCAN:
+            return None
+        mine = (key, tid)  # the heap's own order: the key, then the older ticket
+        return sum(1 for entry in self.heap if entry < mine and entry[1] in waiting)
 
     def key(self, ticket: Ticket, timeout_s: float) -> float:
         c = float(max(0, ticket.cost))

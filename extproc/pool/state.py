@@ -263,7 +263,8 @@ class BucketState:
         idle, as a rate of recent releases would); None until the rate is known. In a fair
         bucket, of its own waiters only those the fair order can put ahead of it
         (``TenantCounts.ahead``): a light tenant's request is not predicted to wait for a
-        heavy tenant's whole queue."""
+        heavy tenant's whole queue. In a cost-ordered bucket, those with a smaller key
+        (``QueueOrder.ahead``)."""
         rate = self.pool.release_rate()
         if rate is None:
             return None
@@ -272,6 +273,9 @@ class BucketState:
             own -= 1
             if self.tenants is not None and self.order.by_tenant:
                 own = self.tenants.ahead(exclude.tenant, own)
+            else:
+                before = self.order.ahead(exclude, self.waiting)
+                own = own if before is None else before
         if len(self.running) < self.min_slots(self.pool.limit):
             ahead = own  # below its guaranteed share: served before other bands
         else:

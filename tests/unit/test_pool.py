@@ -219,6 +219,49 @@ def test_fail_fast_refuses_at_once_when_the_wait_cannot_fit() -> None:
     assert a.enqueue("b", now, 10.0).verdict is Verdict.QUEUED
 
 
+@pytest.mark.parametrize(("order", "cheap"), [(Order.COST, Verdict.QUEUED), (Order.FIFO, None)])
+def test_a_predicted_wait_counts_only_what_the_cost_order_puts_ahead(
+    order: Order, cheap: Verdict | None
+) -> None:
+    """fail_fast: behind 20 expensive waiters that came just before (one release a second), a
+    cheap request goes ahead of them in the cost order: predicted to wait about one release,
+    it is not refused at once, and it is served first. In a fifo bucket it waits for the
+    whole queue (every waiter was counted in the cost order too, and the cheap requests it
+    would serve first were refused at the door)."""
+    a = pool(1, fail_fast=True)
+    bucket(a, "b", order=order)
+    t = 0.0
+    for _ in range(8):  # a release rate: one slot a second
+        held = admit(a, "b", t, cost=100)
+        t += 1.0
+        a.release(held.id, t)
+    holder = admit(a, "b", t, cost=100)  # runs
+    for _ in range(20):
+        queue(a, "b", t, cost=1000, timeout=60.0)
+    d = a.enqueue("b", t, 5.0, cost=10)
+    assert d.verdict is (cheap or Verdict.WAIT_TOO_LONG)
+    if cheap is not None:  # and the order serves it first, as predicted
+        assert a.release(holder.id, t + 1.0) == [d.ticket]
+
+
+def test_a_cost_ordered_queue_past_the_scan_bound_counts_every_waiter() -> None:
+    """Past ``AHEAD_SCAN`` heap entries the count would cost more than the call: every
+    waiter counts, as in fifo (the prediction errs towards refusing, within its bound)."""
+    from extproc.pool.order import AHEAD_SCAN
+
+    a = pool(1, fail_fast=True)
+    bucket(a, "b", order=Order.COST, max_queue=AHEAD_SCAN + 10)
+    t = 0.0
+    for _ in range(8):
+        held = admit(a, "b", t, cost=100)
+        t += 1.0
+        a.release(held.id, t)
+    admit(a, "b", t, cost=100)
+    for _ in range(AHEAD_SCAN):
+        queue(a, "b", t, cost=1000, timeout=1000.0)
+    assert a.enqueue("b", t, 5.0, cost=10).verdict is Verdict.WAIT_TOO_LONG
+
+
 def test_no_prediction_before_the_rate_is_known() -> None:
     a = pool(1, fail_fast=True)
     bucket(a, "b")
