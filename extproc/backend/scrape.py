@@ -78,6 +78,8 @@ MAX_ENDPOINTS = 64
 # At most this many error strings in a Signals (a log line, not a report), each cut at this.
 _MAX_ERRORS = 8
 _MAX_ERROR_CHARS = 120
+# The histograms read (``EndpointSample``'s fields), each windowed over ``window_s``.
+_HISTOGRAMS = ("ttft", "itl", "tpot", "queue_time")
 # getaddrinfo's "this name has no address" (NXDOMAIN, or a name without A/AAAA records), as
 # against a failure to ask (EAI_AGAIN, a timeout): the error ``_addresses`` reports for both.
 _NO_ADDRESS = "dns: no address"
@@ -175,10 +177,8 @@ class Scraper:
         self.queue_time_quantile = queue_time_quantile
         self.max_body_bytes = max_body_bytes
         self._resolve: Resolver = resolve or _getaddrinfo
-        self._ttft = HistogramWindow(window_s)
-        self._itl = HistogramWindow(window_s)
-        self._tpot = HistogramWindow(window_s)
-        self._queue_time = HistogramWindow(window_s)
+        # One window per histogram read, by its ``EndpointSample`` field.
+        self._windows = {name: HistogramWindow(window_s) for name in _HISTOGRAMS}
         self._parse_turn = asyncio.Lock()  # one page parsed per iteration of the event loop
 
     @classmethod
@@ -271,10 +271,7 @@ class Scraper:
         failed = len(errors)  # hosts that did not resolve count as one failed endpoint each
         waiting = running = 0.0
         kv_usage = 0.0
-        ttft: dict[str, Mapping[float, float] | None] = {}
-        itl: dict[str, Mapping[float, float] | None] = {}
-        tpot: dict[str, Mapping[float, float] | None] = {}
-        queue_time: dict[str, Mapping[float, float] | None] = {}
+        read: dict[str, dict[str, Mapping[float, float] | None]] = {n: {} for n in _HISTOGRAMS}
         for key, result in results.items():
             if isinstance(result, str):
                 failed += 1
@@ -284,18 +281,14 @@ class Scraper:
             waiting += result.waiting or 0.0
             running += result.running or 0.0
             kv_usage = max(kv_usage, result.kv_usage or 0.0)
-            ttft[key] = result.ttft
-            itl[key] = result.itl
-            tpot[key] = result.tpot
-            queue_time[key] = result.queue_time
-        self._ttft.add(now, ttft)
-        self._itl.add(now, itl)
-        self._tpot.add(now, tpot)
-        self._queue_time.add(now, queue_time)
-        ttft_total = self._ttft.total(now)
-        itl_total = self._itl.total(now)
-        tpot_total = self._tpot.total(now)
-        queue_time_total = self._queue_time.total(now)
+            for name, of_name in read.items():
+                of_name[key] = getattr(result, name)
+        totals = {}
+        for name, window in self._windows.items():
+            window.add(now, read[name])
+            totals[name] = window.total(now)
+        ttft_total, itl_total = totals["ttft"], totals["itl"]
+        tpot_total, queue_time_total = totals["tpot"], totals["queue_time"]
         if len(errors) > _MAX_ERRORS:
             errors[_MAX_ERRORS - 1 :] = [f"+{len(errors) - _MAX_ERRORS + 1} more"]
         return Signals(
@@ -319,4 +312,4 @@ class Scraper:
 
     def __repr__(self) -> str:
         hosts = ", ".join(f"{t.host}:{t.port}" for t in self._targets)
-        return f"<Scraper {hosts}, {len(self._ttft)} endpoints known>"
+        return f"<Scraper {hosts}, {len(self._windows['ttft'])} endpoints known>"
