@@ -11,7 +11,10 @@ its own and printing its figures.
 - ``python -m bench.micro.scrape_bounds``: what one metrics page can cost the event loop at
   the scraper's bounds (docs/pool.md, "What the scraper trusts");
 - ``python -m bench.micro.redis_rtt``: the shared pool's Redis script calls and the hand-over
-  between replicas, against a throwaway redis-server.
+  between replicas, against a throwaway redis-server;
+- ``python -m bench.micro.prefill_pacing``: not a cost but a question for the pool's band cut,
+  answered on the simulator's scheduler offline: would pacing the batch band's prefill help the
+  interactive streams more than holding its slots does (docs/pool.md, "The band cut's unit").
 
 Percentiles are ``bench.common.stats.percentile``'s. The whole request path, through Envoy, is
 ``bench.overhead``'s; these say where its time goes, one piece at a time.
