@@ -8,6 +8,9 @@ step is every running stream's inter-token gap, and part of every waiting reques
 the A100 profile of ``bench/sim`` a step is 16 ms + 48 us per prefill token + 18 us per
 decoding request: a 2k prefill makes it 115 ms, past a 100 ms objective). So what the least
 urgent band may hold is cut first, and the limit only once that band is down to its floor.
+In requests held, not prompt tokens per second: at the same prompt tokens per second, held
+slots stagger the prefills as well as an ideal pacer would (``bench.micro.prefill_pacing``;
+docs/pool.md, "The band cut's unit").
 
 Rules (``AdaptiveLimit.update`` asks; ``BandLoad`` is the band now, in requests)
 -------------------------------------------------------------------------------
