@@ -40,6 +40,7 @@ from bench.common.stats import percentile
 from bench.common.table import fmt, format_table
 from bench.load.client import Call, Reply, attempt, send_all, session
 from bench.load.presets import demo_burst
+from bench.load.retry import retry_after_s
 from testing.stack import Stack
 
 __all__ = ["KINDS", "burst", "column", "columns", "main", "nonzero_counters", "table"]
@@ -69,8 +70,8 @@ async def burst(
             first = await attempt(http, url, call)
             if call.label != "interactive" or first.status != 429:
                 return [(call.label, first)]
-            ra = first.retry_after
-            await asyncio.sleep(min(max_retry_wait_s, float(ra) if ra and ra.isdigit() else 1.0))
+            hinted = retry_after_s(first.headers)
+            await asyncio.sleep(min(max_retry_wait_s, 1.0 if hinted is None else max(0.0, hinted)))
             again = replace(call, headers={**call.headers, **RETRY}, label="interactive-retry")
             return [(call.label, first), (again.label, await attempt(http, url, again))]
 

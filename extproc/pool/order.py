@@ -180,24 +180,22 @@ class FifoOrder(QueueOrder):
 class CostOrder(QueueOrder):
     """Cheaper first, delayed by at most half the queue timeout (see the module docstring)."""
 
-    __slots__ = ("_last", "mean_cost")
+    __slots__ = ("mean_cost",)
 
     def __init__(self) -> None:
         super().__init__()
         self.mean_cost: float | None = None
-        self._last: tuple[int, float] = (-1, 0.0)  # the last ticket to join, and its key
-
-    def push(self, ticket: Ticket, timeout_s: float) -> None:
-        key = self.key(ticket, timeout_s)
-        heapq.heappush(self.heap, (key, ticket.id))
-        self._last = (ticket.id, key)
 
     def ahead(self, ticket: Ticket, waiting: Mapping[int, Ticket]) -> int | None:
-        tid, key = self._last
-        if tid != ticket.id or len(self.heap) > AHEAD_SCAN:
+        heap = self.heap
+        if len(heap) > AHEAD_SCAN:
             return None
-        mine = (key, tid)  # the heap's own order: the key, then the older ticket
-        return sum(1 for entry in self.heap if entry < mine and entry[1] in waiting)
+        # Its own entry (a ticket is in a heap once): the heap's order is the key, then the
+        # older ticket.
+        mine = next((entry for entry in heap if entry[1] == ticket.id), None)
+        if mine is None:
+            return None
+        return sum(1 for entry in heap if entry < mine and entry[1] in waiting)
 
     def key(self, ticket: Ticket, timeout_s: float) -> float:
         c = float(max(0, ticket.cost))
