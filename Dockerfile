@@ -19,11 +19,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_ROOT_USER_ACTION=ignore
 WORKDIR /src
 # pyproject.toml names README.md as the readme, so the build needs it.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md requirements.lock ./
 COPY extproc ./extproc
 # A regular install: the code, the embedded default policy and the generated policy stubs go
-# to site-packages, so the source tree is not needed at run time.
-RUN pip install . && rm -rf /src
+# to site-packages, so the source tree is not needed at run time. The dependencies at the
+# versions the tests ran on: the lock (make lock) as constraints, kept for the sim stage.
+RUN pip install -c requirements.lock . \
+ && mkdir -p /opt/llm-extproc && mv requirements.lock /opt/llm-extproc/ && rm -rf /src
 # A fixed numeric uid, so Kubernetes' runAsNonRoot can check it without /etc/passwd.
 RUN groupadd --system --gid 10001 llm \
  && useradd --system --uid 10001 --gid llm --no-create-home --home-dir /nonexistent \
@@ -37,7 +39,7 @@ USER root
 # Only what the simulator imports beyond the sidecar's dependencies (prometheus-client): the
 # `bench` extra also pulls matplotlib for the plots, which the simulator does not use. Same
 # requirement as the extra in pyproject.toml (tests/deploy/test_docker.py compares them).
-RUN pip install "aiohttp>=3.9"
+RUN pip install -c /opt/llm-extproc/requirements.lock "aiohttp>=3.9"
 COPY bench/__init__.py ./bench/
 COPY bench/sim ./bench/sim
 USER 10001:10001

@@ -4,12 +4,31 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: test test-fast demo bench bench-overhead soak soak-ci protos envoy-rds compose-envoy image lint clean
+LOCK   := requirements.lock
 
-$(STAMP): pyproject.toml
+.PHONY: test test-fast demo bench bench-overhead soak soak-ci protos envoy-rds compose-envoy image lint lock clean
+
+# The development environment comes from the lock: every package at the version it names (pip
+# takes it as constraints; pyproject.toml keeps the ranges a user of the package needs). The
+# project is built with the lock's setuptools, not whatever the index has that day.
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	$(BIN)/python -m pip install -q -c $(LOCK) setuptools wheel
+	$(BIN)/python -m pip install -q --no-build-isolation -c $(LOCK) -e '.[test,bench,tokenizer]'
 	touch $(STAMP)
+
+# Resolve pyproject.toml anew (the newest releases its ranges admit) in a scratch venv and write
+# every version into the lock. On purpose only, in a commit of its own; tests/unit/test_lock.py
+# fails while pyproject.toml and the lock disagree.
+lock:
+	rm -rf .venv-lock
+	$(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install -q --upgrade setuptools wheel
+	.venv-lock/bin/python -m pip install -q '.[test,bench,tokenizer]'
+	{ echo "# Every package the development environment installs, at one version each: made by"; \
+	  echo "# \`make lock\` (CPython $$(.venv-lock/bin/python -c 'import platform; print(platform.python_version(), platform.machine())')); read as pip constraints by \`make test\` and \`make demo\`."; \
+	  .venv-lock/bin/python -m pip freeze --all --exclude pip --exclude llm-extproc; } > $(LOCK)
+	rm -rf .venv-lock build
 
 # Lint first (seconds), then the three test tiers.
 test: lint
@@ -67,4 +86,4 @@ lint: $(STAMP)
 	$(BIN)/mypy --strict extproc
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .venv-lock .pytest_cache build *.egg-info

@@ -38,7 +38,10 @@ def test_dockerfile_stages_user_and_ports() -> None:
         user = instruction(stages[name], "USER")
         assert user.split(":")[0] not in ("root", "0"), f"{name} runs as {user}"
     assert instruction(stages["sidecar"], "EXPOSE").split() == ["50051", "9464"]
-    assert "pip install ." in next(v for k, v in stages["runtime"] if k == "RUN")
+    # The image installs the versions the tests ran on: the lock, as constraints.
+    assert "pip install -c requirements.lock ." in next(
+        v for k, v in stages["runtime"] if k == "RUN"
+    )
 
 
 def test_docker_context_has_what_the_dockerfile_copies_and_nothing_else() -> None:
@@ -97,7 +100,8 @@ def test_sim_image_installs_what_the_bench_extra_asks_for_the_simulator() -> Non
         r for r in pyproject["project"]["optional-dependencies"]["bench"] if r.startswith("aiohttp")
     ]
     sim = dockerfile_stages()["sim"]
-    assert f'pip install "{aiohttp}"' in [v for k, v in sim if k == "RUN"]
+    lock = "/opt/llm-extproc/requirements.lock"
+    assert f'pip install -c {lock} "{aiohttp}"' in [v for k, v in sim if k == "RUN"]
     assert exec_form(instruction(sim, "ENTRYPOINT")) == ["python", "-m", "bench.sim"]
     assert exec_form(instruction(sim, "CMD")) == ["--host", "0.0.0.0", "--port", "8000"]
     # The simulator imports nothing from the repository beyond what the stage copies.

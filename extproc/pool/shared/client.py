@@ -181,7 +181,7 @@ class PoolClient:
             raise CallFailed("events", e) from e
         finally:
             with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await pubsub.aclose()
 
     async def refresh(self) -> None:
         """Drop every pooled connection, and the subscription: the next ones are opened to
