@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -33,13 +34,39 @@ from extproc.transport import Serving, TlsFiles, Transport, split_host_port
 from extproc.transport.grpc_aio import GrpcAioTransport
 from extproc.transport.h2_transport import H2Transport
 
-__all__ = ["TRANSPORTS", "Sidecar", "TlsFiles", "default_policy", "split_host_port"]
+__all__ = [
+    "TRANSPORTS",
+    "ListenError",
+    "Sidecar",
+    "TlsFiles",
+    "default_policy",
+    "split_host_port",
+]
 
 # ``--transport``: the name, and the transport it builds.
 _TRANSPORTS: dict[str, Callable[[], Transport]] = {"h2": H2Transport, "grpc": GrpcAioTransport}
 TRANSPORTS = tuple(_TRANSPORTS)
 
 log = logging.getLogger("extproc")
+
+
+class ListenError(Exception):
+    """A listener of the sidecar could not be opened (the port is taken, the host unknown):
+    ``listener`` is ``listen`` (ext_proc's gRPC address) or ``metrics`` (metrics and probes).
+    ``Sidecar.start`` raises it after stopping what it had started."""
+
+    def __init__(self, listener: str, address: str, cause: OSError) -> None:
+        # The errno's own words ("Address already in use"); a resolver error has no errno.
+        errno = cause.errno or 0
+        reason = os.strerror(errno) if errno > 0 else cause.strerror
+        super().__init__(f"cannot listen on {address}: {reason or cause}")
+        self.listener = listener
+
+
+def _event_loop_name() -> str:
+    """The running event loop's kind, for llm_extproc_build_info: uvloop or asyncio."""
+    module = type(asyncio.get_running_loop()).__module__
+    return "uvloop" if module.startswith("uvloop") else "asyncio"
 
 
 def default_policy() -> Policy:
@@ -78,10 +105,23 @@ class Sidecar:
         self.gate: Gate | None = None
         self.metrics: Metrics | None = None
         self.control: PoolControl | None = None
+        # Ready (/readyz): from the moment the health service says SERVING until stop begins.
+        self._serving = False
+
+    def ready(self) -> bool:
+        """Whether the sidecar serves ext_proc with its policy loaded: from the end of
+        ``start`` (health SERVING) until ``stop`` begins (health turns NOT_SERVING in it)."""
+        return self._serving
 
     async def start(self) -> None:
         self.gate = gate = Gate(self.policy)
-        self.metrics = metrics = Metrics(gate.statistics, lambda: control.gauges(), self._heaviest)
+        self.metrics = metrics = Metrics(
+            gate.statistics,
+            lambda: control.gauges(),
+            self._heaviest,
+            transport=self.transport,
+            event_loop=_event_loop_name(),
+        )
         self.service = ExtProcService(self.policy, gate, metrics)
         self.control = control = PoolControl(gate, metrics)
         control.apply(self.policy)
@@ -90,21 +130,31 @@ class Sidecar:
         # circuit breakers let at most extproc_streams streams open.
         from extproc.config.envoy import body_buffer_bytes, extproc_streams
 
-        self.grpc_port = await self._transport.start(
-            Serving(
-                process=self.service.Process,
-                listen=self.listen,
-                tls=self.tls,
-                body_limit=body_buffer_bytes(self.policy),
-                max_streams=extproc_streams(self.policy),
-            )
+        serving = Serving(
+            process=self.service.Process,
+            listen=self.listen,
+            tls=self.tls,
+            body_limit=body_buffer_bytes(self.policy),
+            max_streams=extproc_streams(self.policy),
         )
+        try:
+            self.grpc_port = await self._transport.start(serving)
+        except OSError as e:
+            await self.stop(0)
+            raise ListenError("listen", self.listen, e) from e
         health = self._transport.health
         await health.set("", health_pb2.HealthCheckResponse.SERVING)
         await health.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self._serving = True
         if self.metrics_listen:
             host, mport = split_host_port(self.metrics_listen)
-            self._metrics_server = await serve_metrics(host, mport, metrics, self.debug_queues)
+            try:
+                self._metrics_server = await serve_metrics(
+                    host, mport, metrics, self.debug_queues, self.ready
+                )
+            except OSError as e:
+                await self.stop(0)
+                raise ListenError("metrics", self.metrics_listen, e) from e
             self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
         if self.policy_path is not None and self.watch_interval_s > 0:
             self._watched = self._file_state()
@@ -216,7 +266,8 @@ class Sidecar:
     async def stop(self, grace: float | None = 5.0) -> None:
         """Graceful stop: health says NOT_SERVING, queued and new requests get 503 with
         Retry-After, admitted requests may finish for up to ``grace`` seconds, then the server
-        closes (cancelling whatever is left)."""
+        closes (cancelling whatever is left). /readyz answers 503 from the first line."""
+        self._serving = False
         watch, self._watch_task = self._watch_task, None
         if watch is not None:
             watch.cancel()

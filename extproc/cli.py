@@ -1,4 +1,10 @@
-"""``llm-extproc serve | check | render-envoy``."""
+"""``llm-extproc serve | check | render-envoy``; ``llm-extproc --version``.
+
+``serve`` checks its flags before it starts anything, and a flag it cannot use (a malformed or
+busy ``--listen`` or ``--metrics`` address, a TLS file it cannot read or load, an unknown
+``--log-level``, a ``--policy`` file it cannot read or resolve) ends it with one line on stderr,
+``llm-extproc serve: error: --FLAG: cause``, and exit status 2, as argparse's own usage errors.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +13,16 @@ import asyncio
 import logging
 import os
 import signal
+import ssl
 import sys
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from extproc.app import TRANSPORTS, Sidecar, TlsFiles, default_policy
+from extproc import version
+from extproc.app import TRANSPORTS, ListenError, Sidecar, TlsFiles, default_policy, split_host_port
 from extproc.config.policy import Policy, PolicyError, load_policy
 from extproc.contract import MESSAGE_TIMEOUT_MARGIN_S
 from extproc.ops.logs import configure as configure_logging
@@ -39,21 +47,93 @@ def _deadline_problems(policy: Policy, envoy_path: str) -> list[str]:
     return deadline_problems(policy, config)
 
 
-async def _serve(args: argparse.Namespace) -> None:
-    if args.envoy_config:
-        for problem in _deadline_problems(_policy(args.policy), args.envoy_config):
-            logging.getLogger("extproc").error("deadline cannot be honoured: %s", problem)
-    tls = None
-    if args.tls_cert or args.tls_key or args.tls_client_ca:
-        if not (args.tls_cert and args.tls_key):
-            raise SystemExit("error: --tls-cert and --tls-key go together")
-        tls = TlsFiles(
-            cert=Path(args.tls_cert),
-            key=Path(args.tls_key),
-            client_ca=Path(args.tls_client_ca) if args.tls_client_ca else None,
+class FlagError(Exception):
+    """A ``serve`` flag that cannot be used: ``flag`` and the cause, for one line on stderr."""
+
+    def __init__(self, flag: str, cause: object) -> None:
+        super().__init__(f"{flag}: {cause}")
+        self.flag = flag
+
+
+# The flag of each listener of ``extproc.app.ListenError``.
+_LISTENER_FLAGS = {"listen": "--listen", "metrics": "--metrics"}
+
+
+def _check_address(flag: str, value: str, *, unix: bool) -> None:
+    """``value`` is HOST:PORT with a port 0-65535 (or, where ``unix``, ``unix:PATH``)."""
+    if unix and value.startswith("unix:"):
+        if not value.removeprefix("unix:").removeprefix("//"):
+            raise FlagError(flag, f"{value!r} names no socket path")
+        return
+    try:
+        port = split_host_port(value)[1]
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        shape = "HOST:PORT or unix:PATH" if unix else "HOST:PORT"
+        raise FlagError(flag, f"{value!r} is not {shape} with a port from 0 to 65535")
+
+
+def _check_log_level(value: str) -> None:
+    if not isinstance(logging.getLevelName(value.upper()), int):
+        raise FlagError(
+            "--log-level", f"unknown level {value!r} (debug, info, warning, error or critical)"
         )
+
+
+def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """The TLS flags as ``TlsFiles``, each file read and loaded the way the listener will."""
+    given = {
+        "--tls-cert": args.tls_cert,
+        "--tls-key": args.tls_key,
+        "--tls-client-ca": args.tls_client_ca,
+    }
+    if not any(given.values()):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        missing = "--tls-key" if args.tls_cert else "--tls-cert"
+        with_flags = " and ".join(flag for flag, path in given.items() if path)
+        raise FlagError(missing, f"required with {with_flags}")
+    for flag, path in given.items():
+        if path:
+            try:
+                Path(path).read_bytes()
+            except OSError as e:
+                raise FlagError(flag, f"cannot read {path}: {e.strerror or e}") from None
+    tls = TlsFiles(
+        cert=Path(args.tls_cert),
+        key=Path(args.tls_key),
+        client_ca=Path(args.tls_client_ca) if args.tls_client_ca else None,
+    )
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(tls.cert, tls.key)
+    except ssl.SSLError as e:
+        raise FlagError(
+            "--tls-cert/--tls-key",
+            f"not a PEM certificate and its private key ({e.reason or e})",
+        ) from None
+    if tls.client_ca is not None:
+        try:
+            ctx.load_verify_locations(tls.client_ca)
+        except ssl.SSLError as e:
+            raise FlagError("--tls-client-ca", f"no PEM CA certificate ({e.reason or e})") from None
+    return tls
+
+
+def _serving_policy(path: str | None) -> Policy:
+    try:
+        return _policy(path)
+    except PolicyError as e:
+        raise FlagError("--policy", e) from None
+
+
+async def _serve(args: argparse.Namespace, policy: Policy, tls: TlsFiles | None) -> None:
+    if args.envoy_config:
+        for problem in _deadline_problems(policy, args.envoy_config):
+            logging.getLogger("extproc").error("deadline cannot be honoured: %s", problem)
     sidecar = Sidecar(
-        _policy(args.policy),
+        policy,
         listen=args.listen,
         metrics_listen=args.metrics or None,
         policy_path=args.policy,
@@ -79,7 +159,8 @@ def _run(main: Coroutine[Any, Any, None], event_loop: str) -> None:
             import uvloop
         except ImportError:
             if event_loop == "uvloop":
-                raise SystemExit("error: --event-loop uvloop needs uvloop installed") from None
+                main.close()
+                raise FlagError("--event-loop", "uvloop is not installed") from None
         else:
             uvloop.run(main)
             return
@@ -105,13 +186,62 @@ def _render(args: argparse.Namespace) -> int:
     validate(rendered)
     print(f"# Envoy settings for policy {args.policy or '<embedded default>'}.")
     print("# http_filters go before envoy.filters.http.router in the HTTP connection manager;")
-    print("# llm_routes applies to the /v1/chat/completions and /v1/completions routes.")
+    print("# virtual_host goes on the route_config's virtual host of the LLM routes;")
+    print("# llm_routes applies to the /v1/chat/completions and /v1/completions routes,")
+    print("# other_routes to every other route of that virtual host.")
     print(yaml.safe_dump(rendered, sort_keys=False), end="")
     return 0
 
 
+class _Version(argparse.Action):
+    """``--version``: the version read only when asked (importlib.metadata is slow to load)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(
+            option_strings,
+            dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            nargs=0,
+            help="print the version and exit",
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(f"{parser.prog} {version()}")
+        parser.exit()
+
+
+def _serve_main(args: argparse.Namespace) -> int:
+    """Check the flags, then serve until SIGTERM or SIGINT; 2 for a flag that cannot be
+    used (one line on stderr), 1 for a policy the sidecar refused at start."""
+    try:
+        _check_address("--listen", args.listen, unix=True)
+        if args.metrics:
+            _check_address("--metrics", args.metrics, unix=False)
+        _check_log_level(args.log_level)
+        tls = _tls_files(args)
+        policy = _serving_policy(args.policy)
+        configure_logging(args.log_level, args.log_format)
+        _run(_serve(args, policy, tls), args.event_loop)
+    except ListenError as e:
+        return _usage_error(FlagError(_LISTENER_FLAGS[e.listener], e))
+    except FlagError as e:
+        return _usage_error(e)
+    except PolicyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _usage_error(e: FlagError) -> int:
+    print(f"llm-extproc serve: error: {' '.join(str(e).split())}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llm-extproc", description=__doc__)
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the ext_proc sidecar")
@@ -157,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the Envoy config in front (YAML): log an error for every queue deadline it "
         "cannot honour (see `check --envoy`)",
     )
-    serve.add_argument("--log-level", default="INFO")
+    serve.add_argument(
+        "--log-level", default="INFO", help="debug, info (default), warning, error or critical"
+    )
     serve.add_argument("--log-format", choices=("json", "text"), default="json")
 
     check = sub.add_parser("check", help="validate a policy and print it resolved")
@@ -204,15 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# {args.envoy} honours every queue deadline of the policy.")
         return 0
 
-    configure_logging(args.log_level, args.log_format)
-    try:
-        _run(_serve(args), args.event_loop)
-    except PolicyError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return _serve_main(args)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ __all__ = [
     "REPO",
     "Proc",
     "Stack",
+    "cli",
     "envoy_binary",
     "free_port",
     "render_envoy_config",
@@ -46,6 +47,19 @@ __all__ = [
     "wait_http",
     "wait_tcp",
 ]
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``llm-extproc ARGS`` run as a user runs it (``python -m extproc``), from the repository,
+    to its end: the exit status, stdout and stderr as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "extproc", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def _ephemeral_start() -> int:

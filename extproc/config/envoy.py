@@ -14,6 +14,14 @@ What the policy decides for Envoy:
 - header_mutation: the policy's trusted headers are stripped from client requests before
   ext_proc.
 
+What the client sees (the same for every policy): the virtual host's
+``response_headers_to_add`` echoes ``x-llm-max-tokens``, the effective max_tokens the sidecar
+set on the upstream request, without a round trip on the response path; HCM
+``always_set_request_id_in_response`` returns Envoy's ``x-request-id`` on every answer, the
+sidecar's refusals included, and the sidecar logs it with each request it refuses
+(``extproc.ops.logs``): the id a user reports is the one an operator finds
+(tests/e2e/test_request_id.py).
+
 What keeps a hostile client from holding the sidecar (every ext_proc stream is one place in
 the circuit breakers above, and in the sidecar's own stream limit):
 - the buffer filter, placed before ext_proc, holds the request until its whole body is in
@@ -51,6 +59,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.route.v3 import route_components_pb2
 from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2  # noqa: F401 (@type)
 from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2
@@ -74,6 +83,7 @@ from extproc.config.envoy_objects import (
     ROUTE_CONFIG_TYPE,
     buffer_filter,
     disabled_on_route,
+    echo_request_header,
     ext_proc_filter,
     grpc_cluster,
     header_mutation_filter,
@@ -119,6 +129,8 @@ _BYTES_PER_PROMPT_CHAR = 6
 REQUEST_TIMEOUT_S = 60
 # How long a client may take to send its request headers (a few hundred bytes).
 REQUEST_HEADERS_TIMEOUT_S = 10
+# The request header the sidecar sets to the effective max_tokens (extproc.request.respond).
+MAX_TOKENS_HEADER = "x-llm-max-tokens"
 
 
 def _seconds(s: float) -> str:
@@ -196,7 +208,10 @@ def render(
             "request_headers_timeout": f"{REQUEST_HEADERS_TIMEOUT_S}s",
             "request_timeout": f"{REQUEST_TIMEOUT_S}s",
             "local_reply_config": local_reply_config(buffer),
+            # x-request-id on every answer: the id the sidecar logs a refusal with.
+            "always_set_request_id_in_response": True,
         },
+        "virtual_host": {"response_headers_to_add": [echo_request_header(MAX_TOKENS_HEADER)]},
         "llm_routes": {"timeout": f"{LLM_ROUTE_TIMEOUT_S}s"},
         # Every other route skips the sidecar and streams its body upstream unbuffered.
         "other_routes": {
@@ -231,6 +246,7 @@ def validate(rendered: dict[str, Any]) -> None:
     json_format.ParseDict(
         rendered["http_connection_manager"], http_connection_manager_pb2.HttpConnectionManager()
     )
+    json_format.ParseDict(rendered["virtual_host"], route_components_pb2.VirtualHost())
 
 
 def _duration_s(value: object) -> float | None:

@@ -34,6 +34,7 @@ __all__ = [
     "buffer_filter",
     "direct_response_route",
     "disabled_on_route",
+    "echo_request_header",
     "ext_proc_filter",
     "grpc_cluster",
     "header_mutation_filter",
@@ -191,6 +192,16 @@ def disabled_on_route(*filters: str) -> dict[str, Any]:
     """A route's ``typed_per_filter_config`` that turns ``filters`` (the ext_proc and buffer
     filters) off for that route."""
     return {f: {"@type": _PER_ROUTE_TYPES[f], "disabled": True} for f in filters}
+
+
+def echo_request_header(name: str) -> dict[str, Any]:
+    """A ``response_headers_to_add`` entry that gives the client the value the request header
+    ``name`` had when the request went upstream (``%REQ(name)%``: a header the sidecar set),
+    in place of any the backend sent."""
+    return {
+        "header": {"key": name, "value": f"%REQ({name})%"},
+        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+    }
 
 
 def direct_response_route(

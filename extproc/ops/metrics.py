@@ -7,8 +7,16 @@ Gauges of the queues (depth, in flight, capacity) are not updated on the request
 a custom collector reads ``Gate.statistics()`` when Prometheus scrapes. Every server instance
 has its own ``CollectorRegistry``, so tests can run several side by side.
 
+The registry also holds ``llm_extproc_build_info`` (value 1; labels version, python, transport,
+event_loop: what runs) and prometheus_client's process, platform and GC collectors
+(``process_*``: CPU, resident memory, open files; ``python_info``; ``python_gc_*``), read at
+scrape time like the gauges.
+
 The metrics endpoint is a tiny asyncio HTTP server on the sidecar's own event loop, so a scrape
-reads the admission state on the thread that changes it (no locks, no torn reads).
+reads the admission state on the thread that changes it (no locks, no torn reads). It also
+answers the probes: ``/healthz`` (liveness: 200 whenever the loop answers) and ``/readyz``
+(readiness: 200 while the sidecar serves ext_proc with its policy loaded, 503 from the moment
+it starts to stop, as its gRPC health service turns NOT_SERVING).
 """
 
 from __future__ import annotations
@@ -16,14 +24,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import platform
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from extproc import version
 from extproc.config.policy import BucketPolicy
 from extproc.ops.loops import LOOPS
 from extproc.outcome import OUTCOMES, Outcome
@@ -145,15 +164,32 @@ class _Children(NamedTuple):
 
 
 class Metrics:
-    """Every metric of one sidecar, in its own registry."""
+    """Every metric of one sidecar, in its own registry. ``transport`` and ``event_loop`` are
+    what ``llm_extproc_build_info`` says runs (``extproc.app.Sidecar`` names them)."""
 
     def __init__(
         self,
         stats: Callable[[], dict[str, BucketStats]],
         pool_gauges: Callable[[], dict[str, float]] | None = None,
         heaviest: Heaviest | None = None,
+        *,
+        transport: str = "",
+        event_loop: str = "",
     ) -> None:
         r = self.registry = CollectorRegistry()
+        # The process's own (process_*, python_info, python_gc_*): the collectors
+        # prometheus_client puts in its global registry, which this project never uses.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        self.build_info = Gauge(
+            "llm_extproc_build_info",
+            "The sidecar that runs (always 1): its version, Python's, its gRPC transport "
+            "(--transport) and event loop.",
+            ["version", "python", "transport", "event_loop"],
+            registry=r,
+        )
+        self.build_info.labels(version(), platform.python_version(), transport, event_loop).set(1)
         r.register(_QueueCollector(stats, heaviest))
         if pool_gauges is not None:
             r.register(_PoolCollector(pool_gauges))
@@ -325,9 +361,14 @@ class Metrics:
 
 
 async def serve_metrics(
-    host: str, port: int, metrics: Metrics, debug: Callable[[], object]
+    host: str,
+    port: int,
+    metrics: Metrics,
+    debug: Callable[[], object],
+    ready: Callable[[], bool] = lambda: True,
 ) -> asyncio.Server:
-    """``GET /metrics`` (Prometheus text) and ``GET /debug/queues`` (JSON) over HTTP/1.0."""
+    """``GET /metrics`` (Prometheus text), ``GET /debug/queues`` (JSON), ``GET /healthz`` and
+    ``GET /readyz`` (200, or 503 while ``ready()`` is false) over HTTP/1.0."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(Exception):
@@ -341,6 +382,14 @@ async def serve_metrics(
                 elif path == "/debug/queues":
                     status, ctype = "200 OK", "application/json"
                     body = json.dumps(debug(), indent=1).encode()
+                elif path == "/healthz":  # the loop answers: the process is alive
+                    status, ctype, body = "200 OK", "text/plain", b"ok\n"
+                elif path == "/readyz":
+                    status, ctype, body = (
+                        ("200 OK", "text/plain", b"ready\n")
+                        if ready()
+                        else ("503 Service Unavailable", "text/plain", b"not ready\n")
+                    )
                 else:
                     status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
                 writer.write(

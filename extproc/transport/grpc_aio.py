@@ -10,13 +10,15 @@ to anything but Envoy (docs/transport.md).
 
 from __future__ import annotations
 
+import socket
+
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from grpc_health.v1 import health, health_pb2_grpc
 
 from extproc.contract import EXT_PROC_SERVICE
 from extproc.request import respond
-from extproc.transport import ServerTransport, Serving
+from extproc.transport import ServerTransport, Serving, split_host_port
 
 __all__ = ["MAX_MESSAGE", "GrpcAioTransport"]
 
@@ -56,6 +58,8 @@ class GrpcAioTransport(ServerTransport):
         )
         server.add_generic_rpc_handlers((handler,))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if not listen.startswith("unix:"):
+            _probe(listen)
         if tls is not None:
             port = server.add_secure_port(listen, tls.server_credentials())
         else:
@@ -65,3 +69,13 @@ class GrpcAioTransport(ServerTransport):
         await server.start()
         self._server = server
         return None if listen.startswith("unix:") else port
+
+
+def _probe(listen: str) -> None:
+    """Raise the OSError binding ``listen`` (HOST:PORT) gives, if it gives one: grpc.aio's own
+    failure is a RuntimeError without the cause, after grpc's core logged it on stderr."""
+    host, port = split_host_port(listen)
+    if port == 0:
+        return
+    # create_server sets SO_REUSEADDR, as grpc does: a port in TIME_WAIT is not taken.
+    socket.create_server((host, port)).close()

@@ -304,7 +304,7 @@ def test_compose_stop_grace_outlasts_the_sidecars_drain(monkeypatch: pytest.Monk
 
     seen: dict[str, Any] = {}
 
-    async def fake_serve(args: Any) -> None:
+    async def fake_serve(args: Any, *resolved: Any) -> None:
         seen["grace"] = args.grace
 
     monkeypatch.setattr(extproc.cli, "_serve", fake_serve)

@@ -21,6 +21,7 @@ from testing.envoy import (
     hcm_config,
     shipped_envoy,
 )
+from testing.stack import cli
 
 LLM_PATHS = {"/v1/chat/completions", "/v1/completions"}
 
@@ -43,8 +44,13 @@ def shipped() -> dict[str, Any]:
                 "request_headers_timeout",
                 "request_timeout",
                 "local_reply_config",
+                "always_set_request_id_in_response",
             )
         },
+        "virtual_hosts": [
+            {k: vh[k] for k in ("response_headers_to_add",)}
+            for vh in hcm["route_config"]["virtual_hosts"]
+        ],
         "llm_route_timeouts": {
             r["route"]["timeout"] for r in routes if r["match"].get("path") in LLM_PATHS
         },
@@ -67,10 +73,78 @@ def test_shipped_envoy_yaml_is_what_render_gives_for_the_default_policy() -> Non
     assert have["clusters"] == rendered["clusters"]
     assert have["listener"] == rendered["listener"]
     assert have["http_connection_manager"] == rendered["http_connection_manager"]
+    assert have["virtual_hosts"] == [rendered["virtual_host"]]
     assert have["llm_route_timeouts"] == {rendered["llm_routes"]["timeout"]}
     # LLM routes run every filter; every other route skips the buffer and ext_proc.
     assert have["llm_route_filter_configs"] == [None, None, None]
     assert have["other_routes"] == [rendered["other_routes"]]
+
+
+def contains(have: object, want: object) -> bool:
+    """Whether ``have`` holds everything ``want`` says: a mapping's keys (with more allowed),
+    a list's items in order, a scalar equal."""
+    if isinstance(want, dict):
+        return isinstance(have, dict) and all(
+            k in have and contains(have[k], v) for k, v in want.items()
+        )
+    if isinstance(want, list):
+        return (
+            isinstance(have, list)
+            and len(have) == len(want)
+            and all(contains(h, w) for h, w in zip(have, want, strict=True))
+        )
+    return have == want
+
+
+# The Envoy config excerpt README.md showed (issue 30): what an operator adding the sidecar to
+# an Envoy of their own copies. Everything in it must come out of render-envoy.
+EXCERPT = """
+http_filters:
+- name: envoy.filters.http.buffer
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer
+    max_request_bytes: 4194304
+- name: envoy.filters.http.ext_proc
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+    grpc_service: {envoy_grpc: {cluster_name: llm_extproc}}
+    failure_mode_allow: false
+    processing_mode: {request_header_mode: SEND, response_header_mode: SKIP,
+                      request_body_mode: BUFFERED, response_body_mode: NONE}
+    message_timeout: 1s
+    max_message_timeout: 121s
+    allow_mode_override: true
+    request_attributes: ["xds.route_metadata"]
+    metadata_options: {receiving_namespaces: {untyped: [llm_extproc]}}
+typed_per_filter_config:
+  envoy.filters.http.ext_proc:
+    "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute
+    disabled: true
+  envoy.filters.http.buffer:
+    "@type": type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute
+    disabled: true
+response_headers_to_add:
+- header: {key: x-llm-max-tokens, value: "%REQ(x-llm-max-tokens)%"}
+"""
+
+
+def test_render_prints_everything_the_envoy_excerpt_shows() -> None:
+    """The excerpt's HTTP filters, a non-LLM route's per-filter config and the virtual host's
+    response headers are all in what render-envoy prints for the embedded default policy,
+    with the same values; and every answer names its request (x-request-id)."""
+    excerpt = yaml.safe_load(EXCERPT)
+    rendered = render(default_policy())
+    ours = [
+        f for f in rendered["http_filters"] if f["name"] != "envoy.filters.http.header_mutation"
+    ]
+    assert contains(ours, excerpt["http_filters"]), ours
+    assert contains(
+        rendered["other_routes"]["typed_per_filter_config"], excerpt["typed_per_filter_config"]
+    )
+    assert contains(
+        rendered["virtual_host"]["response_headers_to_add"], excerpt["response_headers_to_add"]
+    )
+    assert rendered["http_connection_manager"]["always_set_request_id_in_response"] is True
 
 
 def test_render_follows_the_policy() -> None:
@@ -132,14 +206,7 @@ buckets:
 
 
 def test_render_envoy_command_prints_valid_yaml() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "extproc", "render-envoy", "--extproc-port", "6000"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=60,
-        check=False,
-    )
+    out = cli("render-envoy", "--extproc-port", "6000")
     assert out.returncode == 0, out.stderr
     doc = yaml.safe_load(out.stdout)
     assert (

@@ -48,7 +48,10 @@ def test_without_shared_the_pool_is_the_sidecars_own() -> None:
         ("{}", "pool.shared.redis: '' must be"),
         ("{redis: 'redis://r', key_prefix: 'a b'}", "pool.shared.key_prefix: 1-100"),
         ("{redis: 'redis://r', lease: 100ms}", "pool.shared.lease: must be between"),
-        ("{redis: 'redis://r', lease: 1s, timeout: 300ms}", "pool.shared.timeout: must be"),
+        (
+            "{redis: 'redis://r', lease: 1s, timeout: 300ms}",
+            "pool.shared.timeout: 300ms is above a quarter of pool.shared.lease",
+        ),
         ("{redis: 'redis://r', replicas: 0}", "pool.shared.replicas: must be at least 1"),
         ("{redis: 'redis://r', lease: 2s, bogus: 1}", "pool.shared.bogus"),
     ],

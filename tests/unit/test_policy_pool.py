@@ -106,7 +106,7 @@ def test_a_policy_without_a_pool_keeps_the_first_design() -> None:
         (
             "pool: {adaptive: {min: 10, initial: 5}}\nbackend: {metrics: [http://h/m]}\n"
             "buckets: [{name: a, queue_timeout: 1s}]",
-            "need 1 <= min <= initial <= max",
+            "pool.adaptive.initial: 5 is below pool.adaptive.min (10)",
         ),
         (
             "pool: {adaptive: {slo: {ttft_quantile: 1.5}}}\nbackend: {metrics: [http://h/m]}\n"

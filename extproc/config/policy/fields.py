@@ -1,5 +1,6 @@
 """Reading one field of a policy message: its default from the model, a proto3 ``optional``
-or a duration when set, a header name checked and lower-cased (``resolve`` and ``tenant``)."""
+or a duration when set, a header name checked and lower-cased; the error for two values of one
+section out of order (``resolve`` and ``tenant``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from google.protobuf import duration_pb2
 
 from extproc.config.schema import PolicyError
 
-__all__ = ["default", "duration_or", "header_name", "set_or"]
+__all__ = ["conflict", "default", "duration_or", "header_name", "set_or"]
 
 _T = TypeVar("_T")
 
@@ -44,3 +45,23 @@ def header_name(name: str, where: str) -> str:
     if not _HEADER_NAME.match(name.lower()):
         raise PolicyError(f"{where}: {name!r} is not a valid header name")
     return name.lower()
+
+
+def conflict(
+    msg: Any, where: str, key: str, value: str, relation: str, other: str, other_value: str
+) -> PolicyError:
+    """``where.key`` (``value``, as the file writes it) is ``relation`` ("above" or "below")
+    ``where.other`` (``other_value``), which it must not be (``where`` empty: top-level keys).
+    The error names both values, says when ``other`` is the model's default (the file did not
+    set it: a default that does not follow ``key``, ``resolve``'s rule), and how to fix it."""
+    if relation not in ("above", "below"):
+        raise ValueError(f"relation must be 'above' or 'below', not {relation!r}")
+    other_bound, own_bound = (
+        ("at least", "at most") if relation == "above" else ("at most", "at least")
+    )
+    default = "" if msg.HasField(other) else ", the default"
+    section = f"{where}." if where else ""  # route metadata has no section
+    return PolicyError(
+        f"{section}{key}: {value} is {relation} {section}{other} ({other_value}{default}); "
+        f"set {other} to {other_bound} {value}, or {key} to {own_bound} {other_value}"
+    )

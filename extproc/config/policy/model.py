@@ -2,8 +2,11 @@
 
 ``extproc.config.policy.resolve`` builds these from a policy file or route metadata and reads
 every default it fills in from the fields below; the controllers and the request path take the
-resolved ``Policy`` and write no default of their own. The fields of each class are in the
-order ``llm-extproc check`` prints them (``extproc.config.policy.dump``).
+resolved ``Policy`` and write no default of their own. Where two keys must be in order
+(``default_max_tokens <= max_output_tokens``, ...), the default below is the value when the
+file sets neither: set one, and the other's default moves to meet it (``resolve``, "A default
+follows the values the file set"). The fields of each class are in the order ``llm-extproc
+check`` prints them (``extproc.config.policy.dump``).
 """
 
 from __future__ import annotations

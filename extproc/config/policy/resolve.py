@@ -7,6 +7,26 @@ from the model and checks the section's rules; ``_resolve`` calls them in the fi
 hands each what it needs of the others (the trusted headers, whether there is a pool, the
 backend's metrics). The first problem found is reported, naming the key path and the reason
 (``buckets[1].queue_timeout: required (e.g. 5s)``); the public functions put the file first.
+
+**A default follows the values the file set.** Where two keys of a section must be in order
+(``default_max_tokens <= max_output_tokens``, ``retry_after.min <= max``, ...) and the file set
+one of them, the other's default moves to meet it instead of contradicting it: ``limits:
+{max_output_tokens: 64}`` alone gives ``default_max_tokens`` 64, not an error about the 256 the
+file never wrote. The exception is a bound that protects the backend (``max_output_tokens``,
+``pool.adaptive.max``): no other value raises it; a value above it is an error that names it as
+the default. Two values the file set out of order are an error naming both and the fix
+(``fields.conflict``). What follows what:
+
+1. ``limits.default_max_tokens``: 256, or ``max_output_tokens`` when lower;
+2. ``retry_after.max``: 60s, or ``min`` when higher;
+3. ``pool.adaptive.min``: 4, or ``initial`` or ``max`` when lower; ``initial``: 32, moved into
+   ``[min, max]``;
+4. ``pool.adaptive.window``: 10s, or ``interval`` when longer; ``interval``: 500ms, or
+   ``window`` when shorter;
+5. ``pool.adaptive.fallback_after``: 30s, or ``stale_after`` when longer; ``stale_after``: 5s,
+   or ``fallback_after`` when shorter;
+6. ``pool.shared.timeout``: 250ms, or a quarter of ``lease`` when shorter; ``lease``: 10s, or
+   four times ``timeout`` when longer.
 """
 
 from __future__ import annotations
@@ -18,6 +38,8 @@ from pathlib import Path
 import yaml
 
 from extproc._proto.llm_extproc.v1 import policy_pb2
+from extproc.config.policy.dump import duration as _duration
+from extproc.config.policy.fields import conflict as _conflict
 from extproc.config.policy.fields import default as _default
 from extproc.config.policy.fields import duration_or as _duration_or
 from extproc.config.policy.fields import header_name as _header_name
@@ -85,10 +107,14 @@ def _tokens(msg: policy_pb2.Tokens) -> TokenPolicy:
 
 def _limits(msg: policy_pb2.Limits) -> Limits:
     d = Limits()
+    max_output = _set_or(msg, "max_output_tokens", d.max_output_tokens)
     limits = Limits(
         max_prompt_tokens=_set_or(msg, "max_prompt_tokens", d.max_prompt_tokens),
-        default_max_tokens=_set_or(msg, "default_max_tokens", d.default_max_tokens),
-        max_output_tokens=_set_or(msg, "max_output_tokens", d.max_output_tokens),
+        # Rule 1: unset, it follows the cap down (never the cap up: the cap protects the backend).
+        default_max_tokens=_set_or(
+            msg, "default_max_tokens", min(d.default_max_tokens, max_output)
+        ),
+        max_output_tokens=max_output,
         on_excess={policy_pb2.REJECT: OnExcess.REJECT, policy_pb2.CLAMP: OnExcess.CLAMP}.get(
             msg.on_excess, d.on_excess
         ),
@@ -98,24 +124,41 @@ def _limits(msg: policy_pb2.Limits) -> Limits:
         if getattr(limits, name) < 1:
             raise PolicyError(f"limits.{name}: must be at least 1")
     if limits.default_max_tokens > limits.max_output_tokens:
-        raise PolicyError(
-            f"limits.default_max_tokens: {limits.default_max_tokens} is above "
-            f"limits.max_output_tokens ({limits.max_output_tokens})"
+        raise _conflict(
+            msg,
+            "limits",
+            "default_max_tokens",
+            str(limits.default_max_tokens),
+            "above",
+            "max_output_tokens",
+            str(limits.max_output_tokens),
         )
     return limits
 
 
 def _retry_after(msg: policy_pb2.RetryAfter) -> RetryAfterPolicy:
     d = RetryAfterPolicy()
+    min_s = _duration_or(msg, "min", d.min_s)
     retry_after = RetryAfterPolicy(
-        min_s=_duration_or(msg, "min", d.min_s),
-        max_s=_duration_or(msg, "max", d.max_s),
+        min_s=min_s,
+        max_s=_duration_or(msg, "max", max(d.max_s, min_s)),  # rule 2
         jitter=_set_or(msg, "jitter", d.jitter),
     )
-    if retry_after.min_s < 1.0:
-        raise PolicyError("retry_after.min: must be at least 1s (Retry-After is whole seconds)")
+    for key, seconds in (("min", retry_after.min_s), ("max", retry_after.max_s)):
+        if seconds < 1.0:
+            raise PolicyError(
+                f"retry_after.{key}: must be at least 1s (Retry-After is whole seconds)"
+            )
     if retry_after.max_s < retry_after.min_s:
-        raise PolicyError("retry_after.max: must not be below retry_after.min")
+        raise _conflict(
+            msg,
+            "retry_after",
+            "max",
+            _duration(retry_after.max_s),
+            "below",
+            "min",
+            _duration(retry_after.min_s),
+        )
     if not 0 <= retry_after.jitter <= 10:
         raise PolicyError("retry_after.jitter: must be between 0 and 10")
     return retry_after
@@ -281,11 +324,24 @@ def _pool(msg: policy_pb2.Pool, backend: BackendPolicy) -> PoolPolicy:
 
 
 def _adaptive(msg: policy_pb2.Adaptive, backend: BackendPolicy) -> AdaptivePolicy:
-    slo, d = msg.slo, AdaptivePolicy()
+    slo, d, where = msg.slo, AdaptivePolicy(), "pool.adaptive"
+    for key in ("min", "initial", "max"):
+        if msg.HasField(key) and getattr(msg, key) < 1:
+            raise PolicyError(f"{where}.{key}: must be at least 1")
+    if msg.HasField("window") and _duration_or(msg, "window", 0.0) < 0.05:
+        raise PolicyError(f"{where}.window: must be at least 50ms (the shortest interval)")
+    # Rules 3-5: the defaults follow what the file set (max never: it protects the backend).
+    max_limit = _set_or(msg, "max", d.max_limit)
+    initial_set = [msg.initial] if msg.HasField("initial") else []
+    min_limit = _set_or(msg, "min", min(d.min_limit, max_limit, *initial_set))
+    interval = _duration_or(msg, "interval", min(d.interval_s, _duration_or(msg, "window", 60.0)))
+    stale_after = _duration_or(
+        msg, "stale_after", min(d.stale_after_s, _duration_or(msg, "fallback_after", 60.0))
+    )
     adaptive = AdaptivePolicy(
-        min_limit=_set_or(msg, "min", d.min_limit),
-        max_limit=_set_or(msg, "max", d.max_limit),
-        initial=_set_or(msg, "initial", d.initial),
+        min_limit=min_limit,
+        max_limit=max_limit,
+        initial=_set_or(msg, "initial", min(max(d.initial, min_limit), max_limit)),
         ttft_slo_s=_duration_or(slo, "ttft", d.ttft_slo_s),
         ttft_quantile=_set_or(slo, "ttft_quantile", d.ttft_quantile),
         itl_slo_s=_duration_or(slo, "inter_token", d.itl_slo_s),
@@ -295,15 +351,20 @@ def _adaptive(msg: policy_pb2.Adaptive, backend: BackendPolicy) -> AdaptivePolic
         queue_time_slo_s=_duration_or(slo, "queue_time", d.queue_time_slo_s),
         queue_time_quantile=_set_or(slo, "queue_time_quantile", d.queue_time_quantile),
         abandoned_max=_set_or(slo, "abandoned", d.abandoned_max),
-        interval_s=_duration_or(msg, "interval", d.interval_s),
-        window_s=_duration_or(msg, "window", d.window_s),
+        interval_s=interval,
+        window_s=_duration_or(msg, "window", max(d.window_s, interval)),
         max_kv_usage=_set_or(msg, "max_kv_usage", d.max_kv_usage),
-        stale_after_s=_duration_or(msg, "stale_after", d.stale_after_s),
-        fallback_after_s=_duration_or(msg, "fallback_after", d.fallback_after_s),
+        stale_after_s=stale_after,
+        fallback_after_s=_duration_or(msg, "fallback_after", max(d.fallback_after_s, stale_after)),
         queue_while_no_backend=_set_or(msg, "queue_while_no_backend", d.queue_while_no_backend),
     )
-    if not 1 <= adaptive.min_limit <= adaptive.initial <= adaptive.max_limit:
-        raise PolicyError("pool.adaptive: need 1 <= min <= initial <= max")
+    low, initial, high = adaptive.min_limit, adaptive.initial, adaptive.max_limit
+    if low > high:
+        raise _conflict(msg, where, "min", str(low), "above", "max", str(high))
+    if initial < low:
+        raise _conflict(msg, where, "initial", str(initial), "below", "min", str(low))
+    if initial > high:
+        raise _conflict(msg, where, "initial", str(initial), "above", "max", str(high))
     objectives = (
         adaptive.ttft_slo_s,
         adaptive.itl_slo_s,
@@ -329,9 +390,11 @@ def _adaptive(msg: policy_pb2.Adaptive, backend: BackendPolicy) -> AdaptivePolic
     if not 0.05 <= adaptive.interval_s <= 60:
         raise PolicyError("pool.adaptive.interval: must be between 50ms and 60s")
     if adaptive.window_s < adaptive.interval_s:
-        raise PolicyError("pool.adaptive.window: must not be shorter than the interval")
+        window, every = _duration(adaptive.window_s), _duration(adaptive.interval_s)
+        raise _conflict(msg, where, "window", window, "below", "interval", every)
     if adaptive.fallback_after_s < adaptive.stale_after_s:
-        raise PolicyError("pool.adaptive.fallback_after: must not be below stale_after")
+        fallback, stale = _duration(adaptive.fallback_after_s), _duration(adaptive.stale_after_s)
+        raise _conflict(msg, where, "fallback_after", fallback, "below", "stale_after", stale)
     if not backend.metrics:
         raise PolicyError(
             "pool.adaptive: needs backend.metrics (the vLLM /metrics URLs to read the limit from)"
@@ -356,11 +419,19 @@ def _overload(msg: policy_pb2.Overload) -> OverloadPolicy:
 
 def _shared(msg: policy_pb2.Shared) -> SharedPolicy:
     d = SharedPolicy(redis="")
+    # Rule 6: a renewal goes out every lease / 3, so a call must end well within that: the
+    # timeout is at most a quarter of the lease, and whichever of the two is unset follows.
+    timeout = _duration_or(msg, "timeout", None)
+    lease = _duration_or(msg, "lease", max(d.lease_s, 4 * (timeout or 0.0)))
+    if timeout is not None and timeout > 150:
+        raise PolicyError(
+            "pool.shared.timeout: must be at most 150s (a quarter of 10m, the longest lease)"
+        )
     shared = SharedPolicy(
         redis=msg.redis,
         key_prefix=msg.key_prefix or d.key_prefix,
-        lease_s=_duration_or(msg, "lease", d.lease_s),
-        timeout_s=_duration_or(msg, "timeout", d.timeout_s),
+        lease_s=lease,
+        timeout_s=timeout if timeout is not None else min(d.timeout_s, lease / 4),
         replicas=_set_or(msg, "replicas", d.replicas),
     )
     _url(check_redis_url, shared.redis, "pool.shared.redis")
@@ -370,9 +441,15 @@ def _shared(msg: policy_pb2.Shared) -> SharedPolicy:
         )
     if not 0.5 <= shared.lease_s <= 600:
         raise PolicyError("pool.shared.lease: must be between 500ms and 10m")
-    # A renewal goes out every lease / 3: a call must end well within that.
-    if not 0 < shared.timeout_s <= shared.lease_s / 4:
-        raise PolicyError("pool.shared.timeout: must be above 0 and at most a quarter of the lease")
+    if shared.timeout_s <= 0:
+        raise PolicyError("pool.shared.timeout: must be above 0")
+    if shared.timeout_s > shared.lease_s / 4:  # both set: either follows the other
+        timeout_text, lease_text = _duration(shared.timeout_s), _duration(shared.lease_s)
+        raise PolicyError(
+            f"pool.shared.timeout: {timeout_text} is above a quarter of pool.shared.lease "
+            f"({lease_text}); set lease to at least {_duration(4 * shared.timeout_s)}, or "
+            f"timeout to at most {_duration(shared.lease_s / 4)}"
+        )
     if shared.replicas is not None and shared.replicas < 1:
         raise PolicyError("pool.shared.replicas: must be at least 1")
     return shared
@@ -450,6 +527,19 @@ def route_override_from_mapping(data: object, policy: Policy) -> RouteOverride:
         value = getattr(override, name)
         if value is not None and value < 1:
             raise PolicyError(f"{name}: must be at least 1")
+    # One of the two alone follows the other (``classify.effective_limits``); both set out of
+    # order is the route's own contradiction.
+    default_max, max_output = override.default_max_tokens, override.max_output_tokens
+    if default_max is not None and max_output is not None and default_max > max_output:
+        raise _conflict(
+            msg,
+            "",
+            "default_max_tokens",
+            str(default_max),
+            "above",
+            "max_output_tokens",
+            str(max_output),
+        )
     return override
 
 
