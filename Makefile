@@ -34,10 +34,10 @@ lock:
 test: lint
 	$(BIN)/python -m pytest -q
 
-# For developers: the pure and in-process tests only (no Envoy, Redis, Docker, promtool, nothing
+# For developers: the pure and in-process tests only (no Envoy, Redis, Docker, promtool, kubectl, nothing
 # marked slow; tests/conftest.py), in under a minute; `make test` runs everything.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not (envoy or redis or docker or promtool or slow)"
+	$(BIN)/python -m pytest -q -m "not (envoy or redis or docker or promtool or kubectl or slow)"
 
 demo: $(STAMP)
 	$(BIN)/python -m bench.demo

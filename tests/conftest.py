@@ -2,8 +2,8 @@
 
 **Markers** say what a test needs beyond Python (registered, with what each means, in
 pyproject.toml, which runs pytest with ``--strict-markers``): ``envoy`` (the real Envoy binary),
-``redis`` (a real redis-server), ``docker`` (a compose CLI), ``promtool``, ``slow`` (seconds or
-more of wall time).
+``redis`` (a real redis-server), ``docker`` (a compose CLI), ``promtool``, ``kubectl`` (its
+``kubectl kustomize``), ``slow`` (seconds or more of wall time).
 ``make test-fast`` runs what needs none of them. A test gets its markers
 
 - by where it is: :data:`NEEDS_BY_PATH`, the longest prefix of its node id that is listed
@@ -12,12 +12,12 @@ more of wall time).
 - by hand, ``@pytest.mark.<name>`` in its file, where only some tests of a file need a tool.
 
 **Checks.** Every test runs with ``$LLM_EXTPROC_TOOL_LOG`` naming a fresh file; finding Envoy,
-redis-server, promtool or a compose CLI appends the marker to it (``testing.tools``), in this
-process or in one a test started. A test that started a tool its markers do not name fails at
-teardown, so ``-m "not envoy"`` really runs no Envoy. A test marked ``envoy`` or ``redis`` never
-skips: both come with the test extra, and a skip there is turned into a failure. ``docker`` and
-``promtool`` tests skip for a user without the tool (the reason names it and how to get it) and
-fail instead under ``LLM_EXTPROC_REQUIRE_TOOLS=1`` (``.ci/run``).
+redis-server, promtool, kubectl or a compose CLI appends the marker to it (``testing.tools``), in
+this process or in one a test started. A test that started a tool its markers do not name fails
+at teardown, so ``-m "not envoy"`` really runs no Envoy. A test marked ``envoy`` or ``redis``
+never skips: both come with the test extra, and a skip there is turned into a failure.
+``docker``, ``promtool`` and ``kubectl`` tests skip for a user without the tool (the reason names
+it and how to get it) and fail instead under ``LLM_EXTPROC_REQUIRE_TOOLS=1`` (``.ci/run``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from testing.stack import Stack
 from testing.tools import REQUIRE_TOOLS, TOOL_LOG, started
 
 REQUIRED = frozenset({"envoy", "redis"})
-OPTIONAL = frozenset({"docker", "promtool"})
+OPTIONAL = frozenset({"docker", "promtool", "kubectl"})
 NEEDS = REQUIRED | OPTIONAL | {"slow"}  # the markers pyproject.toml registers
 
 # Node-id prefix -> everything these tests need: a folder of one tier, a file whose tests all

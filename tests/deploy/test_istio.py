@@ -1,12 +1,14 @@
-"""deploy/istio/, checked without a cluster: the EnvoyFilter patches are applied to a filter
-chain and a connection manager as Istio applies them and compared with envoy/envoy.yaml; the
+"""The Istio install (`kubectl apply -k deploy/k8s/overlays/istio`, as tests/deploy/kustomize.py
+builds it; deploy/istio/ has its README and examples), checked without a cluster: the
+EnvoyFilter patches are applied to a filter chain and a connection manager as Istio applies
+them and compared with envoy/envoy.yaml; the
 DestinationRule's limits with envoy.yaml's ext_proc cluster; the sidecar's manifests against
 the EnvoyFilter and the policy schema; who may reach the sidecar (access.yaml: mutual TLS, the
 gateway's identity only, a NetworkPolicy) against the gateway the EnvoyFilter selects; the
-replicas' shared pool against the Redis of redis.yaml, which only the sidecar may reach. The
+replicas' shared pool against the overlay's Redis, which only the sidecar may reach. The
 example routes, translated as Istio would, make a config the real Envoy 1.40 accepts, and that
 config serves through a real sidecar (a stand-in for Istio's cluster, without its TLS), whose
-pool is leased from a real redis-server standing in for redis.yaml's. Two
+pool is leased from a real redis-server standing in for the overlay's. Two
 facts deploy/istio/README.md rests on (how ext_proc is scoped to routes, and that route header
 edits come after ext_proc) are pinned by running the real Envoy.
 """
@@ -14,6 +16,7 @@ edits come after ext_proc) are pinned by running the real Envoy.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import socket
 import urllib.error
@@ -55,27 +58,51 @@ from testing.harness import running_stack
 from testing.redis import RedisServer
 from testing.stack import REPO, Stack, free_port, running_envoy
 from testing.wait import until
+from tests.deploy.kustomize import K8S, build, named
 
 DEPLOY = REPO / "deploy"
 ISTIO = DEPLOY / "istio"
 ROUTES_EXAMPLE = ISTIO / "examples" / "routes.yaml"
-GATEWAY_FILTER = ISTIO / "envoyfilter-gateway.yaml"
-REDIS = ISTIO / "redis.yaml"
+GATEWAY_FILTER = K8S / "components" / "istio" / "envoyfilter-gateway.yaml"
 ENVOY_FILTERS = [GATEWAY_FILTER, ISTIO / "examples" / "sidecar-inbound.yaml"]
 BUFFER_FILTER = "envoy.filters.http.buffer"
-HCM_SETTINGS = ("request_headers_timeout", "request_timeout", "local_reply_config")
+ACCESS_KINDS = ("PeerAuthentication", "AuthorizationPolicy", "NetworkPolicy")
+HCM_SETTINGS = (
+    "request_headers_timeout",
+    "request_timeout",
+    "local_reply_config",
+    "always_set_request_id_in_response",
+)
 
 
-def manifests(name: str) -> dict[str, dict[str, Any]]:
-    """The documents of deploy/istio/NAME by kind (one of each kind per file)."""
-    docs = istio_docs(ISTIO / name)
-    by_kind = {d["kind"]: d for d in docs}
-    assert len(by_kind) == len(docs), name
-    return by_kind
+@functools.cache
+def istio_overlay() -> list[dict[str, Any]]:
+    """What `kubectl apply -k deploy/k8s/overlays/istio` applies (tests/deploy/kustomize.py;
+    tests/deploy/test_k8s.py compares it with the real `kubectl kustomize`). Read, never
+    changed, by the tests here."""
+    return build(K8S / "overlays" / "istio")
+
+
+def by_kind(*names: tuple[str, str]) -> dict[str, dict[str, Any]]:
+    """The overlay's objects of these (kind, name) pairs, by kind."""
+    return {kind: named(istio_overlay(), kind, name) for kind, name in names}
 
 
 def extproc_manifests() -> dict[str, dict[str, Any]]:
-    return manifests("extproc.yaml")
+    """The sidecar's own objects (base/ as the Istio component patches them)."""
+    return by_kind(
+        ("Namespace", "llm-extproc"),
+        ("ServiceAccount", "llm-extproc"),
+        ("ConfigMap", "llm-extproc-policy"),
+        ("Deployment", "llm-extproc"),
+        ("Service", "llm-extproc"),
+        ("EnvoyFilter", "llm-extproc-inbound-streams"),
+    )
+
+
+def access_manifests() -> dict[str, dict[str, Any]]:
+    """Who may reach the sidecar: access.yaml and the NetworkPolicy as the component patches it."""
+    return by_kind(*((kind, "llm-extproc") for kind in ACCESS_KINDS))
 
 
 def pod_labels() -> dict[str, str]:
@@ -87,7 +114,9 @@ def configmap_policy() -> Policy:
 
 
 def redis_manifests() -> dict[str, dict[str, Any]]:
-    return manifests("redis.yaml")
+    """The shared pool's Redis and who may reach it (components/shared-pool, istio)."""
+    kinds = ("ServiceAccount", "Deployment", "Service", *ACCESS_KINDS)
+    return by_kind(*((kind, "llm-extproc-redis") for kind in kinds))
 
 
 def grpc_port() -> int:
@@ -289,7 +318,7 @@ def test_only_the_gateway_can_reach_the_grpc_port() -> None:
     """Mutual TLS required, the gateway's identity the only one allowed on the gRPC port, and
     below Istio a NetworkPolicy that admits only the gateway's pods to it (and Prometheus to
     the metrics ports). The gateway is the one envoyfilter-gateway.yaml selects."""
-    access = manifests("access.yaml")
+    access = access_manifests()
     labels, grpc = pod_labels(), grpc_port()
     (gateway,) = [d for d in istio_docs(GATEWAY_FILTER) if d["kind"] == "EnvoyFilter"]
     gateway_ns = gateway["metadata"]["namespace"]
@@ -300,7 +329,7 @@ def test_only_the_gateway_can_reach_the_grpc_port() -> None:
     peer = access["PeerAuthentication"]["spec"]
     assert peer["selector"]["matchLabels"].items() <= labels.items()
     assert peer["mtls"] == {"mode": "STRICT"}
-    assert set(peer.get("portLevelMtls", {})) == {9464}  # the gRPC port is never relaxed
+    assert {int(p) for p in peer.get("portLevelMtls", {})} == {9464}  # never the gRPC port
 
     authz = access["AuthorizationPolicy"]["spec"]
     assert authz["selector"]["matchLabels"].items() <= labels.items()
@@ -344,7 +373,7 @@ def redis_port() -> int:
 
 
 def test_istio_policy_leases_the_pool_from_the_redis_service() -> None:
-    """The ConfigMap's pool.shared.redis is redis.yaml's Service, on its port, which leads to
+    """The ConfigMap's pool.shared.redis is the Redis Service, on its port, which leads to
     the Redis container's port; one Redis, never two at once (two would be two pools), keeping
     nothing on disk; its pods and the sidecar's are told apart by their labels."""
     policy = configmap_policy()
@@ -414,7 +443,7 @@ def test_only_the_sidecar_can_reach_redis() -> None:
     assert peer_pods["podSelector"]["matchLabels"].items() <= pod_labels().items()
     assert r["NetworkPolicy"]["metadata"]["namespace"] == namespace
     # The sidecar's own access rules do not select the Redis pods (nor the other way round).
-    access = manifests("access.yaml")
+    access = access_manifests()
     for kind in ("PeerAuthentication", "AuthorizationPolicy"):
         assert not access[kind]["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert not access["NetworkPolicy"]["spec"]["podSelector"]["matchLabels"].items() <= (
