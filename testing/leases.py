@@ -89,18 +89,28 @@ def replica(
     lease_s: float = 1.0,
     timeout_s: float | None = None,
     rand: Callable[[], float] = random.random,
+    key_prefix: str = KEY_PREFIX,
+    fresh: bool = False,
     **options: Any,
 ) -> tuple[LeaseManager, FakePool]:
-    """A manager named ``name`` on a fresh :class:`FakePool`, keys under ``KEY_PREFIX``; its
+    """A manager named ``name`` on a fresh :class:`FakePool`, keys under ``key_prefix``; its
     calls' deadline is ``timeout_s``, by default the longest the policy allows (a quarter of
     the lease), so that a loaded machine is less often taken for Redis gone. ``options``:
-    the manager's other arguments (``on_error``, ``bounds``...)."""
+    the manager's other arguments (``on_error``, ``bounds``...).
+
+    Unless ``fresh``, the manager is one of a pool that has run a while: it has seen the pool
+    outside a fence (with nobody else live), so its first renewal on an empty Redis ends the
+    new epoch's fence at once. A ``fresh`` one is a replica that has just started, as every
+    manager of a real process is: alone on an empty Redis, it waits out the fence (one lease),
+    since it cannot tell a new pool from one whose state was lost (``scripts``)."""
     pool = FakePool()
     timeout_s = lease_s / 4 if timeout_s is None else timeout_s
-    policy = SharedPolicy(redis=url, key_prefix=KEY_PREFIX, lease_s=lease_s, timeout_s=timeout_s)
+    policy = SharedPolicy(redis=url, key_prefix=key_prefix, lease_s=lease_s, timeout_s=timeout_s)
     m = LeaseManager(
         pool, policy, limit=limit, adaptive=adaptive, replica=name, rand=rand, **options
     )
+    if not fresh:
+        m.roster = []
     pool.manager = m
     return m, pool
 

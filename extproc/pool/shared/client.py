@@ -139,12 +139,15 @@ class PoolClient:
         back: Sequence[str],
         claim: Sequence[str],
         known: Sequence[str] = (),
+        fresh: bool = False,
         limit: str,
     ) -> replies.Renewed:
         """Renew ``renew``, give ``back`` back, claim ``claim`` while there is room, write
         ``demand``; ``volunteer``: lead if nobody does; ``publish``: the limit, if leading in
         ``term`` (the leader's as last heard: the script refuses it in another);
-        ``known``: the replicas last seen live (expected to re-register in a new epoch)."""
+        ``known``: the replicas last seen live (expected to re-register in a new epoch);
+        ``fresh``: the replica has never seen the pool outside a fence, so it cannot say who
+        ran before a loss (its renewal cannot end a fence that only fresh replicas joined)."""
         fields = [
             encode_demand(demand),
             "1" if volunteer else "0",
@@ -152,7 +155,7 @@ class PoolClient:
             len(renew),
             len(back),
             len(claim),
-            len(known),
+            f"{len(known)}:fresh" if fresh else len(known),
         ]
         ids = [*renew, *back, *claim, *known]
         raw = await self._call("renew", self._renew, limit, fields, ids)

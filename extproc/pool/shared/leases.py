@@ -370,7 +370,8 @@ class LeaseManager(Ledger):
             renew=list(self._ids),
             back=[*back, *doubtful],
             claim=claim,
-            known=self.replicas,
+            known=self.named,
+            fresh=self.fresh,
             limit=self.limit_arg,
         )
         try:

@@ -19,7 +19,9 @@ A ``Ledger`` holds
   after a rejoin;
 - the pool's epoch as last heard, and whether its fence stands (``scripts``): a reply of
   another epoch than the one heard before says the pool's state in Redis was lost or reset,
-  and the replica re-registers what it runs with a renewal at once;
+  and the replica re-registers what it runs with a renewal at once; and the *roster*, the
+  live replicas as the last renewal outside a fence saw them: until one did, the replica is
+  *fresh* (it cannot know who ran before a loss, and says so in its renewals);
 - the other policies (limits) live on its ``key_prefix``, as the last renewal said;
 - what the shell is to log (``take_notices``): a reset heard, other policies appearing.
 
@@ -117,6 +119,10 @@ class Ledger:
         self._grace = NO_GRACE
         self.epoch: int | None = None  # the pool's epoch in Redis, as last heard
         self.fenced = False  # its fence stands: nobody acquires
+        # The live replicas as the last renewal outside a fence saw them (None: none did yet,
+        # the replica is *fresh*): who may run leases that a loss of the state left
+        # uncounted, named in every renewal while a fence stands (``named``).
+        self.roster: list[str] | None = None
         self.other_policies = 0  # other limits live on our key_prefix (a mistake)
         self._notices: list[str] = []  # for the shell to log, in order
         # The calls in flight, which the shell sets (then calls ``changed``).
@@ -137,6 +143,20 @@ class Ledger:
     def own_limit(self) -> int:
         """The limit each call passes, which the scripts use while no leader publishes one."""
         return self.static_limit if not self.adaptive else self.limit
+
+    @property
+    def fresh(self) -> bool:
+        """No renewal has seen the pool outside a fence: this replica cannot say who ran
+        before a loss of the state (``scripts``: its renewal cannot end a fence)."""
+        return self.roster is None
+
+    @property
+    def named(self) -> list[str]:
+        """The replicas a renewal names as live: those last seen, and those seen outside
+        the last fence (a second loss within a fence must still expect them)."""
+        if self.roster is None or self.roster is self.replicas:
+            return self.replicas
+        return sorted({*self.roster, *self.replicas})
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -326,6 +346,8 @@ class Ledger:
             )
         self.other_policies = reply.policies
         self.replicas = sorted(reply.live)
+        if not reply.fenced:
+            self.roster = self.replicas
         self.heard_others(reply.others)
         self._published = unmet
         self._valid_until = decide.holding_until(sent, self.policy.lease_s, self.policy.timeout_s)

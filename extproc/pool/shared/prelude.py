@@ -115,7 +115,8 @@ local function expect(who)
   if fenced then redis.call('HSETNX', KEYS[8], who, '0') end
 end
 
--- The fence ends when nobody expected is left (after a first RENEW); true when it did now.
+-- The fence ends when nobody expected is left and a RENEW not fresh said who runs ('#'
+-- gone); true when it did now.
 local function settle()
   if not fenced then return false end
   local f = redis.call('HGETALL', KEYS[8])

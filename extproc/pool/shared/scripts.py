@@ -33,12 +33,16 @@ in one slot, which a script needs):
   the leases set gone while leases should live (the set evicted) starts a new epoch: the
   count in Redis no longer covers what the replicas run.
 - ``{prefix}:fence``: hash, replica id -> ``1`` (re-registered in this epoch) or ``0``
-  (expected), and ``#`` until a first ``RENEW`` said who runs; made by a new epoch with
-  ``PX lease``. While it exists, ``ACQUIRE`` grants nothing: the replicas re-register what
-  they run (every ``RENEW`` carries every lease held and claims one per running request), and
-  each ``RENEW`` names the replicas it last saw live; the fence ends when every replica named
-  (and every one that called meanwhile) has renewed, or after the lease, and its ``RENEW``
-  publishes ``freed``. A whole new pool ends it with its first ``RENEW`` (it names nobody).
+  (expected), and ``#`` until a ``RENEW`` of a replica that knows who ran said so; made by a
+  new epoch with ``PX lease``. While it exists, ``ACQUIRE`` grants nothing: the replicas
+  re-register what they run (every ``RENEW`` carries every lease held and claims one per
+  running request), and each ``RENEW`` names the replicas it last saw live; the fence ends
+  when every replica named (and every one that called meanwhile) has renewed, or after the
+  lease, and its ``RENEW`` publishes ``freed``. A *fresh* replica (one that has never seen
+  the pool outside a fence: it started after the loss, or during the last fence) knows
+  nobody who ran before the loss, so its ``RENEW`` re-registers it but leaves ``#``: when
+  only fresh replicas call (a newcomer first after a FLUSHALL, or a whole new pool, which
+  looks the same) the fence lasts its lease.
 - ``{prefix}:policies``: hash, ``least:most`` (the bounds of a caller's limit: a static
   pool's limit twice, an adaptive pool's ``min:max``) -> expiry (ms): the policies whose
   replicas renewed within the lease. ``RENEW`` reports how many others than the caller's
@@ -283,11 +287,15 @@ return {n, redis.call('ZCARD', KEYS[1]) + reserved, limit, epoch, seal()}
 # RENEW, the one call per interval: ARGV 5 the caller's demand, 6 '1' if it would lead (an
 # adaptive pool), 7 the limit it publishes if it leads, ``<limit>@<term>`` ('' none; another
 # term than the one in force: refused), 8 how many ids to renew,
-# 9 to give back, 10 to claim, 11 how many replicas it last saw live; then those ids and
-# replicas in that order. Renewed ids that have expired (Redis was unreachable for longer than
+# 9 to give back, 10 to claim, 11 how many replicas it names (those it last saw live), with
+# ``:fresh`` after the number when it has never seen the pool outside a fence (it has just
+# started: it cannot know who ran before a loss); then those ids and replicas in that order.
+# Renewed ids that have expired (Redis was unreachable for longer than
 # the lease, or restarted) and claimed ids (running requests that hold no lease: the replica
 # rejoins) are added while the pool has room; the rest are reported lost. While the fence
-# stands, this re-registers the caller, and the replicas it names are expected. Returns
+# stands, this re-registers the caller, and the replicas it names are expected; only a
+# caller that is not fresh says who runs (lifts ``#``), so a fresh one alone never ends it.
+# Returns
 # {count, limit, leader, lost ids, claimed, live replicas, others' demand as [replica, table,
 # ...], epoch, fenced, the leader's term (0 none), other policies live on this prefix}.
 RENEW = (
@@ -347,10 +355,11 @@ for i = first + n_renew + n_back, first + n_renew + n_back + n_claim - 1 do
 end
 local ended = false
 if fenced then
-  redis.call('HDEL', KEYS[8], '#')
+  local named, fresh = string.match(ARGV[11], '^(%d+)(.*)$')
+  if fresh ~= ':fresh' then redis.call('HDEL', KEYS[8], '#') end
   redis.call('HSET', KEYS[8], me, '1')
   local known = first + n_renew + n_back + n_claim
-  for i = known, known + tonumber(ARGV[11]) - 1 do
+  for i = known, known + tonumber(named) - 1 do
     redis.call('HSETNX', KEYS[8], ARGV[i], '0')
   end
   ended = settle()
