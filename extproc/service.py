@@ -434,7 +434,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         rec.ended_at = self._loop.time()
         if st.slot is not None:
             gone = abandoned(st.deadline, rec.ended_at)  # ended after its client had left
-            self._gate.ends.record(rec.ended_at, rec.hold_s or 0.0, gone)
+            # Its client's own short deadline: counted as abandoned, not the limit's to judge.
+            own = st.slot.ticket.client_deadline
+            self._gate.ends.record(rec.ended_at, rec.hold_s or 0.0, gone, client_deadline=own)
             if gone:
                 self._metrics.abandoned.labels(rec.bucket).inc()
             st.slot.release()

@@ -42,7 +42,9 @@ A new lease manager takes over from the old one without the gate ever leaving th
 running at the switch and giving one back as each ends, and is closed (it leaves the pool)
 once they all have; nothing new is admitted but on the new manager's leases. A policy
 without ``pool.shared`` (or without a pool) leaves shared mode: every lease goes back at
-once, and the pool is this replica's own, at the policy's limit.
+once, and the pool is this replica's own, at the policy's limit. Going into shared mode or out
+of it starts the adaptive limit afresh: the band cut in force is lifted (a shared pool has
+none) and a poller runs only where this replica leads (out of shared mode: here).
 
 Every task started here has an owner: the overload tick and the poller's own task are awaited
 by ``stop``, a poller stopped on a reload or a change of leader is awaited there too, and
@@ -105,7 +107,8 @@ class PoolControl:
         self._metrics = metrics
         self._policy: Policy | None = None
         self._poller: Poller | None = None
-        self._poller_key: tuple[AdaptivePolicy, BackendPolicy, int] | None = None
+        # What the poller is for: its settings, and whether the pool is shared.
+        self._poller_key: tuple[AdaptivePolicy, BackendPolicy, int, bool] | None = None
         self._monitor: OverloadMonitor | None = None
         self._monitor_key: OverloadPolicy | None = None
         self._signals: Signals | None = None
@@ -157,7 +160,12 @@ class PoolControl:
         if self._switch.switch(pool, prepared.built, started=self._started) and not self._leads():
             self._stop_poller()  # the new manager's poller starts once it leads
         adaptive = pool.adaptive if pool is not None else None
-        key = (adaptive, policy.backend, pool.max_concurrency) if adaptive and pool else None
+        # Into or out of shared mode is another poller too: a shared pool has no band cut
+        # (its leader sees only its own bands) and its poller runs only where it leads.
+        shared = self._shared is not None
+        key = (
+            (adaptive, policy.backend, pool.max_concurrency, shared) if adaptive and pool else None
+        )
         if key != self._poller_key:
             self._stop_poller()
             self._poller_key = key

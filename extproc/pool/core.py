@@ -64,13 +64,23 @@ Rules (the invariants tests check):
 6. A bucket with tenant bounds (``extproc.pool.tenants``) refuses a tenant's request before
    it joins when the tenant has ``max_queue`` waiting, or ``max_share`` of the bucket's
    largest number of slots waiting and running (TENANT_QUEUE_FULL, TENANT_OVER_SHARE);
-   nothing is held, and the bucket's ``refused_total`` does not count it.
+   nothing is held, and the bucket's ``refused_total`` does not count it. The requests
+   without a tenant key are one tenant under the same bounds. The share is of the bucket's
+   slots at the pool's capacity (``PoolState.capacity``): the whole pool's limit
+   (``set_whole_limit``: a shared pool's, not the leases this replica holds), and while the
+   limit is 0 its last positive value.
+7. A full bucket whose order keeps room (``QueueOrder.displace``: the fair order) takes a
+   newcomer whose tenant, once it joined, has fewer waiters than the heaviest tenant: that
+   tenant's newest waiter is refused QUEUE_FULL in its stead (``Decision.displaced``,
+   counted in ``refused_total``). Otherwise the newcomer is refused.
 
 Every call takes ``now`` from the caller and returns what changed; nothing here sleeps, reads a
 clock or knows about asyncio (the asyncio shell is ``extproc.pool.gate``). Tests drive it
 with plain numbers. Costs: enqueue, hand-over and cancel are O(log n + buckets in the pool);
 eviction is O(log n) through one heap of deadlines across buckets, with lazy deletion and
-compaction (``extproc.pool.deadlines``); a tenant's bounds are O(1).
+compaction (``extproc.pool.deadlines``) after every way out of a queue, refusals and
+evictions included (at limit 0 nobody is admitted); a tenant's bounds and the room a full
+fair bucket keeps are O(1).
 """
 
 from __future__ import annotations
@@ -144,10 +154,9 @@ class Admission:
         )
         counts = b.tenants
         if counts is not None:
-            if tenant is not None:
-                refusal = counts.refusal(tenant, b.max_slots(pool.limit, None))
-                if refusal is not None:
-                    return Decision(verdict=refusal, ticket=ticket)
+            refusal = b.tenant_refusal(tenant)
+            if refusal is not None:
+                return Decision(verdict=refusal, ticket=ticket)
             counts.joined(tenant)
         # Join the queue, then let the rules decide: admitted at once when they pick it now.
         self._where[ticket.id] = b
@@ -159,20 +168,23 @@ class Admission:
             self._fill(pool, now)
             if ticket.id in b.running:
                 return Decision(verdict=Verdict.ADMITTED, ticket=ticket)
-        if len(b.waiting) > b.max_queue or (
-            self.max_queued_bytes is not None and self.queued_bytes > self.max_queued_bytes
-        ):
-            self._drop(b, ticket)
-            b.refused_total += 1
-            return Decision(verdict=Verdict.QUEUE_FULL, ticket=ticket)
+        displaced: Ticket | None = None
+        over_bytes = self.max_queued_bytes is not None and self.queued_bytes > self.max_queued_bytes
+        if over_bytes or len(b.waiting) > b.max_queue:
+            if not over_bytes and len(b.waiting) == b.max_queue + 1:
+                displaced = b.displaced(ticket)  # rule 7: the room a lighter tenant finds
+            if displaced is None:
+                self._refuse(b, ticket)
+                return Decision(verdict=Verdict.QUEUE_FULL, ticket=ticket)
         if pool.fail_fast:
             wait = b.predicted_wait_s(exclude=ticket)
             if wait is not None and wait > longest_wait(b, ticket, now):
-                self._drop(b, ticket)
-                b.refused_total += 1
+                self._refuse(b, ticket)  # and the one it would have displaced stays
                 return Decision(verdict=Verdict.WAIT_TOO_LONG, ticket=ticket, predicted_wait_s=wait)
+        if displaced is not None:
+            self._refuse(b, displaced)
         self._deadlines.push(ticket.deadline, ticket.id)
-        return Decision(verdict=Verdict.QUEUED, ticket=ticket)
+        return Decision(verdict=Verdict.QUEUED, ticket=ticket, displaced=displaced)
 
     def release(self, ticket_id: int, now: float) -> list[Ticket]:
         """Give back the slot of a running ticket; returns the tickets admitted in its place.
@@ -197,7 +209,7 @@ class Admission:
         if ticket_id in b.running:
             return self.release(ticket_id, now)
         self._drop(b, b.waiting[ticket_id])
-        self._maybe_compact()
+        self._compact(b)
         # A waiter that left may have been the one the token bound held everyone behind.
         return self._fill(b.pool, now) if b.pool.max_tokens is not None else []
 
@@ -206,8 +218,10 @@ class Admission:
         relegate it (``extproc.pool.relegate``)."""
         evicted: list[Ticket] = []
         pools: set[PoolState] = set()
+        left: set[BucketState] = set()
         for tid in self._deadlines.due(now):
             b = self._where[tid]
+            left.add(b)
             ticket = b.waiting[tid]
             moved = relegate(ticket, b, self._buckets, now) if b.relegate else None
             if moved is not None:
@@ -225,6 +239,7 @@ class Admission:
                 pools.add(b.pool)
         for pool in pools:  # see cancel: a blocked head may have left; and relegations
             self._admitted_by_expiry.extend(self._fill(pool, now))
+        self._compact(*left)  # nothing may be admitted (limit 0) to compact for them
         return evicted
 
     def take_admitted(self) -> list[Ticket]:
@@ -253,7 +268,7 @@ class Admission:
             b.pool.buckets.append(b)
             return []
         admitted = self._move(b, None, now) if b.shared else []
-        b.pool.limit = capacity
+        b.pool.set_limit(capacity, None)
         b.configure(max_queue=max_queue)
         return admitted + self._fill(b.pool, now)
 
@@ -266,16 +281,20 @@ class Admission:
         max_tokens: int | None = None,
         fail_fast: bool = True,
         choice: BucketChoice | None = None,
+        whole: int | None = None,
     ) -> list[Ticket]:
         """Create a shared pool or change it; returns waiters admitted by a raised limit
         (``limit`` 0: nobody is admitted, see ``set_pool_limit``). ``choice``: the rule
-        across its buckets (``extproc.pool.order``; None: as it is, at first the default)."""
+        across its buckets (``extproc.pool.order``; None: as it is, at first the default);
+        ``whole``: the whole pool's limit when ``limit`` is a replica's part of it
+        (``set_whole_limit``)."""
         if limit < 0 or (max_tokens is not None and max_tokens < 1):
             raise ValueError(f"pool {name!r}: limit must be >= 0 and max_tokens >= 1")
         pool = self._pools.get(name)
         if pool is None:
             pool = self._pools[name] = PoolState(name, limit)
-        pool.limit, pool.max_tokens, pool.fail_fast = limit, max_tokens, fail_fast
+        pool.set_limit(limit, whole)
+        pool.max_tokens, pool.fail_fast = max_tokens, fail_fast
         pool.choice = choice or pool.choice
         return self._fill(pool, now)
 
@@ -283,8 +302,15 @@ class Admission:
         """The pool's limit only (the adaptive controller's knob, and the leases a replica of
         a shared pool holds, which may be none: 0 admits nobody)."""
         pool = self._pools[name]
-        pool.limit = max(0, limit)
+        pool.set_limit(max(0, limit), pool.whole)
         return self._fill(pool, now)
+
+    def set_whole_limit(self, name: str, whole: int | None) -> None:
+        """The whole pool's limit, when the pool's own is a replica's part of a pool shared
+        by several (None: its own limit is the whole): what the tenants' ``max_share`` is of
+        (rule 6). Admits nobody: the bounds apply at entry."""
+        pool = self._pools[name]
+        pool.set_limit(pool.limit, whole)
 
     def set_cut(self, name: str, factor: float, now: float, *, band: bool = False) -> list[Ticket]:
         """The pool's least urgent band (when it has more than one) may hold at most ``factor``
@@ -411,7 +437,7 @@ class Admission:
             self._admit(best, ticket, best_key, now)
             admitted.append(ticket)
         if admitted:
-            self._maybe_compact()
+            self._compact(*pool.buckets)
         return admitted
 
     def _admit(self, b: BucketState, ticket: Ticket, key: float, now: float) -> None:
@@ -441,7 +467,19 @@ class Admission:
         b = self._where.get(ticket_id)
         return b is not None and ticket_id in b.waiting
 
-    def _maybe_compact(self) -> None:
+    def _refuse(self, b: BucketState, ticket: Ticket) -> None:
+        """A waiter, the newcomer or the one it displaced, is refused at once: it leaves,
+        counted in ``refused_total``, and its heap entries go with a compaction here, whether
+        anyone is admitted or not."""
+        self._drop(b, ticket)
+        b.refused_total += 1
+        self._compact(b)
+
+    def _compact(self, *buckets: BucketState) -> None:
+        """Drop the entries of tickets gone from the heaps, once they outnumber the live ones
+        (each check O(1), each rebuild paid for by as many departures: O(1) amortised). After
+        every way out of a queue (admitted, refused, evicted, cancelled): at limit 0 nobody is
+        admitted, and the refusals alone would otherwise fill the heaps."""
         self._deadlines.compact(len(self._where))
-        for b in self._buckets.values():
+        for b in buckets:
             b.compact()

@@ -15,6 +15,13 @@ Weighed by time, not counted: an answer abandoned after 30 s of decoding wasted 
 work of a 3 s one, and the backend's wasted work, not the number of unhappy clients, is what
 the objective bounds (the benchmark's "wasted work" is the share of generated tokens).
 
+Left out, ended or abandoned alike: the requests whose deadline was their client's own and
+sooner than their bucket's queue timeout (``Ticket.client_deadline``: say an
+``x-stainless-timeout`` shorter than the policy lets anyone wait). Such a client chose to
+leave early; its answer ending past that deadline is its own choice, not the backend's
+slowness, and counting it let a few impatient clients cut the limit for everyone (32 -> 4 in
+80 s). The servicer still counts them as abandoned (``llm_extproc_abandoned_total``).
+
 Counted in bins of ``BIN_S`` (one second), kept for ``KEEP_S`` or the longest window asked,
 whichever is longer: memory is a few hundred small lists whatever the request rate. A window
 is counted in whole bins, so it covers up to one bin more than asked. Pure: ``now`` comes
@@ -38,9 +45,14 @@ class Ends:
         self._bins: deque[list[float]] = deque()
         self._keep_s = KEEP_S
 
-    def record(self, now: float, held_s: float, abandoned: bool) -> None:
+    def record(
+        self, now: float, held_s: float, abandoned: bool, *, client_deadline: bool = False
+    ) -> None:
         """One admitted request's stream ended at ``now`` after holding its slot ``held_s``;
-        ``abandoned``: after its deadline."""
+        ``abandoned``: after its deadline; ``client_deadline``: that deadline was its client's
+        own, sooner than its queue timeout (left out, module docstring)."""
+        if client_deadline:
+            return
         index = int(now // BIN_S)
         if not self._bins or self._bins[-1][0] != index:
             self._bins.append([index, 0, 0.0, 0.0])

@@ -26,7 +26,12 @@ limit itself (``set_pool_limit``), gives each bucket's ``max_share`` and cap (``
 when they change), hears of every release before the slot is handed on (``before_release``: it
 may lower the limit first, so the slot is not reused here) and of every change of waiters or
 slots (``changed``). With an owner, predicted waits are off (``fail_fast``): the local release
-rate is of a limit the gate does not set.
+rate is of a limit the gate does not set. A tenant's ``max_share`` is of the whole pool's limit
+(``whole_limit``), not of the part this replica holds.
+
+A waiter may be refused after it queued, without waiting for its deadline: when a lighter
+tenant's request takes its place in a full fair bucket (``Decision.displaced``), its
+``admitted()`` raises ``Refused`` (``rejected_queue_full``) at once.
 """
 
 from __future__ import annotations
@@ -61,6 +66,11 @@ class LimitOwner(Protocol):
 
     def bucket_share(self, bucket: BucketPolicy) -> tuple[float, int | None]:
         """The bucket's (``max_share``, absolute cap or None) for the core."""
+        ...
+
+    def whole_limit(self) -> int:
+        """The whole pool's limit, all replicas together: what a tenant's ``max_share`` is
+        of (``Admission.set_whole_limit``)."""
         ...
 
     def before_release(self) -> None:
@@ -198,6 +208,7 @@ class Gate:
                     now,
                     max_tokens=pool.max_tokens_in_flight,
                     fail_fast=pool.fail_fast and owner is None,
+                    whole=owner.whole_limit() if owner is not None else None,
                 )
             )
         for b in policy.buckets:
@@ -256,6 +267,8 @@ class Gate:
         if self._policy.pool is None:
             return
         now = self._loop.time()
+        if self._owner is not None:
+            self._core.set_whole_limit(POOL, self._owner.whole_limit())
         for b in self._policy.buckets:
             self._set_bucket(b, now)
 
@@ -355,6 +368,8 @@ class Gate:
             )
         fut: asyncio.Future[Slot] = self._loop.create_future()
         self._waiters[decision.ticket.id] = fut
+        if decision.displaced is not None:  # it took that waiter's place: refused at once
+            self._refuse_displaced(decision.displaced, now)
         self._arm()
         self._changed()
         return Waiter(self, decision.ticket, fut)
@@ -417,6 +432,24 @@ class Gate:
         self._hand_over(self._core.cancel(ticket.id, self._loop.time()))
         self._changed()
 
+    def _refuse_displaced(self, ticket: Ticket, now: float) -> None:
+        self._fail(ticket, REFUSED[Verdict.QUEUE_FULL], now)
+
+    def _fail(self, ticket: Ticket, outcome: Outcome, now: float) -> None:
+        """The waiter of ``ticket``, if still waiting, gets ``Refused`` with ``outcome``."""
+        fut = self._waiters.pop(ticket.id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(
+                Refused(
+                    outcome,
+                    ticket.bucket,
+                    self._retry_after(ticket.bucket),
+                    self._core.queued(ticket.bucket),
+                    now - ticket.enqueued_at,
+                    ticket.relegated_from,
+                )
+            )
+
     def _arm(self) -> None:
         deadline = self._core.next_deadline()
         if deadline == self._timer_at:
@@ -435,18 +468,7 @@ class Gate:
         # and never spin on an early wake-up.
         now = max(self._loop.time(), scheduled)
         for ticket in self._core.expire(now):
-            fut = self._waiters.pop(ticket.id, None)
-            if fut is not None and not fut.done():
-                fut.set_exception(
-                    Refused(
-                        EXPIRED[ticket.client_deadline],
-                        ticket.bucket,
-                        self._retry_after(ticket.bucket),
-                        self._core.queued(ticket.bucket),
-                        now - ticket.enqueued_at,
-                        ticket.relegated_from,
-                    )
-                )
+            self._fail(ticket, EXPIRED[ticket.client_deadline], now)
         self._hand_over(self._core.take_admitted())
         self._arm()
         self._changed()

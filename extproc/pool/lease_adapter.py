@@ -49,7 +49,10 @@ manager, which leaves the pool).
 
 Shares stay local: ``max_share`` (and ``max_concurrency``) are of the whole pool's limit, so
 the core gets them as absolute caps, its own limit being only the leases held; ``min_share`` is
-of the leases held. ``fail_fast`` is off (the gate turns it off under an owner).
+of the leases held. A tenant's ``max_share`` is of the whole pool's limit too
+(``whole_limit``), whatever this replica holds; while the pool's published limit is 0 (no
+backend yet), caps and tenants' shares stay of the last positive one. ``fail_fast`` is off
+(the gate turns it off under an owner).
 """
 
 from __future__ import annotations
@@ -174,11 +177,12 @@ class LeaseAdapter:
     # --- LocalPool: what the lease manager calls ------------------------------------------
 
     def set_leases(self, held: int, pool_limit: int) -> None:
-        """Admit at most ``held`` at once (a raised one admits at once); caps are of
-        ``pool_limit``."""
+        """Admit at most ``held`` at once (a raised one admits at once); caps and the
+        tenants' shares are of ``pool_limit``, of the last positive one while it is 0 (no
+        backend yet: shares of what is coming, not of nothing)."""
         if self._hooks is None or self._keep is not None or self._gate.policy.pool is None:
             return
-        if pool_limit != self._share_limit:
+        if pool_limit > 0 and pool_limit != self._share_limit:
             self._share_limit = pool_limit
             self._gate.refresh_caps()
         self._held = held
@@ -212,6 +216,10 @@ class LeaseAdapter:
         cap = min(top, bucket.max_concurrency) if bucket.max_concurrency else top
         self._caps[bucket.name] = cap
         return 1.0, cap
+
+    def whole_limit(self) -> int:
+        """The whole pool's limit (as last seen positive): what a tenant's share is of."""
+        return self._share_limit
 
     def before_release(self) -> None:
         """A request ends: one fewer for the oldest retiring adapter that keeps any (its

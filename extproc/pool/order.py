@@ -35,6 +35,14 @@ Who gets a freed slot is decided in two steps, each a small class:
      "decay", immediate). Output tokens weigh twice: they hold the slot for the decode, one
      step each (llm-d weighs them 2x for the same reason).
 
+     A full fair bucket keeps room for lighter tenants (``displace``): a newcomer whose
+     tenant, once it joined, waits with fewer requests than the tenant with the most waiters
+     takes the place of that tenant's newest waiter, which is refused ``queue_full`` in its
+     stead (the core's rule 7); one as heavy as the heaviest is refused itself. Without it a
+     heavy tenant's backlog filled the queue and a light tenant's first request was refused
+     although the order would have served it next. O(1): the order keeps its tenants by
+     number of waiters, and each tenant's waiters in the order they joined.
+
    What a newcomer waits for (``ahead``, for ``fail_fast``'s predicted wait): in ``fifo``
    every waiter that came before it; in ``cost`` only those whose key is smaller, counted
    over the heap while it holds at most ``AHEAD_SCAN`` entries (past that, every waiter, as
@@ -167,6 +175,11 @@ class QueueOrder:
         """One of the bucket's waiters left without a slot: refused after it joined, evicted,
         cancelled (only when ``observes``)."""
 
+    def displace(self, ticket: Ticket) -> int | None:
+        """The bucket's queue is full and ``ticket`` just joined it: the id of the waiter to
+        refuse in its stead, or None (the newcomer is refused: here, always)."""
+        return None
+
 
 class FifoOrder(QueueOrder):
     """First come, first served."""
@@ -206,18 +219,24 @@ class CostOrder(QueueOrder):
 
 
 class _Backlog:
-    """One tenant's waiters in the fair order: a heap on the cost order's keys, how many are
-    live and their weighted tokens, and its turn (start tag, and the sequence number of its
-    one live entry in the order's heap of turns)."""
+    """One tenant's waiters in the fair order: a heap on the cost order's keys, the live ones
+    in the order they joined (``ids``, the newest last) and their weighted tokens, and its
+    turn (start tag, and the sequence number of its one live entry in the order's heap of
+    turns)."""
 
-    __slots__ = ("heap", "n", "seq", "start", "tokens")
+    __slots__ = ("heap", "ids", "seq", "start", "tokens")
 
     def __init__(self) -> None:
         self.heap: list[tuple[float, int]] = []
-        self.n = 0
+        self.ids: dict[int, None] = {}
         self.tokens = 0.0
         self.start = 0.0
         self.seq = 0
+
+    @property
+    def n(self) -> int:
+        """How many of its waiters are live."""
+        return len(self.ids)
 
 
 def weighted_tokens(ticket: Ticket) -> float:
@@ -235,10 +254,12 @@ class FairOrder(QueueOrder):
     ``compact``). ``tags`` holds each tenant's finish tag (its latest admission's) and when it
     was last seen, least recently seen first: at most ``max_tracked`` tenants, and none idle
     past ``idle_s`` (each push or admission forgets from the old end, O(1) amortised). A
-    forgotten tenant starts again at ``V``."""
+    forgotten tenant starts again at ``V``. ``sizes`` holds the tenants with waiters by their
+    number of waiters, ``most`` the largest (for ``displace``; each move is one up or one
+    down, so O(1))."""
 
-    __slots__ = ("idle_s", "max_tracked", "queues", "seq", "stale", "tags", "turns", "virtual",
-                 "within")  # fmt: skip
+    __slots__ = ("idle_s", "max_tracked", "most", "queues", "seq", "sizes", "stale", "tags",
+                 "turns", "virtual", "within")  # fmt: skip
     observes: ClassVar[bool] = True
     by_tenant: ClassVar[bool] = True
 
@@ -252,6 +273,8 @@ class FairOrder(QueueOrder):
         self.seq = 0
         self.stale = 0  # entries of tickets or turns gone, in the heaps
         self.within = CostOrder()  # the keys within a tenant (its running mean cost)
+        self.sizes: dict[int, dict[str | None, None]] = {}
+        self.most = 0
 
     def tune(self, tenant: TenantPolicy | None) -> None:
         if tenant is not None:
@@ -270,7 +293,8 @@ class FairOrder(QueueOrder):
             q = self.queues[tenant] = _Backlog()
             self._turn(tenant, q, max(self.virtual, finish))
         heapq.heappush(q.heap, (self.key(ticket, timeout_s), ticket.id))
-        q.n += 1
+        q.ids[ticket.id] = None
+        self._resize(tenant, len(q.ids) - 1, len(q.ids))
         q.tokens += weighted_tokens(ticket)
         self._seen(tenant, finish, ticket.enqueued_at)
 
@@ -284,7 +308,7 @@ class FairOrder(QueueOrder):
                 self.stale -= 1
                 continue
             heap = q.heap
-            while heap[0][1] not in waiting:  # q.n > 0: a live one is below
+            while heap[0][1] not in waiting:  # q.ids: a live one is below
                 heapq.heappop(heap)
                 self.stale -= 1
             return start, waiting[heap[0][1]]
@@ -320,10 +344,11 @@ class FairOrder(QueueOrder):
         else:
             self.stale += 1
         finish = q.start + tokens
-        q.n -= 1
+        del q.ids[ticket.id]
+        self._resize(tenant, len(q.ids) + 1, len(q.ids))
         q.tokens -= tokens
         self._seen(tenant, finish, now)
-        if q.n:
+        if q.ids:
             self._turn(tenant, q, finish)
         else:
             self._forget_queue(tenant, q)
@@ -332,14 +357,24 @@ class FairOrder(QueueOrder):
         """No service, no charge: the tenant's tags stay where they were (a refused or
         evicted request does not push its tenant's later ones back)."""
         q = self.queues.get(ticket.tenant)
-        if q is None:
+        if q is None or ticket.id not in q.ids:
             return
-        q.n -= 1
+        del q.ids[ticket.id]
+        self._resize(ticket.tenant, len(q.ids) + 1, len(q.ids))
         q.tokens -= weighted_tokens(ticket)
         self.stale += 1  # its entry in its tenant's heap
-        if not q.n:
+        if not q.ids:
             self.stale += 1  # its tenant's turn
             self._forget_queue(ticket.tenant, q)
+
+    def displace(self, ticket: Ticket) -> int | None:
+        """The newest waiter of a tenant with the most waiters, when ``ticket``'s tenant
+        (with it) has fewer (the module docstring); O(1)."""
+        q = self.queues.get(ticket.tenant)
+        if q is None or len(q.ids) >= self.most:
+            return None
+        heaviest = self.queues[next(iter(self.sizes[self.most]))]
+        return next(reversed(heaviest.ids))
 
     def tenants(self) -> int:
         return len(self.tags)
@@ -352,6 +387,20 @@ class FairOrder(QueueOrder):
         ahead = {t: f - v for t, (f, _) in self.tags.items() if f > v}
         ahead.update((t, q.start + q.tokens - v) for t, q in self.queues.items())
         return heapq.nlargest(k, ahead.items(), key=lambda x: x[1])
+
+    def _resize(self, tenant: str | None, before: int, after: int) -> None:
+        """``tenant`` now has ``after`` waiters, one more or one fewer than ``before``."""
+        sizes = self.sizes
+        if before:
+            group = sizes[before]
+            del group[tenant]
+            if not group:
+                del sizes[before]
+                if self.most == before:
+                    self.most = after  # it was alone with the most: now one fewer
+        if after:
+            sizes.setdefault(after, {})[tenant] = None
+            self.most = max(self.most, after)
 
     def _turn(self, tenant: str | None, q: _Backlog, start: float) -> None:
         self.seq += 1

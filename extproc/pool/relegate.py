@@ -98,10 +98,9 @@ def relegate(
         deadline, stated = own, ticket.own_stated
     if deadline <= now or len(target.waiting) >= target.max_queue:
         return None
+    if target.tenant_refusal(ticket.tenant) is not None:
+        return None
     counts = target.tenants
-    if counts is not None and ticket.tenant is not None:
-        if counts.refusal(ticket.tenant, target.max_slots(target.pool.limit, None)) is not None:
-            return None
     moved = replace(
         ticket,
         bucket=target.name,

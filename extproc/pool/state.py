@@ -18,7 +18,7 @@ from extproc.config.policy import TenantPolicy
 from extproc.pool.order import BucketChoice, FifoOrder, GuaranteeBandHead, QueueOrder
 from extproc.pool.relegate import Relegation
 from extproc.pool.tenants import TenantBounds, TenantCounts
-from extproc.pool.values import BucketStats, PoolStats, Ticket
+from extproc.pool.values import BucketStats, PoolStats, Ticket, Verdict
 
 __all__ = [
     "HOLD_EWMA_ALPHA",
@@ -49,6 +49,7 @@ class PoolState:
     __slots__ = (
         "band_cut",
         "buckets",
+        "capacity",
         "choice",
         "cut",
         "fail_fast",
@@ -59,11 +60,17 @@ class PoolState:
         "releases",
         "running",
         "tokens",
+        "whole",
     )
 
     def __init__(self, name: str, limit: int) -> None:
         self.name = name
         self.limit = limit
+        # The whole pool's limit when it is not ``limit`` (a shared pool's, all replicas
+        # together: ``limit`` is the leases this replica holds); None: ``limit``.
+        self.whole: int | None = None
+        # What the tenants' ``max_share`` is of: the whole limit, its last positive value.
+        self.capacity = limit
         self.max_tokens: int | None = None
         self.fail_fast = False
         self.cut = 1.0  # the overload factor for the least urgent band
@@ -74,6 +81,14 @@ class PoolState:
         self.choice: BucketChoice = _CHOICE
         self.mean_hold_s: float | None = None
         self.releases = 0
+
+    def set_limit(self, limit: int, whole: int | None) -> None:
+        """The limit (``whole``: the whole pool's, when another); a limit of 0 leaves the
+        ``capacity`` the tenants' shares are of where it was."""
+        self.limit, self.whole = limit, whole
+        base = limit if whole is None else whole
+        if base > 0:
+            self.capacity = base
 
     @property
     def factor(self) -> float:
@@ -243,6 +258,20 @@ class BucketState:
 
     def head(self) -> tuple[float, Ticket] | None:
         return self.order.head(self.waiting)
+
+    def displaced(self, ticket: Ticket) -> Ticket | None:
+        """The bucket is full and ``ticket`` just joined: the waiter refused in its stead
+        (``QueueOrder.displace``), or None."""
+        tid = self.order.displace(ticket)
+        return None if tid is None else self.waiting.get(tid)
+
+    def tenant_refusal(self, tenant: str | None) -> Verdict | None:
+        """Why the bucket's tenant bounds refuse a new request of ``tenant`` (None: the
+        anonymous tenant, bounded as any other), or None; the share is of the bucket's largest
+        number of slots at the pool's capacity (``extproc.pool.tenants``)."""
+        if self.tenants is None:
+            return None
+        return self.tenants.refusal(tenant, self.max_slots(self.pool.capacity, None))
 
     def left(self, ticket: Ticket) -> None:
         """The bucket's side of a waiter leaving without a slot (the core takes it off the

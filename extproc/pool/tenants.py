@@ -2,7 +2,9 @@
 
 A bucket whose policy names a ``tenant`` keeps one ``TenantCounts``: for each tenant with a
 request in the bucket (the anonymous one, key None, too), how many wait and how many run. They
-bound a tenant (``max_queue``, ``max_share``; never the anonymous one) and tell the fair
+bound a tenant (``max_queue``, ``max_share``; the anonymous one too: the requests without a
+key are one tenant, bounded together, so a header that many clients leave out never lets
+them fill the bucket) and tell the fair
 order's predicted wait how many are ahead of a tenant's request (``ahead``). A tenant
 appears with its first live request and is gone with its last, so the table never holds more
 tenants than the bucket holds requests (a flood of new keys costs one entry per request in the
@@ -10,9 +12,14 @@ bucket, as the requests themselves do). The core asks ``refusal`` before a
 request joins and reports each move (``joined``, ``admitted``, ``left``, ``released``).
 
 ``max_share`` bounds waiting and running together: a tenant at its share may not queue for a
-slot it could not hold. A tenant refused is answered at once (429 ``tenant_queue_full`` /
-``tenant_over_share``); the bucket's own counts (``refused_total``, which the overload monitor
-reads) do not count it: one tenant over its bound says nothing about the pool.
+slot it could not hold. The share is of the bucket's largest number of slots at the pool's
+capacity (``PoolState.capacity``): the whole pool's limit (a shared pool's, all replicas
+together, not the leases this replica holds), and while the limit is 0 (scale from zero, a
+shared pool without a backend) the last positive one, so that each tenant may queue its part
+of what is coming rather than one request. A tenant refused is answered at once (429
+``tenant_queue_full`` / ``tenant_over_share``); the bucket's own counts (``refused_total``,
+which the overload monitor reads) do not count it: one tenant over its bound says nothing
+about the pool.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ class TenantCounts:
         others = len(self.waiting) - 1
         return min(queued, q + others * (q + 1))
 
-    def refusal(self, tenant: str, max_slots: int) -> Verdict | None:
+    def refusal(self, tenant: str | None, max_slots: int) -> Verdict | None:
         """Why a new request of ``tenant`` may not join (``max_slots``: the most the bucket
         may hold now), or None."""
         waiting = self.waiting.get(tenant, 0)

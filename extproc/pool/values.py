@@ -55,6 +55,8 @@ class Decision:
     ticket: Ticket
     # WAIT_TOO_LONG: the predicted wait, seconds.
     predicted_wait_s: float = 0.0
+    # QUEUED into a full bucket: the waiter refused (QUEUE_FULL) in its place (core rule 7).
+    displaced: Ticket | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

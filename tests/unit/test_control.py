@@ -10,10 +10,10 @@ import logging
 
 import pytest
 
-from extproc.config.policy import policy_from_yaml
+from extproc.config.policy import Policy, policy_from_yaml
 from extproc.ops.metrics import Metrics
 from extproc.pool.control import OVERLOAD_TICK_S, PoolControl
-from extproc.pool.gate import Gate, Refused, Slot, Waiter
+from extproc.pool.gate import POOL, Gate, Refused, Slot, Waiter
 from extproc.pool.overload import Overload
 from testing.clock import run_virtual
 
@@ -277,3 +277,48 @@ buckets:
                 e.cancel()
 
     run_virtual(main())
+
+
+def adaptive_policy(shared: bool) -> Policy:
+    """An adaptive pool of two bands (a band cut applies), in shared mode or not. Nothing
+    answers at the Redis URL or the metrics URL: the test looks at what a reload does."""
+    return policy_from_yaml(
+        f"""
+pool:
+  max_concurrency: 4
+  adaptive: {{min: 1, max: 16, initial: 8}}
+  {'shared: {redis: "redis://127.0.0.1:1/0", lease: 1s}' if shared else ""}
+backend: {{metrics: ["http://127.0.0.1:1/metrics"]}}
+buckets:
+  - {{name: chat, match: {{headers: {{x: y}}}}, priority: 0, queue_timeout: 1s, max_queue: 9}}
+  - {{name: batch, priority: 10, queue_timeout: 1s, max_queue: 9}}
+"""
+    )
+
+
+def test_a_reload_into_shared_mode_lifts_the_band_cut_and_stops_a_poller_that_does_not_lead() -> (
+    None
+):
+    """A reload that turns ``pool.shared`` on: the band cut in force goes (a shared pool has
+    none: its leader sees only its own replica's bands) and, while another replica may lead
+    (this one is not the leader yet), no poller runs here; back out of shared mode, this
+    replica computes its limit again."""
+
+    async def main() -> None:
+        local, shared = adaptive_policy(False), adaptive_policy(True)
+        gate = Gate(local)
+        control = PoolControl(gate, Metrics(gate.statistics))
+        control.apply(local)
+        assert control._poller is not None
+        gate.set_cut(0.5, band=True)  # a band cut in force
+        gate.reconfigure(shared)
+        control.apply(shared)
+        assert control._shared is not None and not control._shared.is_leader
+        assert (control._poller, gate.pool_statistics()[POOL].band_cut) == (None, 1.0)
+        gate.reconfigure(local)
+        control.apply(local)
+        assert control._poller is not None
+        await control.stop()
+        await control.close()
+
+    asyncio.run(main())

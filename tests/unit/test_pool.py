@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from extproc.config.policy import Order
+from extproc.config.policy import Order, TenantPolicy
 from extproc.pool.core import Admission
+from extproc.pool.order import FairOrder
 from extproc.pool.relegate import Relegation
 from extproc.pool.values import Ticket, Verdict
 
@@ -398,3 +399,32 @@ def test_bad_shares_are_refused(bad: dict[str, float]) -> None:
     a = pool(2)
     with pytest.raises(ValueError):
         bucket(a, "b", **bad)
+
+
+def heap_entries(a: Admission, name: str) -> int:
+    """Entries the bucket's order keeps: its heap, or a fair order's tenants' heaps and
+    turns."""
+    order = a._buckets[name].order
+    if isinstance(order, FairOrder):
+        return sum(len(q.heap) for q in order.queues.values()) + len(order.turns)
+    return len(order.heap)
+
+
+@pytest.mark.parametrize("order", list(Order))
+def test_refused_and_expired_requests_leave_no_entries_behind_at_limit_zero(order: Order) -> None:
+    """At limit 0 (scale from zero, a shared pool without a lease) nobody is admitted, so
+    nothing admits the compaction the lazy deletion counts on: every request refused at a full
+    queue, and every waiter that reaches its deadline, must still not leave an entry in the
+    order's heaps or in the deadlines' heap. Memory stays O(waiters), not O(requests)."""
+    a = pool(0)
+    tenant = TenantPolicy() if order is Order.FAIR else None
+    bucket(a, "b", max_queue=10, order=order, tenant=tenant)
+    for i in range(20_000):
+        now = i * 0.01
+        d = a.enqueue("b", now, 1.0, cost=i % 500, tenant=f"t{i % 7}")
+        assert d.verdict in (Verdict.QUEUED, Verdict.QUEUE_FULL)
+        if i % 50 == 0:
+            a.expire(now)  # the waiters past their deadline leave
+    assert a.queued("b") == 10
+    assert heap_entries(a, "b") <= 2 * 64
+    assert len(a._deadlines.heap) <= 2 * 64

@@ -43,3 +43,17 @@ def test_memory_is_bounded_by_time_not_by_requests() -> None:
         e.record(float(t), 1.0, True)
     assert len(e._bins) <= 302
     assert e.count(11_000.0, 300.0) == (300, 1.0)
+
+
+def test_answers_past_their_clients_own_short_deadline_are_left_out() -> None:
+    """A deadline the client stated, sooner than its bucket's queue timeout
+    (``Ticket.client_deadline``), is the client's impatience, not the pool's doing: its answer
+    is left out of the count and the share, so it cannot cut the limit for everyone. One past
+    the route's deadline, or past a client's no sooner than the queue timeout, counts."""
+    e = Ends()
+    for _ in range(30):
+        e.record(1.0, 2.0, True, client_deadline=True)
+    e.record(1.0, 2.0, True)
+    e.record(1.0, 2.0, False)
+    e.record(1.0, 4.0, False, client_deadline=True)
+    assert e.count(2.0, 10.0) == (2, 0.5)

@@ -241,10 +241,61 @@ def test_tenant_counts_go_back_to_nothing_whatever_ends_a_request() -> None:
     assert (counts.waiting, counts.running, len(counts)) == ({}, {}, 0)
 
 
-def test_no_tenant_key_is_one_tenant() -> None:
-    a = pool(tenant=TenantPolicy(max_queue=1))
-    got = [a.enqueue("b", 0.0, 60).verdict for _ in range(3)]
-    assert got == [Verdict.ADMITTED, Verdict.QUEUED, Verdict.QUEUED]  # no key: no bound
+@pytest.mark.parametrize(
+    ("bounds", "limit", "verdicts"),
+    [
+        (TenantPolicy(max_queue=1), 1, ["admitted", "queued", "tenant_queue_full"]),
+        (TenantPolicy(max_share=0.5), 4, ["admitted", "admitted", "tenant_over_share"]),
+    ],
+)
+def test_no_tenant_key_is_one_tenant_under_the_same_bounds(
+    bounds: TenantPolicy, limit: int, verdicts: list[str]
+) -> None:
+    """The requests without a key are one tenant, the anonymous one, bounded as any other:
+    a header missing from many clients bounds them together, and never fills the bucket."""
+    a = pool(limit=limit, tenant=bounds)
+    got = [a.enqueue("b", 0.0, 60).verdict for _ in verdicts]
+    assert got == [Verdict(v) for v in verdicts]
+    assert a.enqueue("b", 0.0, 60, tenant="t").verdict in (Verdict.ADMITTED, Verdict.QUEUED)
+
+
+def test_a_tenants_share_is_of_the_pools_capacity_not_of_a_limit_of_zero() -> None:
+    """max_share is of the bucket's largest number of slots at the pool's limit as configured
+    or adapted; a limit of 0 (no backend yet: scale from zero; a shared pool without a
+    lease) is no capacity to take a share of, so the share stays of the last positive limit
+    and each tenant may queue its part of what is coming, not one request."""
+    a = pool(limit=8, tenant=TenantPolicy(max_share=0.25))
+    a.set_pool_limit("p", 0, 0.0)
+    got = [a.enqueue("b", 0.0, 60, tenant="t").verdict for _ in range(3)]
+    assert got == [Verdict.QUEUED, Verdict.QUEUED, Verdict.TENANT_OVER_SHARE]  # 0.25 x 8
+    a.set_pool_limit("p", 4, 0.0)  # adapted: the share follows the limit in force
+    assert a.enqueue("b", 0.0, 60, tenant="u").verdict is Verdict.ADMITTED
+    assert a.enqueue("b", 0.0, 60, tenant="u").verdict is Verdict.TENANT_OVER_SHARE  # 0.25 x 4
+
+
+def test_a_light_tenants_first_request_finds_room_behind_a_heavy_tenants_full_queue() -> None:
+    """A full fair bucket keeps room for lighter tenants: a newcomer whose tenant, once it
+    joined, waits with fewer requests than the tenant with the most waiters takes the place
+    of that tenant's newest waiter (at equal costs, the one its order would serve last), which
+    is refused queue_full in its stead; a newcomer of a tenant as heavy as the heaviest is
+    refused."""
+    a = pool(limit=1, max_queue=6)
+    a.enqueue("b", 0.0, 60, tenant="heavy")  # runs
+    heavy = [a.enqueue("b", 0.1 * i, 60, tenant="heavy") for i in range(6)]
+    assert {d.verdict for d in heavy} == {Verdict.QUEUED}
+    assert a.enqueue("b", 1.0, 60, tenant="heavy").verdict is Verdict.QUEUE_FULL
+    light = a.enqueue("b", 1.0, 60, tenant="light")
+    assert light.verdict is Verdict.QUEUED
+    assert light.displaced == heavy[-1].ticket
+    assert a.queued("b") == 6 and a.statistics()["b"].refused_total == 2
+    others = [a.enqueue("b", 2.0, 60, tenant=t) for t in ("light", "l2", "l3")]
+    assert [d.verdict for d in others] == [Verdict.QUEUED] * 3
+    assert [d.displaced for d in others] == [h.ticket for h in heavy[-2:-5:-1]]
+    # Waiting now: heavy 2, light 2, l2 1, l3 1. light's next would make it the heaviest.
+    assert a.enqueue("b", 3.0, 60, tenant="light").verdict is Verdict.QUEUE_FULL
+    assert a.enqueue("b", 3.0, 60, tenant="heavy").verdict is Verdict.QUEUE_FULL
+    assert a.enqueue("b", 3.0, 60, tenant="l4").displaced in (heavy[1].ticket, others[0].ticket)
+    assert a.queued("b") == 6 and a.statistics()["b"].refused_total == 8
 
 
 def test_a_reload_to_another_order_keys_the_waiters_again() -> None:
