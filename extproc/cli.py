@@ -185,10 +185,13 @@ def _render(args: argparse.Namespace) -> int:
     )
     validate(rendered)
     print(f"# Envoy settings for policy {args.policy or '<embedded default>'}.")
-    print("# http_filters go before envoy.filters.http.router in the HTTP connection manager;")
-    print("# virtual_host goes on the route_config's virtual host of the LLM routes;")
-    print("# llm_routes applies to the /v1/chat/completions and /v1/completions routes,")
-    print("# other_routes to every other route of that virtual host.")
+    print("# http_filters go before envoy.filters.http.router in the HTTP connection manager,")
+    print("# in this order; a filter that sets a trusted header (auth) goes right after the")
+    print("# header strip (first), or the strip removes what it set;")
+    print("# virtual_host goes on the route_config's virtual host of the LLM routes, and routes")
+    print("# are its routes (cluster backend: your model server's), with no catch-all: Envoy")
+    print("# answers 404 for any other path. llm_routes applies to each route through the")
+    print("# sidecar, other_routes to each route that skips it (the pass-through allowlist).")
     print(yaml.safe_dump(rendered, sort_keys=False), end="")
     return 0
 

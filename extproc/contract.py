@@ -9,11 +9,15 @@ from __future__ import annotations
 from typing import Final
 
 __all__ = [
+    "ADMITTED_PATHS",
     "EXT_PROC_SERVICE",
     "MESSAGE_TIMEOUT_MARGIN_S",
     "METADATA_NAMESPACE",
+    "PASS_THROUGH",
+    "PATH_NORMALISATION",
     "PROCESSING_MODE",
     "PROCESS_METHOD",
+    "REFUSED_PATHS",
     "ROUTE_ATTRIBUTE",
     "ROUTE_ATTRIBUTES_KEY",
 ]
@@ -51,3 +55,45 @@ METADATA_NAMESPACE: Final = "llm_extproc"
 # (tests/e2e/test_ops.py).
 ROUTE_ATTRIBUTE: Final = "xds.route_metadata"
 ROUTE_ATTRIBUTES_KEY: Final = "envoy.filters.http.ext_proc"
+
+# The door (extproc.request.endpoints says how it works). Envoy normalises every path before it
+# routes: RFC 3986 (percent-decoded unreserved characters, dot segments), repeated slashes
+# merged, an escaped slash or backslash refused with 400 (tests/e2e/test_door.py).
+PATH_NORMALISATION: Final[dict[str, object]] = {
+    "normalize_path": True,
+    "merge_slashes": True,
+    "path_with_escaped_slashes_action": "REJECT_REQUEST",
+}
+# POST paths the sidecar admits.
+ADMITTED_PATHS: Final = ("/v1/chat/completions", "/v1/completions")
+# POST paths where vLLM (0.32) computes that the sidecar cannot bound yet: the Responses API,
+# Anthropic's Messages, SageMaker's entry point, audio, and the pooling models' endpoints.
+# Routed through the sidecar, which refuses them (404 unsupported_endpoint).
+REFUSED_PATHS: Final = (
+    "/v1/responses",
+    "/v1/messages",
+    "/invocations",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    "/v1/embeddings",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+)
+# What passes without the sidecar: (method, path, whether the path is a prefix). Reads that
+# cost the backend next to nothing. vLLM's /metrics is not among them: a backend's internals do
+# not belong on the public listener (scrape it on its own port). Any other path has no route,
+# and Envoy answers 404 unknown_url.
+PASS_THROUGH: Final[tuple[tuple[str, str, bool], ...]] = (
+    ("GET", "/v1/models", False),
+    ("GET", "/v1/models/", True),
+    ("GET", "/health", False),
+    ("GET", "/ping", False),
+    ("GET", "/version", False),
+    ("POST", "/tokenize", False),
+    ("POST", "/detokenize", False),
+)

@@ -56,8 +56,9 @@ from extproc.record import NO_BUCKET, RequestRecord
 from extproc.request import respond
 from extproc.request.classify import Classification, TokenCounter, token_counter
 from extproc.request.deadline import Deadline, abandoned, deadline_of
+from extproc.request.endpoints import ADMITTED, Endpoint, endpoint_for_path, refused_api
 from extproc.request.offload import INLINE_BODY_BYTES, Busy, Offload, Parsed, parse_and_classify
-from extproc.request.parse import Endpoint, check_content_headers, endpoint_for_path
+from extproc.request.parse import check_content_headers
 from extproc.request.routes import Route, RouteCache
 from extproc.request.tenant import NO_TENANT, Tenant, tenant_of
 
@@ -121,8 +122,13 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             await stream.hold(context, None)
             return
         headers = stream.headers_of(msg.request_headers)
-        endpoint = endpoint_for_path(headers.get(":method", ""), headers.get(":path", ""))
+        method, path = headers.get(":method", ""), headers.get(":path", "")
+        endpoint = endpoint_for_path(method, path)
         if endpoint is None:
+            api = refused_api(method, path)
+            if api is not None:  # LLM work the sidecar cannot bound: refused, never passed
+                await self._refuse_api(context, headers.get("x-request-id", ""), api)
+                return
             await context.write(respond.PASS_THROUGH)
             await stream.hold(context, None)
             return
@@ -252,7 +258,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         own = False  # True: the wait ends at the client's own deadline (expired, not evicted)
         if st.deadline.at is not None:  # nobody waits longer than their client will
             timeout, own = st.deadline.cap(timeout, now)
-        cost = cls.prompt_tokens + cls.max_tokens
+        cost = cls.prompt_tokens + cls.output_tokens
         deadline = now + timeout
         limit = timeout + (0.0 if own else self._policy.relegation_s(cls.bucket))  # relegated
         read: asyncio.Future[Any] | None = None
@@ -270,7 +276,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             context,
             st,
             lambda: self._gate.enter(
-                cls.bucket.name, remaining, size, cost, own, *tenant, cls.max_tokens, by
+                cls.bucket.name, remaining, size, cost, own, *tenant, cls.output_tokens, by
             ),
             limit,
             read,
@@ -322,9 +328,15 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if cls is not None:
             st.rec.classified(cls)
             try:
-                cost = cls.prompt_tokens + cls.max_tokens
+                cost = cls.prompt_tokens + cls.output_tokens
                 entry = self._gate.enter(
-                    cls.bucket.name, cls.queue_timeout_s, size, cost, False, *tenant, cls.max_tokens
+                    cls.bucket.name,
+                    cls.queue_timeout_s,
+                    size,
+                    cost,
+                    False,
+                    *tenant,
+                    cls.output_tokens,
                 )
             except Refused as r:
                 self._note_shadow(st.rec, r.outcome, r.code)
@@ -379,6 +391,21 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> None:
         rec.decide(outcome, self._loop.time(), rejection.code)
         await context.write(respond.refusal(rejection, rec))
+
+    async def _refuse_api(self, context: stream.Stream, request_id: str, api: str) -> None:
+        """Refuse a request for an API of ``extproc.request.endpoints.REFUSED``: 404
+        ``unsupported_endpoint``, counted as ``rejected_invalid``."""
+        st = stream.State(RequestRecord(request_id))
+        try:
+            admitted = ", ".join(ADMITTED)
+            error = RequestError(
+                "unsupported_endpoint",
+                f"POST {api} is not admitted by this gateway; it admits {admitted}.",
+                status=404,
+            )
+            await self._refuse(context, st.rec, error.outcome, error.rejection())
+        finally:
+            self._finish(st)
 
     async def _refuse_queue(
         self, context: stream.Stream, rec: RequestRecord, r: Refused, limit_s: float

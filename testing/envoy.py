@@ -516,20 +516,34 @@ def istio_merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
 
 
 def virtual_service_routes(path: Path) -> list[dict[str, Any]]:
-    """The routes of the one VirtualService in ``path``, translated as Istio would (name, path,
-    header match, timeout, header edits), all to a `backend` cluster."""
+    """The routes of the one VirtualService in ``path``, translated as Istio would (name, path:
+    exact or regex, method and header matches, timeout or a direct response, header edits), all
+    to a `backend` cluster."""
     (vs,) = [d for d in istio_docs(path) if d["kind"] == "VirtualService"]
     routes = []
     for http in vs["spec"]["http"]:
         route: dict[str, Any] = {"name": http["name"]}
         (match,) = http.get("match", [{}])
-        route["match"] = {"path": match["uri"]["exact"]} if "uri" in match else {"prefix": "/"}
-        if "headers" in match:
+        uri = match.get("uri", {})
+        route["match"] = (
+            {"path": uri["exact"]}
+            if "exact" in uri
+            else {"safe_regex": {"regex": uri["regex"]}}
+            if "regex" in uri
+            else {"prefix": "/"}
+        )
+        headers_matched = dict(match.get("headers", {}))
+        if "method" in match:  # Istio matches the method as the :method header
+            headers_matched = {":method": match["method"], **headers_matched}
+        if headers_matched:
             route["match"]["headers"] = [
                 {"name": k, "string_match": {"exact": v["exact"]}}
-                for k, v in match["headers"].items()
+                for k, v in headers_matched.items()
             ]
-        route["route"] = {"cluster": "backend", "timeout": http["timeout"]}
+        if "directResponse" in http:
+            route["direct_response"] = {"status": http["directResponse"]["status"]}
+        else:
+            route["route"] = {"cluster": "backend", "timeout": http["timeout"]}
         headers = http.get("headers", {})
         if "remove" in headers.get("request", {}):
             route["request_headers_to_remove"] = headers["request"]["remove"]

@@ -14,6 +14,11 @@ What the policy decides for Envoy:
 - header_mutation: the policy's trusted headers are stripped from client requests before
   ext_proc.
 
+The door (the same for every policy; ``extproc.request.endpoints``): the connection manager
+normalises every path, ``routes`` sends each API vLLM computes for through the sidecar (the
+ones it admits, and the ones it refuses), lets a short allowlist of cheap reads pass without
+it, and answers anything else itself: 404 ``unknown_url``.
+
 What the client sees (the same for every policy): the virtual host's
 ``response_headers_to_add`` echoes ``x-llm-max-tokens``, the effective max_tokens the sidecar
 set on the upstream request, without a round trip on the response path; HCM
@@ -55,7 +60,8 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from envoy.config.cluster.v3 import cluster_pb2
@@ -91,9 +97,13 @@ from extproc.config.envoy_objects import (
 from extproc.config.local_replies import ENVOY_ANSWER_CODES, EnvoyAnswer, local_reply_config
 from extproc.config.policy import Policy
 from extproc.contract import (
+    ADMITTED_PATHS,
     MESSAGE_TIMEOUT_MARGIN_S,
     METADATA_NAMESPACE,
+    PASS_THROUGH,
+    PATH_NORMALISATION,
     PROCESSING_MODE,
+    REFUSED_PATHS,
     ROUTE_ATTRIBUTE,
 )
 
@@ -110,6 +120,7 @@ __all__ = [
     "extproc_streams",
     "local_reply_config",
     "render",
+    "routes",
     "to_rds",
     "validate",
 ]
@@ -210,14 +221,63 @@ def render(
             "local_reply_config": local_reply_config(buffer),
             # x-request-id on every answer: the id the sidecar logs a refusal with.
             "always_set_request_id_in_response": True,
+            **PATH_NORMALISATION,
         },
         "virtual_host": {"response_headers_to_add": [echo_request_header(MAX_TOKENS_HEADER)]},
+        "routes": routes(),
         "llm_routes": {"timeout": f"{LLM_ROUTE_TIMEOUT_S}s"},
         # Every other route skips the sidecar and streams its body upstream unbuffered.
         "other_routes": {
             "typed_per_filter_config": disabled_on_route(EXT_PROC_FILTER, BUFFER_FILTER)
         },
     }
+
+
+def routes(cluster: str = "backend") -> list[dict[str, Any]]:
+    """The virtual host's routes, in order, to ``cluster``: each API of
+    ``contract.ADMITTED_PATHS`` and ``REFUSED_PATHS`` (which it refuses) through the sidecar on
+    a route of its own, with the long LLM timeout; then the ``PASS_THROUGH`` allowlist, one
+    route per method, without the buffer and the sidecar; last, a catch-all Envoy answers
+    itself with 404 (``unknown_url``), also without them."""
+
+    def llm() -> dict[str, Any]:
+        return {"cluster": cluster, "timeout": f"{LLM_ROUTE_TIMEOUT_S}s"}
+
+    # Exact paths (one regex for all would pass RE2's program size limit, 100 by default).
+    out: list[dict[str, Any]] = [
+        {"match": {"path": p}, "route": llm()} for p in (*ADMITTED_PATHS, *REFUSED_PATHS)
+    ]
+    for method in dict.fromkeys(m for m, _, _ in PASS_THROUGH):
+        allowed = (
+            re.escape(p) + (".*" if prefix else "") for m, p, prefix in PASS_THROUGH if m == method
+        )
+        out.append(
+            {
+                "match": {
+                    "safe_regex": {"regex": _any_of(allowed)},
+                    "headers": [{"name": ":method", "string_match": {"exact": method}}],
+                },
+                "route": {"cluster": cluster, "timeout": f"{REQUEST_TIMEOUT_S}s"},
+                "typed_per_filter_config": disabled_on_route(EXT_PROC_FILTER, BUFFER_FILTER),
+            }
+        )
+    # Anything else: Envoy's own 404 (unknown_url). A route, not the absence of one: without a
+    # route the buffer and ext_proc filters would still run before the router's 404, and the
+    # sidecar would see (and might admit) a request that goes nowhere.
+    out.append(
+        {
+            "match": {"prefix": "/"},
+            "direct_response": {"status": 404},
+            "typed_per_filter_config": disabled_on_route(EXT_PROC_FILTER, BUFFER_FILTER),
+        }
+    )
+    return out
+
+
+def _any_of(patterns: Iterable[str]) -> str:
+    """An RE2 regex for a route's ``safe_regex``, which must match the whole path (without its
+    query): any one of ``patterns``."""
+    return "|".join(patterns)
 
 
 _FILTER_MESSAGES: dict[str, type[Message]] = {
@@ -246,7 +306,10 @@ def validate(rendered: dict[str, Any]) -> None:
     json_format.ParseDict(
         rendered["http_connection_manager"], http_connection_manager_pb2.HttpConnectionManager()
     )
-    json_format.ParseDict(rendered["virtual_host"], route_components_pb2.VirtualHost())
+    json_format.ParseDict(
+        {**rendered["virtual_host"], "name": "llm", "domains": ["*"], "routes": rendered["routes"]},
+        route_components_pb2.VirtualHost(),
+    )
 
 
 def _duration_s(value: object) -> float | None:

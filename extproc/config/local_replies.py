@@ -40,7 +40,8 @@ class EnvoyAnswer:
 # or ``no_healthy_upstream``, the route timeout ``response_timeout`` (a retry's
 # ``upstream_per_try_timeout``, not pinned: no shipped route retries); the buffer limit
 # ``request_payload_too_large``; the request and header timeouts ``request_overall_timeout`` and
-# ``request_header_timeout``.
+# ``request_header_timeout``; no route for the path ``route_not_found`` (the door's default deny,
+# ``extproc.request.endpoints``); a path with an escaped slash ``path_normalization_failed``.
 ENVOY_ANSWER_CODES: tuple[EnvoyAnswer, ...] = (
     EnvoyAnswer(
         code="sidecar_timeout",
@@ -87,18 +88,36 @@ ENVOY_ANSWER_CODES: tuple[EnvoyAnswer, ...] = (
         message="The request was not received in time.",
     ),
     EnvoyAnswer(
+        code="unknown_url",
+        error_type="invalid_request_error",
+        condition=(
+            "response.code == 404 && (response.code_details == 'direct_response'"
+            " || response.code_details == 'route_not_found')"
+        ),
+        message="No such endpoint on this gateway: %REQ(:METHOD)% %REQ(:PATH):200%.",
+    ),
+    EnvoyAnswer(
+        code="invalid_path",
+        error_type="invalid_request_error",
+        condition="response.code == 400 && response.code_details == 'path_normalization_failed'",
+        message="The request path is not valid here (an escaped slash or backslash, or a path "
+        "that cannot be normalised).",
+    ),
+    EnvoyAnswer(
         code="gateway_error",
         error_type="invalid_request_error",
-        condition="response.code < 500",
+        condition="response.code >= 400 && response.code < 500",
         message="The gateway refused the request (%RESPONSE_CODE%).",
     ),
     EnvoyAnswer(
         code="gateway_error",
         error_type="server_error",
-        condition="true",
+        condition="response.code >= 500",
         message="The gateway could not complete the request (%RESPONSE_CODE%).",
     ),
 )
+# Envoy's own 1xx-3xx local replies (a direct_response 200, a redirect) match no entry and keep
+# their body: on Istio these mappers merge into every route of the gateway.
 # The sidecar's own answers (ImmediateResponse details ``llm_extproc_<code>``) are local
 # replies too, already JSON: no mapper may touch them.
 _NOT_THE_SIDECARS = "!response.code_details.startsWith('llm_extproc_')"
@@ -109,11 +128,7 @@ def local_reply_config(buffer: int) -> dict[str, Any]:
     ``buffer`` is the body limit the 413 message names."""
     mappers = []
     for answer in ENVOY_ANSWER_CODES:
-        expression = (
-            _NOT_THE_SIDECARS
-            if answer.condition == "true"
-            else f"{_NOT_THE_SIDECARS} && {answer.condition}"
-        )
+        expression = f"{_NOT_THE_SIDECARS} && {answer.condition}"
         mappers.append(
             {
                 "filter": {

@@ -2,11 +2,13 @@
 
 Order matters and is fixed:
 1. estimate prompt tokens; above ``limits.max_prompt_tokens`` -> 413 ``prompt_too_long``;
-2. effective ``max_tokens``: the client's value, or ``limits.default_max_tokens`` when absent;
-   above ``limits.max_output_tokens`` it is clamped (``on_excess: clamp``) or refused with 400
-   ``max_tokens_too_large`` (``on_excess: reject``);
+2. output sequences (``n``, or ``best_of`` when larger, times the prompts of a batched
+   ``/v1/completions``) above ``limits.max_sequences`` -> 400 ``too_many_sequences``;
+   effective ``max_tokens`` (per sequence): the client's value, or ``limits.default_max_tokens``
+   when absent; above ``limits.max_output_tokens`` it is clamped (``on_excess: clamp``) or
+   refused with 400 ``max_tokens_too_large`` (``on_excess: reject``);
 3. the bucket named by the route's metadata, else the first bucket whose match holds for
-   (headers, prompt tokens, effective max_tokens);
+   (headers, prompt tokens, output tokens: effective max_tokens times the sequences);
 Route metadata (``RouteOverride``) may also replace the limits of steps 1-2 and the queue
 timeout for its route.
 4. the body is rewritten only when max_tokens changed, or its ``priority`` is not the bucket's
@@ -59,10 +61,17 @@ class Classification:
     prompt_tokens: int
     max_tokens: int
     max_tokens_action: MaxTokensAction
+    # Output sequences (n or best_of, times a batch's prompts), each up to max_tokens.
+    sequences: int
     # The body to send upstream when it changed, else None (forward the original bytes).
     new_body: bytes | None
     # The bucket's, or the route's when route metadata overrides it.
     queue_timeout_s: float
+
+    @property
+    def output_tokens(self) -> int:
+        """The most output tokens the request can cost: max_tokens for each sequence."""
+        return self.max_tokens * self.sequences
 
 
 def token_counter(tokens: TokenPolicy) -> TokenCounter:
@@ -225,6 +234,15 @@ def classify(
             outcome=Outcome.REJECTED_TOO_LARGE,
         )
 
+    if req.sequences > limits.max_sequences:
+        n, best_of = req.body.get("n") or 1, req.body.get("best_of") or 1
+        param = "best_of" if best_of > max(n, 1) else "n" if n > 1 else "prompt"
+        raise RequestError(
+            "too_many_sequences",
+            f"The request asks for {req.sequences} output sequences (n or best_of, times the "
+            f"prompts of a batch); this endpoint allows at most {limits.max_sequences}.",
+            param,
+        )
     requested = req.requested_max_tokens
     if requested is None:
         max_tokens, action = limits.default_max_tokens, MaxTokensAction.DEFAULTED
@@ -244,7 +262,7 @@ def classify(
         bucket = policy.bucket(route.bucket)
     else:
         for bucket in policy.buckets:
-            if bucket.match.matches(headers, prompt_tokens, max_tokens):
+            if bucket.match.matches(headers, prompt_tokens, max_tokens * req.sequences):
                 break
         else:  # pragma: no cover - the policy guarantees a catch-all bucket
             raise AssertionError("policy has no catch-all bucket")
@@ -277,6 +295,7 @@ def classify(
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
         max_tokens_action=action,
+        sequences=req.sequences,
         new_body=new_body,
         queue_timeout_s=timeout,
     )

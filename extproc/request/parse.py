@@ -27,32 +27,19 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from extproc.outcome import RequestError
+from extproc.request.endpoints import Endpoint, endpoint_for_path
 
 __all__ = ["Endpoint", "ParsedRequest", "check_content_headers", "endpoint_for_path", "parse_body"]
 
 
-class Endpoint(StrEnum):
-    CHAT = "chat"
-    COMPLETIONS = "completions"
-
-
-_ENDPOINTS = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.COMPLETIONS}
 MAX_TOKENS_KEYS = ("max_tokens", "max_completion_tokens")
 # Above this a max_tokens is not a request but a bug (no model has such a context); refuse it
 # rather than clamp it, so the client hears about it. Values in range but above the policy's
 # max_output_tokens are clamped or refused as the policy says.
 MAX_TOKENS_CEILING = 2**31 - 1
-
-
-def endpoint_for_path(method: str, path: str) -> Endpoint | None:
-    """The LLM endpoint a request targets, or None for anything we pass through untouched."""
-    if method != "POST":
-        return None
-    return _ENDPOINTS.get(path.split("?", 1)[0])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,6 +56,9 @@ class ParsedRequest:
     # Which of max_tokens / max_completion_tokens the body holds (with a non-null value).
     max_tokens_keys: tuple[str, ...] = ()
     stream: bool = False
+    # Output sequences asked for: n (best_of when larger) times the prompts of a batched
+    # /v1/completions prompt; each may run to max_tokens.
+    sequences: int = 1
     model: str | None = None
     # The decoded body, kept so the rewrite stage need not parse again.
     body: dict[str, Any] = field(compare=False, repr=False, default_factory=dict)
@@ -144,6 +134,17 @@ def _bad_type(param: str, expected: str, value: object) -> RequestError:
     )
 
 
+def _count(key: str, value: object, ceiling: int) -> int:
+    """``value`` of the field ``key`` as an integer from 1 to ``ceiling``, else a 400."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad_type(key, "an integer", value)
+    if not 1 <= value <= ceiling:
+        raise RequestError(
+            "invalid_value", f"'{key}' must be between 1 and {ceiling}, got {value}.", key
+        )
+    return value
+
+
 def _max_tokens(body: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
     present: list[str] = []
     values: dict[str, int] = {}
@@ -151,16 +152,8 @@ def _max_tokens(body: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
         value = body.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _bad_type(key, "an integer", value)
-        if not 1 <= value <= MAX_TOKENS_CEILING:
-            raise RequestError(
-                "invalid_value",
-                f"'{key}' must be between 1 and {MAX_TOKENS_CEILING}, got {value}.",
-                key,
-            )
         present.append(key)
-        values[key] = value
+        values[key] = _count(key, value, MAX_TOKENS_CEILING)
     requested = values.get("max_completion_tokens", values.get("max_tokens"))
     return requested, tuple(present)
 
@@ -230,25 +223,45 @@ def _is_token_id(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _completions(body: dict[str, Any], texts: list[str]) -> int:
-    """Gather a completions prompt; return the count of exact token ids."""
+def _completions(body: dict[str, Any], texts: list[str]) -> tuple[int, int]:
+    """Gather a completions prompt; return the count of exact token ids, and of prompts (a
+    batch is an array of strings or of token-id arrays: vLLM answers each)."""
     if "prompt" not in body or body["prompt"] is None:
         raise RequestError("missing_field", "'prompt' is required.", "prompt")
     prompt = body["prompt"]
     expected = "a string, an array of strings, or an array of token ids"
     if isinstance(prompt, str):
         texts.append(prompt)
-        return 0
+        return 0, 1
     if not isinstance(prompt, list):
         raise _bad_type("prompt", expected, prompt)
+    if not prompt:
+        raise RequestError("invalid_value", "'prompt' must not be empty.", "prompt")
     if all(isinstance(p, str) for p in prompt):
         texts.extend(prompt)
-        return 0
+        return 0, len(prompt)
     if all(_is_token_id(p) for p in prompt):
-        return len(prompt)
+        return len(prompt), 1
     if all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt):
-        return sum(len(p) for p in prompt)
+        return sum(len(p) for p in prompt), len(prompt)
     raise RequestError("invalid_type", f"'prompt' must be {expected}.", "prompt")
+
+
+# Above this an n or best_of is not a request but a bug; the policy's max_sequences refuses
+# far lower values with its own message.
+_SEQUENCES_CEILING = 2**31 - 1
+
+
+def _choices(body: dict[str, Any]) -> int:
+    """n, or best_of when larger (vLLM generates best_of sequences and returns n): each an
+    integer of at least 1 when present."""
+    choices = 1
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if value is None:
+            continue
+        choices = max(choices, _count(key, value, _SEQUENCES_CEILING))
+    return choices
 
 
 def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
@@ -288,13 +301,15 @@ def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad_type("model", "a string", model)
+    choices = _choices(body)
     texts: list[str] = []
     messages = non_text = token_ids = 0
+    prompts = 1
     try:
         if endpoint is Endpoint.CHAT:
             messages, non_text = _chat(body, texts)
         else:
-            token_ids = _completions(body, texts)
+            token_ids, prompts = _completions(body, texts)
     except RecursionError:  # json.dumps of deeply nested tools
         raise RequestError("invalid_json", "The request body is nested too deeply.") from None
     return ParsedRequest(
@@ -306,6 +321,7 @@ def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
         requested_max_tokens=requested,
         max_tokens_keys=keys,
         stream=bool(stream),
+        sequences=choices * prompts,
         model=model,
         body=body,
         raw=raw,

@@ -97,7 +97,7 @@ def test_manifests_scale_the_backend_of_deploy_istio() -> None:
         for doc in yaml.safe_load_all(ROUTES.read_text())
         if doc and doc["kind"] == "VirtualService"
         for route in doc["spec"]["http"]
-        for d in route["route"]
+        for d in route.get("route", [])
     }
     assert hosts == {"vllm.llm.svc.cluster.local"}
     for doc in (so, hpa):

@@ -96,8 +96,9 @@ def test_compose_envoy_yaml_is_rendered_from_envoy_yaml() -> None:
 
 
 def test_compose_envoy_yaml_differs_only_in_addresses_and_sidecar_limits() -> None:
-    """Addresses, and the llm_extproc circuit breakers, which follow the compose policy (its
-    adaptive pool may hold up to adaptive.max requests, more than the default policy)."""
+    """Addresses, the llm_extproc circuit breakers, which follow the compose policy (its
+    adaptive pool may hold up to adaptive.max requests, more than the default policy), and the
+    route the sidecar scrapes vLLM's /metrics through (the last before the catch-all)."""
     source, ours = shipped_envoy(), compose_envoy()
     assert ours["admin"]["address"]["socket_address"]["address"] == "0.0.0.0"
     (lst,) = ours["static_resources"]["listeners"]
@@ -119,6 +120,8 @@ def test_compose_envoy_yaml_differs_only_in_addresses_and_sidecar_limits() -> No
         cfg["static_resources"].pop("clusters")
         for listener_cfg in cfg["static_resources"]["listeners"]:
             listener_cfg.pop("address")
+    metrics_route = hcm_config(ours)["route_config"]["virtual_hosts"][0]["routes"].pop(-2)
+    assert metrics_route["match"]["path"] == "/metrics"
     assert ours == source
 
 
@@ -396,9 +399,10 @@ def test_compose_envoy_config_serves_through_the_sidecar(tmp_path: Path) -> None
 
         def answer() -> dict[str, Any] | None:
             """The backend's echo, or None while Envoy answers 503 (STRICT_DNS resolves
-            asynchronously after start)."""
+            asynchronously after start). A pool that starts on an empty Redis grants its first
+            slot one lease (10 s here) after it starts (the fence, docs/scaling.md)."""
             try:
-                with urllib.request.urlopen(req, timeout=10) as r:
+                with urllib.request.urlopen(req, timeout=30) as r:
                     assert r.status == 200
                     assert r.headers["x-llm-max-tokens"] == "1024"  # clamped by the policy
                     return json.loads(r.read())["echo"]  # type: ignore[no-any-return]
@@ -439,8 +443,8 @@ def test_compose_policy_loads_and_fits_the_compose_envoy_config() -> None:
 
 def test_compose_policy_reads_the_backends_metrics_through_envoy() -> None:
     """The sidecar shares no network with the backends, so the adaptive pool reads vLLM's
-    /metrics through Envoy's listener, on the catch-all route that skips the sidecar and
-    goes to `backend:8000` (vllm or sim)."""
+    /metrics through Envoy's listener, on the GET /metrics route (compose's only) that skips
+    the sidecar and goes to `backend:8000` (vllm or sim)."""
     policy = load_policy(DEPLOY / "compose" / "policy.yaml")
     assert policy.pool is not None and policy.pool.adaptive is not None
     (url,) = policy.backend.metrics
@@ -451,11 +455,8 @@ def test_compose_policy_reads_the_backends_metrics_through_envoy() -> None:
     (lst,) = cfg["static_resources"]["listeners"]
     assert parts.port == lst["address"]["socket_address"]["port_value"]
     (vhost,) = hcm_config(cfg)["route_config"]["virtual_hosts"]
-    route = next(
-        r
-        for r in vhost["routes"]
-        if r["match"].get("path") == "/metrics" or r["match"].get("prefix") == "/"
-    )
-    assert route["match"] == {"prefix": "/"}
+    (route,) = [r for r in vhost["routes"] if r["match"].get("path") == "/metrics"]
+    assert route["match"]["headers"] == [{"name": ":method", "string_match": {"exact": "GET"}}]
+    assert route["route"]["cluster"] == "backend"
     assert route["typed_per_filter_config"][EXT_PROC_FILTER]["disabled"] is True
     assert endpoint_address(cluster_named(cfg, route["route"]["cluster"])) == ("backend", 8000)

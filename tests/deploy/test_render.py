@@ -13,6 +13,7 @@ import yaml
 from extproc.app import default_policy
 from extproc.config.envoy import render, validate
 from extproc.config.policy import policy_from_yaml
+from extproc.contract import ADMITTED_PATHS, REFUSED_PATHS
 from testing.envoy import (
     REPO,
     ROUTER_FILTER,
@@ -22,8 +23,6 @@ from testing.envoy import (
     shipped_envoy,
 )
 from testing.stack import cli
-
-LLM_PATHS = {"/v1/chat/completions", "/v1/completions"}
 
 
 def shipped() -> dict[str, Any]:
@@ -45,23 +44,16 @@ def shipped() -> dict[str, Any]:
                 "request_timeout",
                 "local_reply_config",
                 "always_set_request_id_in_response",
+                "normalize_path",
+                "merge_slashes",
+                "path_with_escaped_slashes_action",
             )
         },
         "virtual_hosts": [
             {k: vh[k] for k in ("response_headers_to_add",)}
             for vh in hcm["route_config"]["virtual_hosts"]
         ],
-        "llm_route_timeouts": {
-            r["route"]["timeout"] for r in routes if r["match"].get("path") in LLM_PATHS
-        },
-        "llm_route_filter_configs": [
-            r.get("typed_per_filter_config") for r in routes if r["match"].get("path") in LLM_PATHS
-        ],
-        "other_routes": [
-            {"typed_per_filter_config": r["typed_per_filter_config"]}
-            for r in routes
-            if r["match"].get("path") not in LLM_PATHS
-        ],
+        "routes": routes,
     }
 
 
@@ -74,10 +66,20 @@ def test_shipped_envoy_yaml_is_what_render_gives_for_the_default_policy() -> Non
     assert have["listener"] == rendered["listener"]
     assert have["http_connection_manager"] == rendered["http_connection_manager"]
     assert have["virtual_hosts"] == [rendered["virtual_host"]]
-    assert have["llm_route_timeouts"] == {rendered["llm_routes"]["timeout"]}
-    # LLM routes run every filter; every other route skips the buffer and ext_proc.
-    assert have["llm_route_filter_configs"] == [None, None, None]
-    assert have["other_routes"] == [rendered["other_routes"]]
+    # The priority channel (an example of route metadata), then render-envoy's routes: the LLM
+    # APIs through every filter, the allowlist skipping the buffer and ext_proc, no catch-all.
+    priority, *door = have["routes"]
+    assert priority["metadata"] == {"filter_metadata": {"llm_extproc": {"bucket": "priority"}}}
+    assert door == rendered["routes"]
+    through = [r for r in door if "typed_per_filter_config" not in r]
+    assert len(through) == len(ADMITTED_PATHS) + len(REFUSED_PATHS)
+    assert {r["route"]["timeout"] for r in through} == {rendered["llm_routes"]["timeout"]}
+    skipping = [r["typed_per_filter_config"] for r in door if r not in through]
+    assert skipping and all(
+        c == rendered["other_routes"]["typed_per_filter_config"] for c in skipping
+    )
+    # Last, the catch-all Envoy answers itself: 404, skipping the buffer and ext_proc.
+    assert door[-1]["match"] == {"prefix": "/"} and door[-1]["direct_response"] == {"status": 404}
 
 
 def contains(have: object, want: object) -> bool:

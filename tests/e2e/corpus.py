@@ -222,7 +222,11 @@ def _cases() -> list[Case]:
     # Paths and methods the sidecar must leave alone
     ok("query string", chat(max_tokens=8), path="/v1/chat/completions?debug=1", max_tokens=8)
     ok("GET on chat path", b"", method="GET", headers={})
-    ok("other path, bad body", b"{not json", path="/v1/embeddings")
+    ok("allowlisted path, bad body", b"{not json", path="/tokenize")
+    # The door (tests/e2e/test_door.py has every spelling): an API the sidecar cannot bound
+    # is refused whatever its body, and a path nobody serves is Envoy's 404.
+    bad("unbounded API, bad body", b"{not json", "unsupported_endpoint", 404, path="/v1/embeddings")
+    bad("unknown path", chat(), "unknown_url", 404, path="/v1/nothing")
     return c
 
 

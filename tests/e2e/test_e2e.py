@@ -74,6 +74,7 @@ def run(coro: Any) -> Any:
 
 
 def test_other_paths_pass_through_untouched(stack: Stack) -> None:
+    """The allowlist (tests/e2e/test_door.py has the rest of the door)."""
     before = outcomes(stack)
 
     async def main() -> None:
@@ -83,7 +84,7 @@ def test_other_paths_pass_through_untouched(stack: Stack) -> None:
                 assert (await r.json())["path"] == "/v1/models"
                 assert "x-llm-max-tokens" not in r.headers
             # Not JSON and not an LLM path: it must reach the backend as sent.
-            async with s.post(f"{stack.url}/v1/embeddings", data=b"{not json") as r:
+            async with s.post(f"{stack.url}/tokenize", data=b"{not json") as r:
                 got = await r.json()
                 assert r.status == 200 and got["body"] == "{not json"
                 assert "x-llm-bucket" not in got["headers"]

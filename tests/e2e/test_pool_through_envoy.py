@@ -477,7 +477,7 @@ def short_llm_routes(cfg: dict[str, Any]) -> None:
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     for vh in hcm["typed_config"]["route_config"]["virtual_hosts"]:
         for route in vh["routes"]:
-            if route["route"].get("timeout") == "600s":
+            if route.get("route", {}).get("timeout") == "600s":
                 route["route"]["timeout"] = "2s"
 
 

@@ -12,6 +12,7 @@ import pytest
 from extproc.config.policy import policy_from_yaml
 from extproc.outcome import RequestError
 from extproc.request.classify import MaxTokensAction, classify, token_counter
+from extproc.request.endpoints import canonical, refused_api
 from extproc.request.parse import Endpoint, check_content_headers, endpoint_for_path, parse_body
 
 POLICY = policy_from_yaml(
@@ -58,10 +59,50 @@ def run(endpoint: Endpoint, raw: bytes, headers: dict[str, str] | None = None): 
         ("POST", "/v1/models", None),
         ("POST", "/v1/chat/completions/extra", None),
         ("GET", "/health", None),
+        # Spellings a server behind Envoy may take for the same path (extproc.request.endpoints)
+        ("POST", "/v1/%63hat/completions", CHAT),
+        ("POST", "/v1/chat%2Fcompletions", CHAT),
+        ("POST", "/v1/chat%252Fcompletions", CHAT),  # encoded twice
+        ("POST", "//v1//chat/completions", CHAT),
+        ("POST", "/v1/./chat/completions", CHAT),
+        ("POST", "/v1/models/../chat/completions", CHAT),
+        ("POST", "/../../v1/completions", COMP),
+        ("POST", "/v1/chat/completions/", CHAT),
+        ("POST", "/V1/Chat/Completions", CHAT),
+        ("POST", "/v1\\completions", COMP),
+        ("POST", "/v1/completions#x", COMP),
+        ("POST", "/v1/chat/completions/..", None),
+        ("POST", "/v2/chat/completions", None),
     ],
 )
 def test_endpoints(method: str, path: str, expected: Endpoint | None) -> None:
     assert endpoint_for_path(method, path) == expected
+
+
+@pytest.mark.parametrize(
+    "method,path,expected",
+    [
+        ("POST", "/v1/responses", "/v1/responses"),
+        ("POST", "/v1/%72esponses?x=1", "/v1/responses"),
+        ("POST", "//v1/embeddings/", "/v1/embeddings"),
+        ("POST", "/v1/messages", "/v1/messages"),
+        ("POST", "/invocations", "/invocations"),
+        ("POST", "/v1/audio/transcriptions", "/v1/audio/transcriptions"),
+        ("GET", "/v1/responses", None),  # reads a stored response: no generation
+        ("POST", "/v1/chat/completions", None),  # admitted, not refused
+        ("POST", "/tokenize", None),
+        ("POST", "/v1/other", None),
+    ],
+)
+def test_apis_the_sidecar_refuses(method: str, path: str, expected: str | None) -> None:
+    assert refused_api(method, path) == expected
+
+
+def test_canonical_is_bounded_on_hostile_paths() -> None:
+    """Linear in the path: a long run of dot segments or of nested encodings costs little."""
+    assert canonical("/.." * 10_000 + "/v1/completions") == "/v1/completions"
+    assert canonical("/v1/" + "%25" * 5000 + "63").startswith("/v1/")
+    assert canonical("") == "/" and canonical("?") == "/"
 
 
 # Every bad input: (endpoint, body, status, code, param)
@@ -251,7 +292,8 @@ def test_completions_prompts() -> None:
     assert parse_body(COMP, b'{"prompt": ["ab", "cd"]}').texts == ("ab", "cd")
     assert parse_body(COMP, b'{"prompt": [1, 2, 3]}').token_ids == 3
     assert parse_body(COMP, b'{"prompt": [[1, 2], [3]]}').token_ids == 3
-    assert parse_body(COMP, b'{"prompt": []}').token_ids == 0
+    with pytest.raises(RequestError, match="'prompt' must not be empty"):  # nothing to answer
+        parse_body(COMP, b'{"prompt": []}')
 
 
 def test_missing_max_tokens_is_defaulted_and_body_rewritten() -> None:

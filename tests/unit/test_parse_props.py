@@ -78,8 +78,21 @@ message = st.fixed_dictionaries(
 extra_fields = st.dictionaries(
     st.text(min_size=1, max_size=10).filter(
         # Not the fields the parser reads and type-checks (``tools`` and ``functions`` must be
-        # arrays: tests/unit/test_parse.py); hypothesis found ``{"functions": false}``.
-        lambda k: k not in ("messages", *MAX_TOKENS_KEYS, "stream", "model", "tools", "functions")
+        # arrays: tests/unit/test_parse.py; ``n`` and ``best_of`` integers:
+        # tests/unit/test_sequences.py); hypothesis found ``{"functions": false}``, ``{"n": []}``.
+        lambda k: (
+            k
+            not in (
+                "messages",
+                *MAX_TOKENS_KEYS,
+                "stream",
+                "model",
+                "tools",
+                "functions",
+                "n",
+                "best_of",
+            )
+        )
     ),
     json_values,
     max_size=5,

@@ -74,6 +74,9 @@ class Limits:
     # Bytes of request bodies queued requests may hold, all buckets together: 256 MiB, an
     # eighth of the 2 GiB the Istio manifest gives the pod (a queued 4 MB body costs ~5 MB).
     max_queued_bytes: int = 256 * 1024 * 1024
+    # Output sequences per request (n or best_of, times a batched prompt's prompts): each is
+    # up to max_tokens of output, so a request's output bound and cost count all of them.
+    max_sequences: int = 16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

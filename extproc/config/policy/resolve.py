@@ -119,8 +119,9 @@ def _limits(msg: policy_pb2.Limits) -> Limits:
             msg.on_excess, d.on_excess
         ),
         max_queued_bytes=_set_or(msg, "max_queued_bytes", d.max_queued_bytes),
+        max_sequences=_set_or(msg, "max_sequences", d.max_sequences),
     )
-    for name in ("max_prompt_tokens", "default_max_tokens", "max_output_tokens"):
+    for name in ("max_prompt_tokens", "default_max_tokens", "max_output_tokens", "max_sequences"):
         if getattr(limits, name) < 1:
             raise PolicyError(f"limits.{name}: must be at least 1")
     if limits.default_max_tokens > limits.max_output_tokens:

@@ -209,18 +209,20 @@ class Tokens(_message.Message):
     def __init__(self, chars_per_token: _Optional[float] = ..., tokenizer: _Optional[str] = ..., non_text_part_tokens: _Optional[int] = ..., message_overhead_tokens: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_prompt_tokens", "default_max_tokens", "max_output_tokens", "on_excess", "max_queued_bytes")
+    __slots__ = ("max_prompt_tokens", "default_max_tokens", "max_output_tokens", "on_excess", "max_queued_bytes", "max_sequences")
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ON_EXCESS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     max_prompt_tokens: int
     default_max_tokens: int
     max_output_tokens: int
     on_excess: OnExcess
     max_queued_bytes: int
-    def __init__(self, max_prompt_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., on_excess: _Optional[_Union[OnExcess, str]] = ..., max_queued_bytes: _Optional[int] = ...) -> None: ...
+    max_sequences: int
+    def __init__(self, max_prompt_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., on_excess: _Optional[_Union[OnExcess, str]] = ..., max_queued_bytes: _Optional[int] = ..., max_sequences: _Optional[int] = ...) -> None: ...
 
 class RetryAfter(_message.Message):
     __slots__ = ("min", "max", "jitter")
