@@ -9,15 +9,15 @@ from __future__ import annotations
 from typing import Final
 
 __all__ = [
-    "ADMITTED_PATHS",
+    "APIS",
     "EXT_PROC_SERVICE",
+    "LLM_PATHS",
     "MESSAGE_TIMEOUT_MARGIN_S",
     "METADATA_NAMESPACE",
     "PASS_THROUGH",
     "PATH_NORMALISATION",
     "PROCESSING_MODE",
     "PROCESS_METHOD",
-    "REFUSED_PATHS",
     "ROUTE_ATTRIBUTE",
     "ROUTE_ATTRIBUTES_KEY",
 ]
@@ -64,26 +64,28 @@ PATH_NORMALISATION: Final[dict[str, object]] = {
     "merge_slashes": True,
     "path_with_escaped_slashes_action": "REJECT_REQUEST",
 }
-# POST paths the sidecar admits.
-ADMITTED_PATHS: Final = ("/v1/chat/completions", "/v1/completions")
-# POST paths where vLLM (0.32) computes that the sidecar cannot bound yet: the Responses API,
-# Anthropic's Messages, SageMaker's entry point, audio, and the pooling models' endpoints.
-# Routed through the sidecar, which refuses them (404 unsupported_endpoint).
-REFUSED_PATHS: Final = (
-    "/v1/responses",
-    "/v1/messages",
-    "/invocations",
-    "/v1/audio/transcriptions",
-    "/v1/audio/translations",
-    "/v1/embeddings",
-    "/pooling",
-    "/classify",
-    "/score",
-    "/v1/score",
-    "/rerank",
-    "/v1/rerank",
-    "/v2/rerank",
-)
+# Every POST path where vLLM (0.32) computes, in the order of the shipped routes, and the API
+# the sidecar parses it as (extproc.request.endpoints); None: one it cannot bound, which it
+# refuses (404 unsupported_endpoint). Each goes through the sidecar.
+LLM_PATHS: Final[dict[str, str | None]] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",  # the OpenAI Responses API
+    "/v1/messages": "messages",  # Anthropic's Messages API
+    "/invocations": None,  # SageMaker's entry point: the API is in the body
+    "/v1/audio/transcriptions": None,  # multipart uploads, not JSON
+    "/v1/audio/translations": None,
+    "/v1/embeddings": "pooling",
+    "/pooling": "pooling",
+    "/classify": "pooling",
+    "/score": "pooling",
+    "/v1/score": "pooling",
+    "/rerank": "pooling",
+    "/v1/rerank": "pooling",
+    "/v2/rerank": "pooling",
+}
+# The APIs a policy may admit (its ``endpoints`` key; all of them by default).
+APIS: Final = ("chat", "completions", "responses", "messages", "pooling")
 # What passes without the sidecar: (method, path, whether the path is a prefix). Reads that
 # cost the backend next to nothing. vLLM's /metrics is not among them: a backend's internals do
 # not belong on the public listener (scrape it on its own port). Any other path has no route,

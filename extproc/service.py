@@ -56,7 +56,7 @@ from extproc.record import NO_BUCKET, RequestRecord
 from extproc.request import respond
 from extproc.request.classify import Classification, TokenCounter, token_counter
 from extproc.request.deadline import Deadline, abandoned, deadline_of
-from extproc.request.endpoints import ADMITTED, Endpoint, endpoint_for_path, refused_api
+from extproc.request.endpoints import Endpoint, canonical, endpoint_for_path, refused_api
 from extproc.request.offload import INLINE_BODY_BYTES, Busy, Offload, Parsed, parse_and_classify
 from extproc.request.parse import check_content_headers
 from extproc.request.routes import Route, RouteCache
@@ -124,9 +124,11 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         headers = stream.headers_of(msg.request_headers)
         method, path = headers.get(":method", ""), headers.get(":path", "")
         endpoint = endpoint_for_path(method, path)
-        if endpoint is None:
-            api = refused_api(method, path)
-            if api is not None:  # LLM work the sidecar cannot bound: refused, never passed
+        if endpoint is None or endpoint not in self._policy.endpoints:
+            # LLM work the sidecar cannot bound, or the policy does not admit: refused, never
+            # passed. Anything else passes uncounted.
+            api = refused_api(method, path) if endpoint is None else canonical(path)
+            if api is not None:
                 await self._refuse_api(context, headers.get("x-request-id", ""), api)
                 return
             await context.write(respond.PASS_THROUGH)
@@ -393,14 +395,15 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         await context.write(respond.refusal(rejection, rec))
 
     async def _refuse_api(self, context: stream.Stream, request_id: str, api: str) -> None:
-        """Refuse a request for an API of ``extproc.request.endpoints.REFUSED``: 404
-        ``unsupported_endpoint``, counted as ``rejected_invalid``."""
+        """Refuse a request for an API the sidecar cannot bound (``contract.LLM_PATHS``) or the
+        policy does not admit (``endpoints``): 404 ``unsupported_endpoint``, counted as
+        ``rejected_invalid``."""
         st = stream.State(RequestRecord(request_id))
         try:
-            admitted = ", ".join(ADMITTED)
+            admitted = ", ".join(self._policy.endpoints)
             error = RequestError(
                 "unsupported_endpoint",
-                f"POST {api} is not admitted by this gateway; it admits {admitted}.",
+                f"POST {api} is not admitted by this gateway; it admits these APIs: {admitted}.",
                 status=404,
             )
             await self._refuse(context, st.rec, error.outcome, error.rejection())

@@ -97,13 +97,12 @@ from extproc.config.envoy_objects import (
 from extproc.config.local_replies import ENVOY_ANSWER_CODES, EnvoyAnswer, local_reply_config
 from extproc.config.policy import Policy
 from extproc.contract import (
-    ADMITTED_PATHS,
+    LLM_PATHS,
     MESSAGE_TIMEOUT_MARGIN_S,
     METADATA_NAMESPACE,
     PASS_THROUGH,
     PATH_NORMALISATION,
     PROCESSING_MODE,
-    REFUSED_PATHS,
     ROUTE_ATTRIBUTE,
 )
 
@@ -234,9 +233,9 @@ def render(
 
 
 def routes(cluster: str = "backend") -> list[dict[str, Any]]:
-    """The virtual host's routes, in order, to ``cluster``: each API of
-    ``contract.ADMITTED_PATHS`` and ``REFUSED_PATHS`` (which it refuses) through the sidecar on
-    a route of its own, with the long LLM timeout; then the ``PASS_THROUGH`` allowlist, one
+    """The virtual host's routes, in order, to ``cluster``: each path of ``contract.LLM_PATHS``
+    (those the sidecar admits and those it refuses) through the sidecar on a route of its own,
+    with the long LLM timeout; then the ``PASS_THROUGH`` allowlist, one
     route per method, without the buffer and the sidecar; last, a catch-all Envoy answers
     itself with 404 (``unknown_url``), also without them."""
 
@@ -244,9 +243,7 @@ def routes(cluster: str = "backend") -> list[dict[str, Any]]:
         return {"cluster": cluster, "timeout": f"{LLM_ROUTE_TIMEOUT_S}s"}
 
     # Exact paths (one regex for all would pass RE2's program size limit, 100 by default).
-    out: list[dict[str, Any]] = [
-        {"match": {"path": p}, "route": llm()} for p in (*ADMITTED_PATHS, *REFUSED_PATHS)
-    ]
+    out: list[dict[str, Any]] = [{"match": {"path": p}, "route": llm()} for p in LLM_PATHS]
     for method in dict.fromkeys(m for m, _, _ in PASS_THROUGH):
         allowed = (
             re.escape(p) + (".*" if prefix else "") for m, p, prefix in PASS_THROUGH if m == method

@@ -34,7 +34,8 @@ from typing import Any
 
 from extproc.config.policy import BucketPolicy, Limits, OnExcess, Policy, RouteOverride, TokenPolicy
 from extproc.outcome import Outcome, RequestError
-from extproc.request.parse import ParsedRequest
+from extproc.request.endpoints import Endpoint
+from extproc.request.parse import OUTPUT_KEYS, PROMPT_FIELD, ParsedRequest
 
 __all__ = [
     "Classification",
@@ -154,6 +155,10 @@ def _text_tokens(text: str, chars_per_token: float) -> float:
 
 
 _WHITESPACE = b" \t\r\n"
+# The APIs whose vLLM request is known to take `priority` (checked against vLLM 0.32: chat and
+# completions): a bucket's vllm_priority is written there; on the others only the client's
+# `priority` is removed, so that no client jumps vLLM's queue and no unknown key is added.
+_PRIORITY_APIS = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
 
 
 def _append(req: ParsedRequest, max_tokens: int | None, priority: int | None) -> bytes | None:
@@ -164,7 +169,8 @@ def _append(req: ParsedRequest, max_tokens: int | None, priority: int | None) ->
     raw = req.raw
     if not raw or raw.startswith(b"\xef\xbb\xbf"):
         return None
-    if (max_tokens is not None and "max_tokens" in req.body) or (
+    key = OUTPUT_KEYS[req.endpoint][0] if max_tokens is not None else ""
+    if (max_tokens is not None and key in req.body) or (
         priority is not None and "priority" in req.body
     ):
         return None
@@ -173,7 +179,7 @@ def _append(req: ParsedRequest, max_tokens: int | None, priority: int | None) ->
         return None
     extra = []
     if max_tokens is not None:
-        extra.append(b'"max_tokens":%d' % max_tokens)
+        extra.append(b'"%s":%d' % (key.encode(), max_tokens))
     if priority is not None:
         extra.append(b'"priority":%d' % priority)
     return raw[: end - 1] + (b"," if req.body else b"") + b",".join(extra) + b"}"
@@ -182,10 +188,10 @@ def _append(req: ParsedRequest, max_tokens: int | None, priority: int | None) ->
 def _rewrite(
     original: dict[str, Any], keys: tuple[str, ...], value: int, priority: int | None
 ) -> bytes:
-    """The body re-serialised with every max_tokens key at ``value`` and ``priority`` the
-    bucket's (None: no ``priority`` key at all)."""
+    """The body re-serialised with every output bound key in ``keys`` at ``value`` (none for
+    pooling) and ``priority`` the bucket's (None: no ``priority`` key at all)."""
     body = dict(original)  # shallow copy: the parsed request stays as the client sent it
-    for key in keys or ("max_tokens",):
+    for key in keys:
         body[key] = value
     if priority is None:
         body.pop("priority", None)
@@ -230,7 +236,7 @@ def classify(
             "prompt_too_long",
             f"The prompt is about {prompt_tokens} tokens; this endpoint accepts at most "
             f"{limits.max_prompt_tokens}.",
-            "messages" if req.messages else "prompt",
+            PROMPT_FIELD[req.endpoint],
             outcome=Outcome.REJECTED_TOO_LARGE,
         )
 
@@ -244,11 +250,14 @@ def classify(
             param,
         )
     requested = req.requested_max_tokens
-    if requested is None:
+    output_keys = OUTPUT_KEYS[req.endpoint]
+    if not output_keys:  # pooling: a prompt in, no output to bound
+        max_tokens, action = 0, MaxTokensAction.KEPT
+    elif requested is None:
         max_tokens, action = limits.default_max_tokens, MaxTokensAction.DEFAULTED
     elif requested > limits.max_output_tokens:
         if limits.on_excess is OnExcess.REJECT:
-            key = req.max_tokens_keys[-1] if req.max_tokens_keys else "max_tokens"
+            key = req.max_tokens_keys[-1] if req.max_tokens_keys else output_keys[0]
             raise RequestError(
                 "max_tokens_too_large",
                 f"'{key}' is {requested}; this endpoint allows at most {limits.max_output_tokens}.",
@@ -269,7 +278,8 @@ def classify(
 
     # Both keys present with different values also needs a rewrite, so the backend cannot
     # read the other one. `priority` is the bucket's or none (step 4): never the client's.
-    priority = bucket.vllm_priority
+    # vLLM's `priority` field on the APIs known to take it; elsewhere only the client's goes.
+    priority = bucket.vllm_priority if req.endpoint in _PRIORITY_APIS else None
     strip_priority = priority is None and "priority" in req.body
     needs_rewrite = (
         action is not MaxTokensAction.KEPT
@@ -285,7 +295,8 @@ def classify(
         if not strip_priority and (action is MaxTokensAction.DEFAULTED or tokens_kept):
             new_body = _append(req, None if tokens_kept else max_tokens, priority)
         if new_body is None:
-            new_body = _rewrite(req.body, req.max_tokens_keys, max_tokens, priority)
+            keys = req.max_tokens_keys or output_keys[:1]
+            new_body = _rewrite(req.body, keys, max_tokens, priority)
 
     timeout = bucket.queue_timeout_s
     if route is not None and route.queue_timeout_s is not None:

@@ -5,10 +5,11 @@ Admission is only worth what gets past it unseen, so the door is default deny. E
 the path first (``normalize_path``: percent-decoded unreserved characters, dot segments;
 ``merge_slashes``; an escaped slash or backslash refused with 400), then routes:
 
-- ``ADMITTED_PATHS``: the APIs the sidecar parses, bounds and admits;
-- ``REFUSED_PATHS``: the other APIs vLLM serves that make it compute (generation, audio, pooling).
-  They go through the sidecar too, which refuses them (404 ``unsupported_endpoint``), counted,
-  rather than let them reach the backend unadmitted;
+- ``LLM_PATHS``: every API where vLLM computes goes through the sidecar, which parses, bounds
+  and admits those it knows (chat, completions, the Responses API, Anthropic's Messages, the
+  pooling endpoints) and refuses the rest (audio, ``/invocations``: 404
+  ``unsupported_endpoint``, counted) rather than let them reach the backend unadmitted; a
+  policy's ``endpoints`` may admit fewer;
 - ``PASS_THROUGH``: a short allowlist of cheap reads (models, health, version, tokenizer),
   which skip the sidecar;
 - anything else has no route: Envoy answers 404 ``unknown_url`` itself.
@@ -23,7 +24,7 @@ from __future__ import annotations
 from enum import StrEnum
 from urllib.parse import unquote
 
-from extproc.contract import ADMITTED_PATHS, REFUSED_PATHS
+from extproc.contract import LLM_PATHS
 
 __all__ = [
     "ADMITTED",
@@ -35,15 +36,20 @@ __all__ = [
 
 
 class Endpoint(StrEnum):
+    """The APIs the sidecar parses (``contract.APIS``)."""
+
     CHAT = "chat"
     COMPLETIONS = "completions"
+    RESPONSES = "responses"
+    MESSAGES = "messages"
+    POOLING = "pooling"  # embeddings, classify, score, rerank: a prompt, no output to bound
 
 
-# POST paths the sidecar admits, and what each one is.
-ADMITTED: dict[str, Endpoint] = dict(
-    zip(ADMITTED_PATHS, (Endpoint.CHAT, Endpoint.COMPLETIONS), strict=True)
-)
-_REFUSED = frozenset(REFUSED_PATHS)
+# POST paths the sidecar parses, and as which API; the others of contract.LLM_PATHS it refuses.
+ADMITTED: dict[str, Endpoint] = {
+    path: Endpoint(api) for path, api in LLM_PATHS.items() if api is not None
+}
+_REFUSED = frozenset(path for path, api in LLM_PATHS.items() if api is None)
 
 
 def canonical(path: str) -> str:
@@ -80,7 +86,7 @@ def endpoint_for_path(method: str, path: str) -> Endpoint | None:
 
 def refused_api(method: str, path: str) -> str | None:
     """The canonical path of an API that makes the backend compute but is not admitted here
-    (``REFUSED_PATHS``), for a POST; None for anything else."""
+    (``contract.LLM_PATHS`` without an API), for a POST; None for anything else."""
     if method != "POST":
         return None
     api = canonical(path)

@@ -36,6 +36,23 @@ __all__ = ["Endpoint", "ParsedRequest", "check_content_headers", "endpoint_for_p
 
 
 MAX_TOKENS_KEYS = ("max_tokens", "max_completion_tokens")
+# Each API's output bound: the keys that carry it (the last wins when several are set; the
+# first is the one added when the client sent none). Pooling has no output to bound.
+OUTPUT_KEYS: dict[Endpoint, tuple[str, ...]] = {
+    Endpoint.CHAT: MAX_TOKENS_KEYS,
+    Endpoint.COMPLETIONS: MAX_TOKENS_KEYS,
+    Endpoint.RESPONSES: ("max_output_tokens",),
+    Endpoint.MESSAGES: ("max_tokens",),
+    Endpoint.POOLING: (),
+}
+# The field a prompt too long is reported on.
+PROMPT_FIELD: dict[Endpoint, str] = {
+    Endpoint.CHAT: "messages",
+    Endpoint.COMPLETIONS: "prompt",
+    Endpoint.RESPONSES: "input",
+    Endpoint.MESSAGES: "messages",
+    Endpoint.POOLING: "input",
+}
 # Above this a max_tokens is not a request but a bug (no model has such a context); refuse it
 # rather than clamp it, so the client hears about it. Values in range but above the policy's
 # max_output_tokens are clamped or refused as the policy says.
@@ -145,16 +162,16 @@ def _count(key: str, value: object, ceiling: int) -> int:
     return value
 
 
-def _max_tokens(body: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+def _max_tokens(body: dict[str, Any], keys: tuple[str, ...]) -> tuple[int | None, tuple[str, ...]]:
     present: list[str] = []
     values: dict[str, int] = {}
-    for key in MAX_TOKENS_KEYS:
+    for key in keys:
         value = body.get(key)
         if value is None:
             continue
         present.append(key)
         values[key] = _count(key, value, MAX_TOKENS_CEILING)
-    requested = values.get("max_completion_tokens", values.get("max_tokens"))
+    requested = values[present[-1]] if present else None
     return requested, tuple(present)
 
 
@@ -210,13 +227,151 @@ def _chat(body: dict[str, Any], texts: list[str]) -> tuple[int, int]:
             if not isinstance(tool_calls, list):
                 raise _bad_type(f"{where}.tool_calls", "an array", tool_calls)
             texts.append(json.dumps(tool_calls, separators=(",", ":"), ensure_ascii=False))
-    for key in ("tools", "functions"):
+    _tools(body, texts, ("tools", "functions"))
+    return len(messages), non_text
+
+
+def _tools(body: dict[str, Any], texts: list[str], keys: tuple[str, ...]) -> None:
+    """Tool definitions count as prompt: their JSON."""
+    for key in keys:
         value = body.get(key)
         if value is not None:
             if not isinstance(value, list):
                 raise _bad_type(key, "an array", value)
             texts.append(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+
+
+def _parts(content: object, where: str, texts: list[str], text_types: frozenset[str]) -> int:
+    """A content that is a string or an array of typed parts: the text of parts whose type is
+    in ``text_types``, the JSON of the rest (tool calls and results: text the model reads)
+    except media (images, audio, files: counted as non-text parts). Returns the non-text
+    parts."""
+    if isinstance(content, str):
+        texts.append(content)
+        return 0
+    if not isinstance(content, list):
+        raise _bad_type(where, "a string or an array of content parts", content)
+    non_text = 0
+    for j, part in enumerate(content):
+        pwhere = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise _bad_type(pwhere, "an object", part)
+        kind = part.get("type")
+        if not isinstance(kind, str):
+            raise _bad_type(f"{pwhere}.type", "a string", kind)
+        if kind in text_types:
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise _bad_type(f"{pwhere}.text", "a string", text)
+            texts.append(text)
+        elif kind in _MEDIA_TYPES:
+            non_text += 1
+        else:
+            texts.append(json.dumps(part, separators=(",", ":"), ensure_ascii=False))
+    return non_text
+
+
+_MEDIA_TYPES = frozenset(
+    {"image", "image_url", "input_image", "input_audio", "input_file", "document", "file"}
+)
+_RESPONSES_TEXT = frozenset({"input_text", "output_text", "text"})
+_MESSAGES_TEXT = frozenset({"text"})
+
+
+def _responses(body: dict[str, Any], texts: list[str]) -> tuple[int, int]:
+    """The Responses API: ``instructions`` and ``input`` (a string, or an array of items:
+    messages whose content is a string or parts, and other items such as tool calls and
+    their outputs, counted as their JSON). Returns (messages, non-text parts)."""
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise _bad_type("instructions", "a string", instructions)
+        texts.append(instructions)
+    items = body.get("input")
+    if items is None:
+        raise RequestError("missing_field", "'input' is required.", "input")
+    if isinstance(items, str):
+        texts.append(items)
+        return 1, 0
+    if not isinstance(items, list):
+        raise _bad_type("input", "a string or an array of input items", items)
+    if not items:
+        raise RequestError("invalid_value", "'input' must not be empty.", "input")
+    non_text = 0
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad_type(where, "an object", item)
+        if item.get("type", "message") == "message":
+            role = item.get("role")
+            if not isinstance(role, str):
+                raise _bad_type(f"{where}.role", "a string", role)
+            non_text += _parts(item.get("content"), f"{where}.content", texts, _RESPONSES_TEXT)
+        else:
+            texts.append(json.dumps(item, separators=(",", ":"), ensure_ascii=False))
+    _tools(body, texts, ("tools",))
+    return len(items), non_text
+
+
+def _messages(body: dict[str, Any], texts: list[str]) -> tuple[int, int]:
+    """Anthropic's Messages API: ``system`` (a string or text blocks) and ``messages``, each
+    with a string or an array of content blocks. Returns (messages, non-text parts)."""
+    system = body.get("system")
+    non_text = 0
+    if system is not None:
+        non_text += _parts(system, "system", texts, _MESSAGES_TEXT)
+    messages = body.get("messages")
+    if messages is None:
+        raise RequestError("missing_field", "'messages' is required.", "messages")
+    if not isinstance(messages, list):
+        raise _bad_type("messages", "an array", messages)
+    if not messages:
+        raise RequestError("invalid_value", "'messages' must not be empty.", "messages")
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise _bad_type(where, "an object", message)
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise _bad_type(f"{where}.role", "a string", role)
+        non_text += _parts(message.get("content"), f"{where}.content", texts, _MESSAGES_TEXT)
+    _tools(body, texts, ("tools",))
     return len(messages), non_text
+
+
+# Fields of the pooling requests that are not text the model reads.
+_POOLING_SETTINGS = frozenset(
+    {
+        "model",
+        "encoding_format",
+        "dimensions",
+        "user",
+        "priority",
+        "request_id",
+        "truncate_prompt_tokens",
+    }
+)
+
+
+def _pooling(body: dict[str, Any], texts: list[str]) -> int:
+    """The pooling endpoints (embeddings, pooling, classify, score, rerank) name their inputs
+    differently (``input``, ``text_1``/``text_2``, ``queries``/``documents``, ``query``,
+    ``messages``...): every string in the body but its settings is prompt, every integer in
+    an array a token id. Returns the token ids. Nesting is bounded by the JSON parser."""
+    token_ids = 0
+    stack: list[object] = [v for k, v in body.items() if k not in _POOLING_SETTINGS]
+    if not stack:
+        raise RequestError("missing_field", "'input' is required.", "input")
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            texts.append(value)
+        elif isinstance(value, list):
+            token_ids += sum(1 for v in value if _is_token_id(v))
+            stack.extend(v for v in value if isinstance(v, (str, list, dict)))
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+    return token_ids
 
 
 def _is_token_id(x: object) -> bool:
@@ -294,7 +449,7 @@ def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
         raise RequestError(
             "invalid_body", f"The request body must be a JSON object, not {_type_name(body)}."
         )
-    requested, keys = _max_tokens(body)
+    requested, keys = _max_tokens(body, OUTPUT_KEYS[endpoint])
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise _bad_type("stream", "a boolean", stream)
@@ -308,8 +463,14 @@ def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
     try:
         if endpoint is Endpoint.CHAT:
             messages, non_text = _chat(body, texts)
-        else:
+        elif endpoint is Endpoint.COMPLETIONS:
             token_ids, prompts = _completions(body, texts)
+        elif endpoint is Endpoint.RESPONSES:
+            messages, non_text = _responses(body, texts)
+        elif endpoint is Endpoint.MESSAGES:
+            messages, non_text = _messages(body, texts)
+        else:
+            token_ids = _pooling(body, texts)
     except RecursionError:  # json.dumps of deeply nested tools
         raise RequestError("invalid_json", "The request body is nested too deeply.") from None
     return ParsedRequest(

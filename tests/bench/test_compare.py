@@ -46,7 +46,7 @@ from bench.load.summary import Outcome, RequestRecord
 from bench.load.workload import build_schedule
 from extproc.config.envoy import extproc_streams
 from extproc.config.policy import Order, policy_from_yaml
-from extproc.contract import ADMITTED_PATHS, REFUSED_PATHS
+from extproc.contract import LLM_PATHS
 from testing.envoy import envoy_validate, hcm_config, render_envoy_config
 
 OPTS = Options(model_requests=1500)
@@ -184,7 +184,7 @@ def test_envoy_configs_load_in_the_real_envoy(cap: Capacity, tmp_path: Path) -> 
         assert hcm["stream_idle_timeout"] == "300s"
         routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
         # The priority channel and every LLM API, then the allowlist; the catch-all has none.
-        llm = 1 + len(ADMITTED_PATHS) + len(REFUSED_PATHS)
+        llm = 1 + len(LLM_PATHS)
         timeouts = [r["route"]["timeout"] for r in routes if "route" in r]
         assert timeouts == ["600s"] * llm + ["60s", "60s"]
         (sidecar,) = [c for c in cfg["static_resources"]["clusters"] if c["name"] == "llm_extproc"]

@@ -13,7 +13,7 @@ import yaml
 from extproc.app import default_policy
 from extproc.config.envoy import render, validate
 from extproc.config.policy import policy_from_yaml
-from extproc.contract import ADMITTED_PATHS, REFUSED_PATHS
+from extproc.contract import LLM_PATHS
 from testing.envoy import (
     REPO,
     ROUTER_FILTER,
@@ -72,7 +72,7 @@ def test_shipped_envoy_yaml_is_what_render_gives_for_the_default_policy() -> Non
     assert priority["metadata"] == {"filter_metadata": {"llm_extproc": {"bucket": "priority"}}}
     assert door == rendered["routes"]
     through = [r for r in door if "typed_per_filter_config" not in r]
-    assert len(through) == len(ADMITTED_PATHS) + len(REFUSED_PATHS)
+    assert len(through) == len(LLM_PATHS)
     assert {r["route"]["timeout"] for r in through} == {rendered["llm_routes"]["timeout"]}
     skipping = [r["typed_per_filter_config"] for r in door if r not in through]
     assert skipping and all(

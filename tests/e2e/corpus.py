@@ -225,7 +225,8 @@ def _cases() -> list[Case]:
     ok("allowlisted path, bad body", b"{not json", path="/tokenize")
     # The door (tests/e2e/test_door.py has every spelling): an API the sidecar cannot bound
     # is refused whatever its body, and a path nobody serves is Envoy's 404.
-    bad("unbounded API, bad body", b"{not json", "unsupported_endpoint", 404, path="/v1/embeddings")
+    bad("unbounded API, bad body", b"{not json", "unsupported_endpoint", 404, path="/invocations")
+    bad("pooling API, bad body", b"{not json", "invalid_json", path="/v1/embeddings")
     bad("unknown path", chat(), "unknown_url", 404, path="/v1/nothing")
     return c
 

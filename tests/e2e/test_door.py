@@ -1,9 +1,11 @@
 """The door has no way around it (issue 31), through the shipped envoy/envoy.yaml, the real
 Envoy, the real sidecar and the test backend: every spelling of an LLM path is either admitted
 (counted, clamped, and the backend sees the normalised path) or refused by Envoy (400
-``invalid_path``, 404 ``unknown_url``) without reaching the backend; every other API where vLLM
-computes is refused by the sidecar (404 ``unsupported_endpoint``, counted); only the allowlist
-passes without the sidecar; and Envoy's own 2xx/3xx local replies keep their bodies.
+``invalid_path``, 404 ``unknown_url``) without reaching the backend; the Responses API,
+Anthropic's Messages and the pooling endpoints are admitted and bounded in their own keys; the
+APIs the sidecar cannot bound (audio, ``/invocations``) are refused by it (404
+``unsupported_endpoint``, counted); only the allowlist passes without the sidecar; and Envoy's
+own 2xx/3xx local replies keep their bodies.
 
 Requests go over a raw socket: an HTTP client library would normalise the paths itself.
 """
@@ -18,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from extproc.contract import REFUSED_PATHS
+from extproc.contract import LLM_PATHS
 from extproc.record import NO_BUCKET
 from testing.envoy import hcm_config
 from testing.harness import backend_stats, outcomes, start_stack
@@ -160,7 +162,10 @@ def test_the_absolute_form_is_admitted(stack: Stack) -> None:
     until(lambda: admitted(stack) == before + 1, "the request counted admitted")
 
 
-@pytest.mark.parametrize("path", REFUSED_PATHS)
+REFUSED = [path for path, api in LLM_PATHS.items() if api is None]
+
+
+@pytest.mark.parametrize("path", REFUSED)
 def test_every_other_api_where_vllm_computes_is_refused_by_the_sidecar(
     stack: Stack, path: str
 ) -> None:
@@ -174,6 +179,41 @@ def test_every_other_api_where_vllm_computes_is_refused_by_the_sidecar(
     assert path in got["error"]["message"]
     until(lambda: outcomes(stack).get(refused) == before + 1, "the refusal counted")
     assert backend_stats(stack)["total"] == before_backend
+
+
+# The other APIs the sidecar admits: (path, body, the output bound's key or None for pooling)
+APIS = [
+    (
+        "/v1/responses",
+        {"model": "m", "input": "hi", "max_output_tokens": ASKED},
+        "max_output_tokens",
+    ),
+    (
+        "/v1/messages",
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ASKED},
+        "max_tokens",
+    ),
+    ("/v1/embeddings", {"model": "e", "input": ["a", "b"]}, None),
+    ("/v2/rerank", {"model": "r", "query": "q", "documents": ["d"]}, None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "key"), APIS, ids=[p for p, _, _ in APIS])
+def test_the_other_apis_are_admitted_and_bounded(
+    stack: Stack, path: str, body: dict[str, Any], key: str | None
+) -> None:
+    """Through the sidecar: counted, the output bound clamped in the API's own key (pooling:
+    the body unchanged), and the backend sees it (its pass-through echo)."""
+    before = admitted(stack)
+    status, headers, got = send(stack, "POST", path, body)
+    assert status == 200 and got["path"] == path, got
+    reached = json.loads(got["body"])
+    if key is None:
+        assert reached == body
+    else:
+        assert reached[key] == CAP and headers["x-llm-max-tokens"] == str(CAP)
+    assert got["headers"]["x-llm-bucket"] == "all"
+    until(lambda: admitted(stack) == before + 1, "the request counted admitted")
 
 
 def test_only_the_allowlist_passes_without_the_sidecar(stack: Stack) -> None:

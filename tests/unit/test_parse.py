@@ -71,6 +71,13 @@ def run(endpoint: Endpoint, raw: bytes, headers: dict[str, str] | None = None): 
         ("POST", "/V1/Chat/Completions", CHAT),
         ("POST", "/v1\\completions", COMP),
         ("POST", "/v1/completions#x", COMP),
+        ("POST", "/v1/responses", Endpoint.RESPONSES),
+        ("GET", "/v1/responses", None),  # reads a stored response: no generation
+        ("POST", "/v1/messages", Endpoint.MESSAGES),
+        ("POST", "//v1/%65mbeddings/", Endpoint.POOLING),
+        ("POST", "/rerank", Endpoint.POOLING),
+        ("POST", "/v2/rerank", Endpoint.POOLING),
+        ("POST", "/score", Endpoint.POOLING),
         ("POST", "/v1/chat/completions/..", None),
         ("POST", "/v2/chat/completions", None),
     ],
@@ -82,14 +89,13 @@ def test_endpoints(method: str, path: str, expected: Endpoint | None) -> None:
 @pytest.mark.parametrize(
     "method,path,expected",
     [
-        ("POST", "/v1/responses", "/v1/responses"),
-        ("POST", "/v1/%72esponses?x=1", "/v1/responses"),
-        ("POST", "//v1/embeddings/", "/v1/embeddings"),
-        ("POST", "/v1/messages", "/v1/messages"),
         ("POST", "/invocations", "/invocations"),
         ("POST", "/v1/audio/transcriptions", "/v1/audio/transcriptions"),
-        ("GET", "/v1/responses", None),  # reads a stored response: no generation
+        ("POST", "//v1/audio/%74ranslations/", "/v1/audio/translations"),
+        ("GET", "/invocations", None),
         ("POST", "/v1/chat/completions", None),  # admitted, not refused
+        ("POST", "/v1/responses", None),
+        ("POST", "/v1/embeddings", None),
         ("POST", "/tokenize", None),
         ("POST", "/v1/other", None),
     ],

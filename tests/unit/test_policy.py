@@ -168,7 +168,7 @@ buckets:
         (
             "bucket: []",
             "bucket: unknown key (known keys: tokens, limits, retry_after, buckets, "
-            "mode, trusted_headers, pool, backend, client_deadline)",
+            "mode, trusted_headers, pool, backend, client_deadline, endpoints)",
         ),
         (
             "buckets: [{name: a, max_concurrency: 1, queue_timeout: 5x, max_queue: 1}]",

@@ -17,6 +17,7 @@ from enum import StrEnum
 from typing import Any, Final
 
 from extproc.config.urls import redact
+from extproc.contract import APIS
 
 __all__ = [
     "RETRY_COUNT_HEADER",
@@ -285,6 +286,8 @@ class RouteOverride:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Policy:
     mode: Mode = Mode.ENFORCE
+    # The APIs admitted (extproc.contract.APIS); a request for another gets 404.
+    endpoints: tuple[str, ...] = APIS
     trusted_headers: tuple[str, ...] = ()
     tokens: TokenPolicy = field(default_factory=TokenPolicy)
     limits: Limits = field(default_factory=Limits)

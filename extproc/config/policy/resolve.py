@@ -65,6 +65,7 @@ from extproc.config.policy.model import (
 from extproc.config.policy.tenant import tenant_policy
 from extproc.config.schema import PolicyError, fill
 from extproc.config.urls import UrlError, check_redis_url, http_url
+from extproc.contract import APIS
 
 __all__ = [
     "load_policy",
@@ -469,6 +470,17 @@ def _client_deadline(msg: policy_pb2.ClientDeadline) -> ClientDeadlinePolicy:
     )
 
 
+def _endpoints(names: Sequence[str]) -> tuple[str, ...]:
+    if not names:
+        return _default(Policy, "endpoints")  # type: ignore[no-any-return]
+    for i, name in enumerate(names):
+        if name not in APIS:
+            raise PolicyError(f"endpoints[{i}]: {name!r} is not one of {', '.join(APIS)}")
+    if len(set(names)) != len(names):
+        raise PolicyError("endpoints: an API is listed twice")
+    return tuple(names)
+
+
 def _resolve(msg: policy_pb2.Policy) -> Policy:
     tokens = _tokens(msg.tokens)
     limits = _limits(msg.limits)
@@ -483,6 +495,7 @@ def _resolve(msg: policy_pb2.Policy) -> Policy:
     client_deadline = _client_deadline(msg.client_deadline)
     return Policy(
         mode=Mode.SHADOW if msg.mode == policy_pb2.SHADOW else _default(Policy, "mode"),
+        endpoints=_endpoints(msg.endpoints),
         trusted_headers=trusted_headers,
         tokens=tokens,
         limits=limits,

@@ -40,7 +40,7 @@ CLAMP: OnExcess
 REJECT: OnExcess
 
 class Policy(_message.Message):
-    __slots__ = ("tokens", "limits", "retry_after", "buckets", "mode", "trusted_headers", "pool", "backend", "client_deadline")
+    __slots__ = ("tokens", "limits", "retry_after", "buckets", "mode", "trusted_headers", "pool", "backend", "client_deadline", "endpoints")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class Policy(_message.Message):
     POOL_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     CLIENT_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     tokens: Tokens
     limits: Limits
     retry_after: RetryAfter
@@ -59,7 +60,8 @@ class Policy(_message.Message):
     pool: Pool
     backend: Backend
     client_deadline: ClientDeadline
-    def __init__(self, tokens: _Optional[_Union[Tokens, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., retry_after: _Optional[_Union[RetryAfter, _Mapping]] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., mode: _Optional[_Union[Mode, str]] = ..., trusted_headers: _Optional[_Iterable[str]] = ..., pool: _Optional[_Union[Pool, _Mapping]] = ..., backend: _Optional[_Union[Backend, _Mapping]] = ..., client_deadline: _Optional[_Union[ClientDeadline, _Mapping]] = ...) -> None: ...
+    endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tokens: _Optional[_Union[Tokens, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., retry_after: _Optional[_Union[RetryAfter, _Mapping]] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., mode: _Optional[_Union[Mode, str]] = ..., trusted_headers: _Optional[_Iterable[str]] = ..., pool: _Optional[_Union[Pool, _Mapping]] = ..., backend: _Optional[_Union[Backend, _Mapping]] = ..., client_deadline: _Optional[_Union[ClientDeadline, _Mapping]] = ..., endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Pool(_message.Message):
     __slots__ = ("max_concurrency", "max_tokens_in_flight", "fail_fast", "adaptive", "overload", "shared")
