@@ -50,6 +50,7 @@ from extproc.pool.adaptive import AdaptiveSnapshot
 from extproc.pool.lease_adapter import SharedSnapshot
 from extproc.pool.overload import OverloadSnapshot
 from extproc.pool.poller import BackendSnapshot
+from extproc.pool.tenants import HEADER_MIN_REQUESTS, HEADER_WINDOW_S
 from extproc.pool.values import BucketStats, PoolStats
 from extproc.pool.view import gauges_of
 from extproc.record import NO_BUCKET, RequestRecord
@@ -233,6 +234,17 @@ class Metrics:
         )
         for loop in LOOPS:
             self.loop_errors.labels(loop)
+        # Set by the pool's controller on its tick (extproc.pool.control), one series per
+        # bucket whose tenant is a trusted header's value (none for the others).
+        self.tenant_header_missing = Gauge(
+            "llm_extproc_tenant_header_missing",
+            "1 while a bucket whose tenant is a trusted header's value sees only requests "
+            f"without it (at least {HEADER_MIN_REQUESTS} in {HEADER_WINDOW_S:.0f} s, none with "
+            "it since): all one anonymous tenant. The filter that sets it runs before the "
+            "strip of trusted_headers, or nothing sets it.",
+            ["bucket"],
+            registry=r,
+        )
         self.requests = Counter(
             "llm_extproc_requests",
             "LLM requests finished, by bucket and outcome.",

@@ -26,6 +26,15 @@
   stops that poller unless it leads. A limit read from Redis is clamped to the policy's
   (``limit_bounds``).
 
+- Tenant headers: on the same tick, each bucket whose tenant is a trusted header's value
+  (``tenant.header``) is looked at (``extproc.pool.tenants.watch_header``, on the totals the
+  gate counts as requests join): when a window of ``HEADER_WINDOW_S`` saw at least
+  ``HEADER_MIN_REQUESTS`` requests and none had the header, the bucket's requests are all one
+  anonymous tenant; ``llm_extproc_tenant_header_missing{bucket}`` is 1 and one line at WARNING
+  says so, until a request with the header comes (one line at INFO). A policy (re)load gives
+  each such bucket its series at 0, drops those of buckets that have no tenant header any
+  more, and watches a bucket whose header changed afresh.
+
 Each transition is one log line (``extproc.control``). The gauges (``gauges``, read by the
 metrics collector at scrape time) and the pool's entry of /debug/queues (``debug``) render the
 controllers' snapshots (``extproc.pool.view``): the pool's ``PoolStats``, the monitor's, the
@@ -75,6 +84,7 @@ from extproc.pool.lease_switch import Built, LeaseSwitch
 from extproc.pool.overload import Overload, OverloadMonitor, OverloadSnapshot
 from extproc.pool.poller import BackendSnapshot, Poller
 from extproc.pool.shared import LeaseManager, Mode
+from extproc.pool.tenants import HeaderWatch, watch_header
 from extproc.pool.values import PoolStats
 from extproc.pool.view import render_debug, render_gauges
 
@@ -122,6 +132,8 @@ class PoolControl:
             on_loop_error=self._loop_error,
         )
         self._stopping: set[asyncio.Task[None]] = set()  # pollers being stopped
+        # Bucket -> (its tenant header, the watch; None until the first look).
+        self._headers: dict[str, tuple[str, HeaderWatch | None]] = {}
 
     @property
     def _shared(self) -> LeaseManager | None:
@@ -182,6 +194,7 @@ class PoolControl:
             if pool is not None:
                 self._gate.set_cut(1.0)
             self._monitor = OverloadMonitor(overload) if overload is not None else None
+        self._follow_headers(policy)
 
     def start(self) -> None:
         self._started = True
@@ -347,8 +360,11 @@ class PoolControl:
     # --- overload ----------------------------------------------------------------------------
 
     async def _tick_round(self) -> None:
-        """One round of the overload loop (its guard logs and counts a failure)."""
-        self.tick(asyncio.get_running_loop().time())
+        """One round of the overload loop (its guard logs and counts a failure): the overload
+        monitor's look, then the tenant headers'."""
+        now = asyncio.get_running_loop().time()
+        self.tick(now)
+        self.watch_headers(now)
 
     def tick(self, now: float) -> Overload | None:
         """One look at the protected bands; apply the factor when it changes."""
@@ -392,6 +408,55 @@ class PoolControl:
             )
         return verdict
 
+    # --- tenant headers ----------------------------------------------------------------------
+
+    def _follow_headers(self, policy: Policy) -> None:
+        """The buckets of ``policy`` whose tenant is a header: a series at 0 for each new one;
+        one gone, or whose header changed, is forgotten (and watched afresh)."""
+        headers = {
+            b.name: b.tenant.header
+            for b in policy.buckets
+            if b.tenant is not None and b.tenant.header is not None
+        }
+        gauge = self._metrics.tenant_header_missing
+        for name, (header, _) in list(self._headers.items()):
+            if headers.get(name) != header:
+                del self._headers[name]
+                gauge.remove(name)
+        for name, header in headers.items():
+            if name not in self._headers:
+                self._headers[name] = (header, None)
+                gauge.labels(name).set(0)
+
+    def watch_headers(self, now: float) -> None:
+        """One look at each bucket whose tenant is a header (``tenants.watch_header``); a
+        change of its verdict sets its gauge and is one log line."""
+        if not self._headers:
+            return
+        seen = self._gate.tenants_seen()
+        for name, (header, before) in self._headers.items():
+            totals = seen.get(name)
+            if totals is None:
+                continue
+            after = watch_header(before, totals, now)
+            self._headers[name] = (header, after)
+            if before is None or after.missing == before.missing:
+                continue
+            self._metrics.tenant_header_missing.labels(name).set(int(after.missing))
+            if after.missing:
+                log.warning(
+                    "bucket %s: its %d requests of the last %.0f s all came without the tenant "
+                    "header %s, so they are one anonymous tenant and fairness between tenants "
+                    "is off; the filter that sets it runs before the strip of trusted_headers, "
+                    "or it is not set",
+                    name,
+                    after.seen.joined - before.seen.joined,
+                    now - before.since,
+                    header,
+                )
+            else:
+                log.info("bucket %s: requests carry the tenant header %s again", name, header)
+
     # --- views -------------------------------------------------------------------------------
 
     def _overload_view(self, pool: PoolStats) -> OverloadSnapshot:
@@ -422,6 +487,11 @@ class PoolControl:
             return None
         out = render_debug(s)
         out["overload"] = render_debug(self._overload_view(s))
+        if self._headers:
+            out["tenant_headers"] = {
+                name: {"header": header, "missing": watch is not None and watch.missing}
+                for name, (header, watch) in self._headers.items()
+            }
         if self._shared is not None:
             out["shared"] = {**self._shared.debug(), "retiring": self._switch.debug()}
         if self._poller is not None:

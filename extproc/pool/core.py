@@ -93,6 +93,7 @@ from extproc.pool.demand import cut_band
 from extproc.pool.order import QUEUE_ORDERS, BucketChoice
 from extproc.pool.relegate import Relegation, longest_wait, relegate
 from extproc.pool.state import BucketState, PoolState, ewma
+from extproc.pool.tenants import TenantSeen
 from extproc.pool.values import BucketStats, Decision, PoolStats, Ticket, Verdict
 
 __all__ = ["Admission"]
@@ -394,6 +395,11 @@ class Admission:
     def heaviest(self, bucket: str, k: int) -> list[tuple[str | None, float]]:
         """The bucket's ``k`` heaviest tenants (``QueueOrder.heaviest``), for /debug/queues."""
         return self._buckets[bucket].order.heaviest(k)
+
+    def tenants_seen(self) -> dict[str, TenantSeen]:
+        """Of each bucket with a tenant policy, the requests that joined it and those of them
+        with a key (``TenantCounts.seen``, for ``tenants.watch_header``)."""
+        return {n: b.tenants.seen() for n, b in self._buckets.items() if b.tenants is not None}
 
     def recent_waits(self, bucket: str) -> list[float]:
         """Queue waits of the bucket's latest admissions (0 for the fast path), oldest first."""

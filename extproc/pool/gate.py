@@ -48,6 +48,7 @@ from extproc.pool.core import Admission
 from extproc.pool.ends import Ends
 from extproc.pool.refused import EXPIRED, REFUSED, Refused, retry_after_s
 from extproc.pool.relegate import relegation
+from extproc.pool.tenants import TenantSeen
 from extproc.pool.values import BucketStats, PoolStats, Ticket, Verdict
 
 __all__ = ["POOL", "Gate", "LimitOwner", "Refused", "Slot", "Waiter", "retry_after_s"]
@@ -385,6 +386,10 @@ class Gate:
 
     def heaviest(self, bucket: str, k: int = 5) -> list[tuple[str | None, float]]:
         return self._core.heaviest(bucket, k)
+
+    def tenants_seen(self) -> dict[str, TenantSeen]:
+        """Requests that joined each bucket with a tenant policy, and those with a key."""
+        return self._core.tenants_seen()
 
     def recent_waits(self, bucket: str) -> list[float]:
         return self._core.recent_waits(bucket)
