@@ -7,7 +7,9 @@ calls the sidecar makes of that servicer (``set``, ``enter_graceful_shutdown``),
 Bounds: a request is one message of at most the transport's ``max_message``; a watcher holds
 one queue of status changes (only the sidecar changes a status, a handful of times in its
 life) and its registry entry goes when its call ends, so what a peer can make this service
-hold is bounded by the calls the transport lets it open.
+hold is bounded by the calls the transport lets it open. An open watch does not keep its
+connection in place at ``max_connections`` (``keeps_connection=False``): otherwise 256
+connections, each watching, would keep Envoy's connection out (issue 31).
 """
 
 from __future__ import annotations
@@ -49,7 +51,12 @@ class H2Health:
         parse = health_pb2.HealthCheckRequest.FromString
         return {
             "/grpc.health.v1.Health/Check": h2.Method(self._check, parse, _serialize),
-            "/grpc.health.v1.Health/Watch": h2.Method(self._watch, parse, _serialize),
+            # A watch stays open as long as its client likes, and Envoy never watches (its
+            # health checks use Check): an open watch does not keep its connection from
+            # being displaced at max_connections (docs/transport.md).
+            "/grpc.health.v1.Health/Watch": h2.Method(
+                self._watch, parse, _serialize, keeps_connection=False
+            ),
         }
 
     async def _check(self, call: h2.Call) -> None:

@@ -6,6 +6,11 @@ requests through: its connection displaces the oldest stranger (GOAWAY NO_ERROR)
 strangers are closed. Before, the sidecar kept the first 256 and closed Envoy's connection at
 once, and Envoy answered 500 for as long as the strangers stayed (``idle_timeout``, 10 min).
 How fast Envoy's first request is answered: ``bench.bounds``, group ``lockout``.
+
+The same with 256 connections that each hold one call Envoy would not make (issue 31): ext_proc's
+``Process`` opened with no message, or a health ``Watch``. Each connection then had an open
+call, none gave way, and Envoy was refused again; now only a call whose first message arrived
+(a watch never) keeps its connection in place.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import asyncio
 from pathlib import Path
 
 import aiohttp
+import pytest
 import yaml
 
 from testing.clients import Reply, chat, post
@@ -21,6 +27,7 @@ from testing.envoy import render_envoy_config
 from testing.harness import running_stack
 from testing.stack import free_port, running_envoy
 from tests.service.h2_peer import displaced, stranger, told_nothing
+from tests.service.test_h2_silent_calls import hold_a_call
 
 POLICY = "buckets: [{name: all, max_concurrency: 4, queue_timeout: 2s, max_queue: 10}]"
 STRANGERS = 300
@@ -49,6 +56,33 @@ def test_envoy_started_after_idle_strangers_gets_through(tmp_path: Path) -> None
             assert told_nothing(strangers[gone + 2 :])  # Envoy may have opened one more
         finally:
             for p in strangers:
+                p.close()
+
+
+@pytest.mark.parametrize("how", ["process", "watch"])
+def test_envoy_started_after_calls_that_are_not_its_own_gets_through(
+    tmp_path: Path, how: str
+) -> None:
+    with running_stack(tmp_path / "stack", POLICY, start_envoy=False) as stack:
+        holders = [hold_a_call(stack.extproc_port, how) for _ in range(PLACES)]
+        try:
+            listener = free_port()
+            text = render_envoy_config(
+                listener_port=listener,
+                backend_port=stack.backend_port,
+                extproc_port=stack.extproc_port,
+                admin_port=free_port(),
+            )
+            with running_envoy(yaml.safe_load(text), tmp_path, listener):
+                replies = asyncio.run(requests(f"http://127.0.0.1:{listener}"))
+            assert [r.status for r in replies] == [200] * 3
+            # Envoy's connection took the place of the oldest holder (Envoy may have opened
+            # one more): only holders were closed.
+            assert displaced(holders[0])
+            if how == "process":
+                assert told_nothing(holders[3:])
+        finally:
+            for p in holders:
                 p.close()
 
 

@@ -651,6 +651,8 @@ def test_the_use_mark_is_none_with_a_call_open_and_grows_with_streams() -> None:
     raw = Raw()
     assert raw.conn.use_mark() == 0
     opened(raw, 1)
+    assert raw.conn.use_mark() == 1  # no message yet: it keeps nothing (test_h2_silent_calls)
+    raw.send(frame(DATA, 0, 1, grpc_msg(b"first")))
     assert raw.conn.use_mark() is None
     raw.send(frame(RST_STREAM, 0, 1, U32.pack(0)))
     assert raw.conn.use_mark() == 1

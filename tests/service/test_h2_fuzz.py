@@ -539,6 +539,15 @@ def test_h2_answers_as_grpc_aio_does_and_stays_bounded(servers: Servers, sc: Sce
 # --- the sans-IO twin ---------------------------------------------------------------------------
 
 
+def held_and_kept(conn: transport.Connection) -> None:
+    """``h2_sansio.held``, and the count of calls that keep the connection in place (what
+    displacement reads) is the calls that say so: each one whose first message arrived."""
+    held(conn)
+    calls = conn.calls.values()
+    assert conn.keeping == sum(call.keeps_place for call in calls)
+    assert all(call.keeps_place != call.first_due for call in calls)
+
+
 class Alone(Client):
     """The same client against our sans-IO connection alone (no sockets, no event loop): each
     ``pump`` is a turn of the loop, in which the methods (echo, and fail on b"fail") read what
@@ -557,10 +566,10 @@ class Alone(Client):
     def feed(self, data: bytes) -> None:
         ours = self.ours
         more = ours.send(data)
-        held(ours.conn)
+        held_and_kept(ours.conn)
         while more:
             more = ours.conn.resume(ours.now)
-            held(ours.conn)
+            held_and_kept(ours.conn)
         for event in ours.take_events():
             if event[0] == "fail_soon":
                 self.failing.append(ours.conn.calls[event[1]])
@@ -586,7 +595,7 @@ class Alone(Client):
                         conn.send_message(call, msg)
             except transport.CallAbort as e:
                 conn.complete(call, status_block(e.code, e.message))
-        held(conn)
+        held_and_kept(conn)
 
     def pump(self, wait: float) -> None:
         if self.terminated:

@@ -788,13 +788,19 @@ def test_idle_strangers_give_way_to_an_honest_newcomer() -> None:
 
 
 def test_a_connection_with_open_calls_is_never_displaced() -> None:
-    """Envoy's connection with calls open is never the one closed to make room, however old;
-    an honest connection that was used (its call done) gives way only after every
-    connection that never opened a stream, and those go oldest first."""
+    """Envoy's connection with calls open (each sent its first message with its HEADERS, as
+    Envoy's do) is never the one closed to make room, however old; an honest connection that
+    was used (its call done) gives way only after every connection that never opened a
+    stream, and those go oldest first."""
 
     async def t(server: H2Server, port: int) -> None:
         envoy = await asyncio.to_thread(stranger, port)
-        envoy.send(b"".join(frame(HEADERS, END_HEADERS, sid, SINK) for sid in range(1, 21, 2)))
+        envoy.send(
+            b"".join(
+                frame(HEADERS, END_HEADERS, sid, SINK) + frame(DATA, 0, sid, grpc_msg(b"h"))
+                for sid in range(1, 21, 2)
+            )
+        )
         assert await settle(server, lambda s: s.statistics().calls == 10)
         used = await Honest.connect(port)
         await used.exchange()
@@ -816,10 +822,13 @@ def test_a_connection_with_open_calls_is_never_displaced() -> None:
 
 
 def test_a_newcomer_is_refused_only_when_every_connection_has_a_call() -> None:
+    """Every connection has a call open whose first message arrived (as Envoy's calls do):
+    none gives way, and newcomers are closed at once."""
+
     async def t(server: H2Server, port: int) -> None:
         busy = [RawPeer(port) for _ in range(5)]
         for p in busy:
-            p.send(frame(HEADERS, END_HEADERS, 1, SINK))
+            p.send(frame(HEADERS, END_HEADERS, 1, SINK) + frame(DATA, 0, 1, grpc_msg(b"h")))
         assert await settle(server, lambda s: s.statistics().calls == 5)
         late = [RawPeer(port) for _ in range(3)]
         assert [await asyncio.to_thread(p.closed_within, 0.5) for p in late] == [True] * 3

@@ -60,9 +60,10 @@ them, with the reasons for their values, in docs/transport.md):
   for the next turn of the event loop, so other connections are served in between.
 * Time and connections: the handshake, idle connections and silent peers have timeouts;
   TCP keepalive finds peers that vanished without a FIN; at most ``max_connections``
-  connections (a newcomer beyond it displaces one without an open call, least recently used,
-  so silent strangers cannot keep Envoy out: ``idle``) and ``max_streams`` open calls per
-  connection (REFUSED_STREAM above).
+  connections (a newcomer beyond it displaces one that no call keeps in place, least
+  recently used, so silent strangers cannot keep Envoy out: ``idle``; a call keeps its
+  connection once its first message arrived, a watch never) and ``max_streams`` open calls
+  per connection (REFUSED_STREAM above).
 * Nothing the peer sent is echoed: errors carry fixed messages, a ``grpc-message`` is at most
   ``MAX_GRPC_MESSAGE`` bytes, GOAWAY debug data is a fixed short string per error (the detail
   goes to our log), and no frame we send exceeds the peer's SETTINGS_MAX_FRAME_SIZE.

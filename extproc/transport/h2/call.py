@@ -50,19 +50,28 @@ class CallAbort(Exception):
 
 
 class Method:
-    """A method: (call) -> awaitable, plus how its messages are read and written."""
+    """A method: (call) -> awaitable, plus how its messages are read and written.
 
-    __slots__ = ("deserialize", "handler", "serialize")
+    ``keeps_connection``: whether an open call of this method, once its first message has
+    arrived, keeps its connection from being displaced at ``max_connections`` (see
+    ``idle``). True for Envoy's calls; False for a call Envoy never makes that may stay open
+    as long as its client likes (grpc.health.v1 ``Watch``), so that such calls cannot keep
+    Envoy out."""
+
+    __slots__ = ("deserialize", "handler", "keeps_connection", "serialize")
 
     def __init__(
         self,
         handler: Callable[[Call], Awaitable[None]],
         deserialize: Callable[[bytes], Any],
         serialize: Callable[[Any], bytes],
+        *,
+        keeps_connection: bool = True,
     ) -> None:
         self.handler = handler
         self.deserialize = deserialize
         self.serialize = serialize
+        self.keeps_connection = keeps_connection
 
 
 class Owner(Protocol):
@@ -87,9 +96,11 @@ class Call:
         "closed",
         "eof",
         "failure",
+        "first_due",
         "headers_sent",
         "held",
         "id",
+        "keeps_place",
         "partial",
         "pending",
         "recv_credit",
@@ -106,9 +117,15 @@ class Call:
         recv_window: int,
         deserialize: Callable[[bytes], Any],
         serialize: Callable[[Any], bytes],
+        first_due: bool = False,
     ) -> None:
         self._conn = conn
         self.id = stream_id
+        # Displacement (``idle``): ``first_due`` while the call's method would keep its
+        # connection in place but its first message has not arrived; ``keeps_place`` once it
+        # has (the connection counts it in ``keeping`` until the call ends).
+        self.first_due = first_due
+        self.keeps_place = False
         # Our send window on this stream is the peer's initial window plus this (window
         # updates received minus bytes sent), so a SETTINGS change costs nothing per call.
         self.send_delta = 0

@@ -293,6 +293,13 @@ class Connection(Control):
             if call.failure is not None:
                 self._bad_message(call)
                 return
+            if call.first_due and (taken or call.held > call.partial.have):
+                # Its first message is here (taken by a read, or queued beside what is left
+                # of an incomplete one): from now on the call keeps its connection in place.
+                # Checked only until then: one attribute per DATA frame after it.
+                call.first_due = False
+                call.keeps_place = True
+                self.keeping += 1
             if call.partial.parts:
                 self._partials[sid] = call
                 need = call.partial_need()
@@ -385,7 +392,14 @@ class Connection(Control):
         if method is None:
             self._write(frame(HEADERS, END_HEADERS | END_STREAM, sid, UNKNOWN_METHOD))
             return
-        call = Call(self, sid, self.limits.stream_window, method.deserialize, method.serialize)
+        call = Call(
+            self,
+            sid,
+            self.limits.stream_window,
+            method.deserialize,
+            method.serialize,
+            method.keeps_connection,
+        )
         self.calls[sid] = call
         self._work += CALL_WORK
         if end_stream:
@@ -428,6 +442,7 @@ class Connection(Control):
             cancel(call)
             call.drop_input()
         self.calls.clear()
+        self.keeping = 0
         self._blocked.clear()
         self._partials.clear()
         self.buffered = 0

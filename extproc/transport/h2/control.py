@@ -17,9 +17,11 @@ that streams on their way are still served, and the final one ``IDLE_DRAIN_S`` l
 call is open, then the close. While calls are open and the peer has been silent for
 ``ping_interval`` we PING it, and drop the connection after ``ping_timeout`` without the ACK.
 
-At ``max_connections`` the server displaces a connection without an open call to take a
-newcomer (``idle.IdleOrder`` chooses it from ``use_mark``): ``displace`` sends the final
-GOAWAY (NO_ERROR, naming the last stream served) and closes.
+At ``max_connections`` the server displaces a connection that no call keeps in place to take
+a newcomer (``idle.IdleOrder`` chooses it from ``use_mark``; a call keeps its connection once
+its first message arrived, unless its method says otherwise, ``Method.keeps_connection``):
+``displace`` sends the final GOAWAY (NO_ERROR, naming the last stream served), cancels the
+calls left (silent ones, watches) and closes.
 """
 
 from __future__ import annotations
@@ -239,17 +241,20 @@ class Control(Flow):
             self._write(frame(PING, 0, 0, KEEPALIVE_PING))
 
     def use_mark(self) -> int | None:
-        """None while a call is open; else the highest stream the peer opened (0: none), which
-        grows with use. ``idle.IdleOrder`` reads it."""
-        return None if self.calls else self._last_id
+        """None while a call that keeps the connection in place is open (``keeping``: its
+        first message arrived and its method keeps its connection); else the highest stream
+        the peer opened (0: none), which grows with use. ``idle.IdleOrder`` reads it."""
+        return None if self.keeping else self._last_id
 
     def displace(self) -> None:
-        """A newcomer takes this connection's place (it has no open call): the final GOAWAY,
-        NO_ERROR, then the close."""
+        """A newcomer takes this connection's place (no call keeps it: it has none, or only
+        calls without a first message, or watches): the final GOAWAY, NO_ERROR, the calls
+        still open cancelled, then the close."""
         if self.closed:
             return
         self.counters.displaced += 1
         self._goaway(NO_ERROR, "too many connections")
+        self._cancel_all()
         self._close()
 
     def shutdown(self) -> None:

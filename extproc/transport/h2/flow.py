@@ -124,6 +124,10 @@ class Flow:
         self.limits = limits
         self.counters = counters
         self.calls: dict[int, Call] = {}
+        # Open calls that keep the connection from being displaced (``Call.keeps_place``:
+        # their first message arrived, and their method keeps its connection); ``idle``
+        # reads it through ``use_mark``.
+        self.keeping = 0
         self.closed = False  # failed or closing: nothing more is read, nothing more is sent
         self._last_id = 0  # the highest stream the peer opened
         self._goaway_sent = False
@@ -290,6 +294,8 @@ class Flow:
         if call.pending or self.calls.get(call.id) is not call:
             return
         del self.calls[call.id]
+        if call.keeps_place:
+            self.keeping -= 1
         if self._partials:
             self._partials.pop(call.id, None)
         held = call.drop_input()

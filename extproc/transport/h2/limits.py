@@ -144,6 +144,10 @@ IDLE_DRAIN_S = 1.0
 GOAWAY_LINGER_S = 0.1
 # A closing connection whose peer does not read what is left is aborted after this long.
 CLOSE_GRACE_S = 1.0
+# No time bound on a call's first message: a call keeps its connection from being displaced
+# at max_connections from the frame that completes its first message, and not before
+# (``idle``). A grace (say 1 s) in which a silent call counted would be renewed by every
+# stream a peer opens: one silent HEADERS a second per connection would hold every place.
 
 # --- the defaults of H2Server's parameters (see H2Limits.resolve) ------------------------------
 DEFAULT_MAX_STREAMS = 4096

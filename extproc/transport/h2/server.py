@@ -1,8 +1,9 @@
 """The asyncio shell around the sans-IO connection: sockets, timers and the methods' tasks.
 
 ``H2Server`` listens (TCP or Unix, TLS optional), holds at most ``max_connections`` (at the
-limit a newcomer displaces the connection ``idle.IdleOrder`` picks: one without an open call,
-least recently used; it is refused only when every connection has a call open), ticks every
+limit a newcomer displaces the connection ``idle.IdleOrder`` picks: one that no call keeps in
+place, least recently used; a call keeps its connection once its first message arrived, unless
+its method is a watch; the newcomer is refused only when every connection is kept), ticks every
 connection at most a second apart, and stops in two steps (GOAWAY, then after a grace
 every call cancelled). ``ServerProtocol`` is one accepted connection: an ``asyncio.Protocol``
 that only does I/O. It feeds what it reads to its ``connection.Connection`` with the loop's
@@ -64,7 +65,7 @@ class H2Stats:
     queued_out_bytes: int  # answer bytes waiting for the peer's flow-control window
     write_buffer_bytes: int  # bytes the transports hold because the peer has not read them
     header_cache_bytes: int
-    refused_connections: int  # every connection had a call open
+    refused_connections: int  # a call kept every connection in place
     displaced_connections: int  # closed (GOAWAY) to make room for a new one
     refused_streams: int
     calm: int  # connections ended with ENHANCE_YOUR_CALM
@@ -97,7 +98,7 @@ class ServerProtocol(asyncio.Protocol):
         limits = server.limits
         if len(server.connections) >= limits.max_connections:
             victim = server.idle.victim()
-            if victim is None:  # every connection has a call open
+            if victim is None:  # a call keeps every connection in place
                 server.counters.refused_connections += 1
                 self.connection.closed = True
                 transport.close()
@@ -275,7 +276,8 @@ class H2Server:
     ``max_message``: the largest gRPC message accepted (RESOURCE_EXHAUSTED above); a stream may
     send one message beyond what its method read. ``max_streams``: open calls per connection
     (announced, REFUSED_STREAM above). ``max_connections``: a newcomer beyond it displaces
-    a connection without an open call (GOAWAY), or is closed at once if there is none.
+    a connection that no call keeps in place (GOAWAY; see ``idle``), or is closed at once if
+    there is none.
     ``connection_window``: request bytes a connection may have buffered (default 4 messages).
     ``send_queue``: answer bytes a connection may hold for a peer that does not take them
     (window closed, or not reading; default 4 messages). ``handshake_timeout``: for the
@@ -293,7 +295,7 @@ class H2Server:
         self.limits = limits = H2Limits.resolve(max_message=max_message, **options)
         self.counters = Counters()
         self.connections: set[ServerProtocol] = set()
-        # Those without an open call, in the order a newcomer at the limit displaces them.
+        # Those no call keeps in place, in the order a newcomer at the limit displaces them.
         self.idle: IdleOrder[ServerProtocol] = IdleOrder(_use_mark)
         self._servers: list[asyncio.Server] = []
         self._stopped = asyncio.Event()
