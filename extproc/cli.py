@@ -182,6 +182,8 @@ def _render(args: argparse.Namespace) -> int:
         extproc_address=args.extproc_address,
         extproc_port=args.extproc_port,
         longest_route_queue_timeout_s=route_wait,
+        sidecar_cluster=args.sidecar_cluster,
+        backend_cluster=args.backend_cluster,
     )
     validate(rendered)
     print(f"# Envoy settings for policy {args.policy or '<embedded default>'}.")
@@ -313,6 +315,17 @@ def main(argv: list[str] | None = None) -> int:
         "--route-queue-timeout",
         default="0s",
         help="longest queue_timeout set in route metadata, if above the policy's",
+    )
+    render.add_argument(
+        "--backend-cluster",
+        default="backend",
+        help="the model server's cluster, which the routes go to (default: backend)",
+    )
+    render.add_argument(
+        "--sidecar-cluster",
+        default="llm_extproc",
+        help="this backend's sidecar cluster: with several backends, one each; the routes "
+        "then send their ext_proc calls to it (docs/deploy.md, 'Several models')",
     )
 
     args = parser.parse_args(argv)

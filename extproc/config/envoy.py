@@ -114,6 +114,7 @@ __all__ = [
     "PROCESSING_MODE",
     "REQUEST_HEADERS_TIMEOUT_S",
     "REQUEST_TIMEOUT_S",
+    "SIDECAR_CLUSTER",
     "EnvoyAnswer",
     "body_buffer_bytes",
     "extproc_streams",
@@ -124,6 +125,8 @@ __all__ = [
     "validate",
 ]
 
+# The sidecar's cluster as the ext_proc filter names it.
+SIDECAR_CLUSTER = "llm_extproc"
 # Long generations. The route's timer starts when the router gets the request, after the
 # sidecar let it go: the queue wait does not count against it
 # (tests/e2e/test_pool_through_envoy.py).
@@ -177,8 +180,16 @@ def render(
     extproc_address: str = "127.0.0.1",
     extproc_port: int = 50051,
     longest_route_queue_timeout_s: float = 0.0,
+    sidecar_cluster: str = SIDECAR_CLUSTER,
+    backend_cluster: str = "backend",
 ) -> dict[str, Any]:
-    """The policy-dependent parts of an Envoy config, as dicts in Envoy's YAML shape."""
+    """The policy-dependent parts of an Envoy config, as dicts in Envoy's YAML shape.
+
+    Several backends, each with its own sidecar and policy (docs/deploy.md, "Several models"):
+    render once per backend with its own ``sidecar_cluster`` and ``backend_cluster``. The
+    ext_proc filter always names ``llm_extproc``; with another ``sidecar_cluster`` the routes
+    carry an ``ExtProcPerRoute`` override that sends their calls to it instead, so one filter
+    serves every backend (its ``max_message_timeout`` must be the longest of the renders)."""
     route_wait = longest_route_queue_timeout_s  # a route's waiter may be relegated after it
     route_wait += policy.longest_relegation_s if route_wait else 0.0
     longest_wait = max(policy.longest_queue_timeout_s, route_wait)
@@ -192,7 +203,7 @@ def render(
     filters.append(buffer_filter(buffer))
     filters.append(
         ext_proc_filter(
-            "llm_extproc",
+            SIDECAR_CLUSTER,
             PROCESSING_MODE,
             max_message_timeout=_seconds(longest_wait + MESSAGE_TIMEOUT_MARGIN_S),
             request_attributes=[ROUTE_ATTRIBUTE],
@@ -200,7 +211,7 @@ def render(
         )
     )
     cluster = grpc_cluster(
-        "llm_extproc",
+        sidecar_cluster,
         extproc_port,
         host=extproc_address,
         circuit_breakers={
@@ -223,7 +234,7 @@ def render(
             **PATH_NORMALISATION,
         },
         "virtual_host": {"response_headers_to_add": [echo_request_header(MAX_TOKENS_HEADER)]},
-        "routes": routes(),
+        "routes": routes(backend_cluster, sidecar_cluster),
         "llm_routes": {"timeout": f"{LLM_ROUTE_TIMEOUT_S}s"},
         # Every other route skips the sidecar and streams its body upstream unbuffered.
         "other_routes": {
@@ -232,7 +243,7 @@ def render(
     }
 
 
-def routes(cluster: str = "backend") -> list[dict[str, Any]]:
+def routes(cluster: str = "backend", sidecar: str = SIDECAR_CLUSTER) -> list[dict[str, Any]]:
     """The virtual host's routes, in order, to ``cluster``: each path of ``contract.LLM_PATHS``
     (those the sidecar admits and those it refuses) through the sidecar on a route of its own,
     with the long LLM timeout; then the ``PASS_THROUGH`` allowlist, one
@@ -244,6 +255,14 @@ def routes(cluster: str = "backend") -> list[dict[str, Any]]:
 
     # Exact paths (one regex for all would pass RE2's program size limit, 100 by default).
     out: list[dict[str, Any]] = [{"match": {"path": p}, "route": llm()} for p in LLM_PATHS]
+    if sidecar != SIDECAR_CLUSTER:  # this backend's own sidecar, in place of the filter's
+        for route in out:
+            route["typed_per_filter_config"] = {
+                EXT_PROC_FILTER: {
+                    "@type": EXT_PROC_PER_ROUTE_TYPE,
+                    "overrides": {"grpc_service": {"envoy_grpc": {"cluster_name": sidecar}}},
+                }
+            }
     for method in dict.fromkeys(m for m, _, _ in PASS_THROUGH):
         allowed = (
             re.escape(p) + (".*" if prefix else "") for m, p, prefix in PASS_THROUGH if m == method

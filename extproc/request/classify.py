@@ -7,8 +7,9 @@ Order matters and is fixed:
    effective ``max_tokens`` (per sequence): the client's value, or ``limits.default_max_tokens``
    when absent; above ``limits.max_output_tokens`` it is clamped (``on_excess: clamp``) or
    refused with 400 ``max_tokens_too_large`` (``on_excess: reject``);
-3. the bucket named by the route's metadata, else the first bucket whose match holds for
-   (headers, prompt tokens, output tokens: effective max_tokens times the sequences);
+3. the bucket the route's metadata names for the body's ``model`` (``model_buckets``) or for
+   every request (``bucket``), else the first bucket whose match holds for (headers, prompt
+   tokens, output tokens: effective max_tokens times the sequences, the body's ``model``);
 Route metadata (``RouteOverride``) may also replace the limits of steps 1-2 and the queue
 timeout for its route.
 4. the body is rewritten only when max_tokens changed, or its ``priority`` is not the bucket's
@@ -267,11 +268,12 @@ def classify(
     else:
         max_tokens, action = requested, MaxTokensAction.KEPT
 
-    if route is not None and route.bucket is not None:
-        bucket = policy.bucket(route.bucket)
+    chosen = route.bucket_for(req.model) if route is not None else None
+    if chosen is not None:
+        bucket = policy.bucket(chosen)
     else:
         for bucket in policy.buckets:
-            if bucket.match.matches(headers, prompt_tokens, max_tokens * req.sequences):
+            if bucket.match.matches(headers, prompt_tokens, max_tokens * req.sequences, req.model):
                 break
         else:  # pragma: no cover - the policy guarantees a catch-all bucket
             raise AssertionError("policy has no catch-all bucket")

@@ -63,6 +63,7 @@ _POOL_ONLY: Final = frozenset(
 # Values printed as something other than the field's own value (None: left out).
 _SHOWN_AS: Final[Mapping[tuple[type, str], Callable[[Any], object]]] = {
     (MatchRule, "headers"): lambda match: dict(match.headers) or None,
+    (MatchRule, "models"): lambda match: list(match.models) or None,
     (SharedPolicy, "redis"): lambda shared: shared.redis_display,
     (TenantPolicy, "weights"): lambda tenant: dict(tenant.weights) or None,
     (TenantPolicy, "authorization"): lambda tenant: tenant.authorization or None,

@@ -109,6 +109,8 @@ class MatchRule:
     max_tokens: int | None = None
     # True: retries only; False: first attempts only (``is_retry``); None: either.
     retried: bool | None = None
+    # The body's model is one of these (exact); empty: any model.
+    models: tuple[str, ...] = ()
 
     @property
     def is_catch_all(self) -> bool:
@@ -117,9 +119,18 @@ class MatchRule:
             and self.max_prompt_tokens is None
             and self.max_tokens is None
             and self.retried is None
+            and not self.models
         )
 
-    def matches(self, headers: Mapping[str, str], prompt_tokens: int, max_tokens: int) -> bool:
+    def matches(
+        self,
+        headers: Mapping[str, str],
+        prompt_tokens: int,
+        max_tokens: int,
+        model: str | None = None,
+    ) -> bool:
+        if self.models and model not in self.models:
+            return False
         if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
             return False
         if self.max_tokens is not None and max_tokens > self.max_tokens:
@@ -281,6 +292,15 @@ class RouteOverride:
     default_max_tokens: int | None = None
     # The route's own timeout: caps the queue deadline of the route's requests.
     timeout_s: float | None = None
+    # A bucket per model (the body's ``model``), before ``bucket`` and instead of matching.
+    model_buckets: tuple[tuple[str, str], ...] = ()
+
+    def bucket_for(self, model: str | None) -> str | None:
+        """The bucket this route puts a request for ``model`` in; None: match as usual."""
+        for name, bucket in self.model_buckets:
+            if name == model:
+                return bucket
+        return self.bucket
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

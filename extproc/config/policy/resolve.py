@@ -288,6 +288,7 @@ def _match(msg: policy_pb2.Match, where: str) -> MatchRule:
         max_prompt_tokens=_set_or(msg, "max_prompt_tokens", None),
         max_tokens=_set_or(msg, "max_tokens", None),
         retried=_set_or(msg, "retried", None),
+        models=tuple(msg.models),
     )
 
 
@@ -525,16 +526,26 @@ def route_override_from_mapping(data: object, policy: Policy) -> RouteOverride:
         max_output_tokens=_set_or(msg, "max_output_tokens", None),
         default_max_tokens=_set_or(msg, "default_max_tokens", None),
         timeout_s=_duration_or(msg, "timeout", None),
+        model_buckets=tuple(sorted(msg.model_buckets.items())),
     )
-    if override.bucket is not None and override.bucket not in names:
-        raise PolicyError(
-            f"bucket: {override.bucket!r} is not a bucket of the policy "
-            f"(known: {', '.join(sorted(names))})"
-        )
+    named = [("bucket", override.bucket)] if override.bucket is not None else []
+    named += [(f"model_buckets[{m!r}]", b) for m, b in override.model_buckets]
+    for key, bucket in named:
+        if bucket not in names:
+            raise PolicyError(
+                f"{key}: {bucket!r} is not a bucket of the policy "
+                f"(known: {', '.join(sorted(names))})"
+            )
     if (override.max_concurrency is not None or override.max_queue is not None) and (
         override.bucket is None
     ):
         raise PolicyError("max_concurrency/max_queue: set `bucket` too, to say whose limits")
+    if override.model_buckets and (
+        override.max_concurrency is not None or override.max_queue is not None
+    ):
+        raise PolicyError(
+            "model_buckets: not with max_concurrency/max_queue (a route's share is of `bucket`)"
+        )
     if override.max_concurrency is not None and override.max_concurrency < 1:
         raise PolicyError("max_concurrency: must be at least 1")
     for name in ("max_prompt_tokens", "max_output_tokens", "default_max_tokens"):

@@ -237,7 +237,7 @@ class RetryAfter(_message.Message):
     def __init__(self, min: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., jitter: _Optional[float] = ...) -> None: ...
 
 class Match(_message.Message):
-    __slots__ = ("headers", "max_prompt_tokens", "max_tokens", "retried")
+    __slots__ = ("headers", "max_prompt_tokens", "max_tokens", "retried", "models")
     class HeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -249,11 +249,13 @@ class Match(_message.Message):
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETRIED_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     headers: _containers.ScalarMap[str, str]
     max_prompt_tokens: int
     max_tokens: int
     retried: bool
-    def __init__(self, headers: _Optional[_Mapping[str, str]] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., retried: _Optional[bool] = ...) -> None: ...
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, headers: _Optional[_Mapping[str, str]] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., retried: _Optional[bool] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Bucket(_message.Message):
     __slots__ = ("name", "match", "max_concurrency", "queue_timeout", "max_queue", "trusted", "priority", "min_share", "max_share", "order", "vllm_priority", "tenant", "relegate_to")
@@ -286,7 +288,14 @@ class Bucket(_message.Message):
     def __init__(self, name: _Optional[str] = ..., match: _Optional[_Union[Match, _Mapping]] = ..., max_concurrency: _Optional[int] = ..., queue_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_queue: _Optional[int] = ..., trusted: _Optional[bool] = ..., priority: _Optional[int] = ..., min_share: _Optional[float] = ..., max_share: _Optional[float] = ..., order: _Optional[_Union[Order, str]] = ..., vllm_priority: _Optional[int] = ..., tenant: _Optional[_Union[Tenant, _Mapping]] = ..., relegate_to: _Optional[str] = ...) -> None: ...
 
 class RouteOverride(_message.Message):
-    __slots__ = ("bucket", "max_concurrency", "max_queue", "queue_timeout", "max_prompt_tokens", "max_output_tokens", "default_max_tokens", "timeout")
+    __slots__ = ("bucket", "max_concurrency", "max_queue", "queue_timeout", "max_prompt_tokens", "max_output_tokens", "default_max_tokens", "timeout", "model_buckets")
+    class ModelBucketsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +304,7 @@ class RouteOverride(_message.Message):
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     bucket: str
     max_concurrency: int
     max_queue: int
@@ -303,4 +313,5 @@ class RouteOverride(_message.Message):
     max_output_tokens: int
     default_max_tokens: int
     timeout: _duration_pb2.Duration
-    def __init__(self, bucket: _Optional[str] = ..., max_concurrency: _Optional[int] = ..., max_queue: _Optional[int] = ..., queue_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_prompt_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    model_buckets: _containers.ScalarMap[str, str]
+    def __init__(self, bucket: _Optional[str] = ..., max_concurrency: _Optional[int] = ..., max_queue: _Optional[int] = ..., queue_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_prompt_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., model_buckets: _Optional[_Mapping[str, str]] = ...) -> None: ...
