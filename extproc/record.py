@@ -23,6 +23,7 @@ NO_BUCKET = "none"
 
 class RequestRecord:
     __slots__ = (
+        "anthropic",
         "arrived_at",
         "bucket",
         "code",
@@ -38,8 +39,10 @@ class RequestRecord:
         "stream",
     )
 
-    def __init__(self, request_id: str = "") -> None:
+    def __init__(self, request_id: str = "", *, anthropic: bool = False) -> None:
         self.request_id = request_id
+        # Its API is Anthropic's Messages: refusals take Anthropic's error shape.
+        self.anthropic = anthropic
         self.bucket = NO_BUCKET
         # Set when the sidecar answered (or decided to admit); None until then.
         self.outcome: Outcome | None = None

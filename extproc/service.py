@@ -135,7 +135,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             await stream.hold(context, None)
             return
 
-        st = stream.State(RequestRecord(headers.get("x-request-id", "")))
+        anthropic = endpoint is Endpoint.MESSAGES
+        st = stream.State(RequestRecord(headers.get("x-request-id", ""), anthropic=anthropic))
         try:
             handling = self._handle(context, msg, headers, endpoint, st)
             del msg, headers  # _handle drops them before it waits: a waiter keeps little

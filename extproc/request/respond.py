@@ -28,6 +28,7 @@ serialises messages as usual (``serialize``), so both can be written to the stre
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -249,13 +250,35 @@ def _metadata(rec: RequestRecord) -> bytes:
 
 
 def refusal(rejection: Rejection, rec: RequestRecord) -> bytes:
+    body = anthropic_error(rejection) if rec.anthropic else rejection.body
     return immediate(
         rejection.status,
         rejection.headers(),
-        rejection.body,
+        body,
         f"llm_extproc_{rec.code}",
         _metadata(rec),
     )
+
+
+# Anthropic's error types for the OpenAI ones the sidecar answers with, by status where the
+# OpenAI type is too broad (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
+
+
+def anthropic_error(rejection: Rejection) -> bytes:
+    """A refusal's body in Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``
+    (the Messages API's clients read that), keeping the stable ``code``. Refusals only: the cost
+    of re-reading the OpenAI body is paid off the admitted path."""
+    error = json.loads(rejection.body)["error"]
+    if rejection.status >= 500:
+        kind = "overloaded_error" if rejection.status == 503 else "api_error"
+    else:
+        kind = _ANTHROPIC_TYPES.get(rejection.status, "invalid_request_error")
+    shaped = {
+        "type": "error",
+        "error": {"type": kind, "message": error["message"], "code": rejection.code},
+    }
+    return json.dumps(shaped, separators=(",", ":")).encode()
 
 
 def admitted(cls: Classification, rec: RequestRecord) -> bytes:

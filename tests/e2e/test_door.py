@@ -240,3 +240,26 @@ def test_envoys_own_2xx_and_3xx_answers_keep_their_bodies(stack: Stack) -> None:
     assert (status, got) == (200, b"fine")
     status, headers, got = send(stack, "GET", "/old")
     assert status == 301 and headers["location"].endswith("/new") and not got
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "kind", "code"),
+    [
+        ({"model": "m", "max_tokens": 5}, 400, "invalid_request_error", "missing_field"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x " * 2000}]},
+            413,
+            "request_too_large",
+            "prompt_too_long",
+        ),
+    ],
+)
+def test_anthropic_clients_get_anthropics_error_shape(
+    stack: Stack, body: dict[str, Any], status: int, kind: str, code: str
+) -> None:
+    """/v1/messages refusals in Anthropic's shape, ``{"type": "error", "error": {...}}``,
+    keeping the stable code; other APIs keep OpenAI's."""
+    got_status, _, got = send(stack, "POST", "/v1/messages", body)
+    assert got_status == status and got["type"] == "error", got
+    assert (got["error"]["type"], got["error"]["code"]) == (kind, code)
+    assert got["error"]["message"]

@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 
 from extproc.config.policy import PolicyError, policy_from_yaml
-from extproc.outcome import RequestError
+from extproc.outcome import Outcome, RequestError, queue_rejection
 from extproc.request.classify import MaxTokensAction, classify, token_counter
 from extproc.request.endpoints import Endpoint
 from extproc.request.parse import parse_body
+from extproc.request.respond import anthropic_error
 
 POLICY = policy_from_yaml(
     """
@@ -178,3 +179,20 @@ def test_a_policy_admits_the_apis_it_names() -> None:
     assert policy_from_yaml("endpoints: [chat]\n" + bucket).endpoints == ("chat",)
     with pytest.raises(PolicyError, match=r"endpoints\[1\]: 'audio' is not one of"):
         policy_from_yaml("endpoints: [chat, audio]\n" + bucket)
+
+
+@pytest.mark.parametrize(
+    ("outcome", "status", "kind"),
+    [
+        (Outcome.REJECTED_QUEUE_FULL, 429, "rate_limit_error"),
+        (Outcome.EVICTED_TIMEOUT, 429, "rate_limit_error"),
+        (Outcome.REJECTED_SHUTTING_DOWN, 503, "overloaded_error"),
+    ],
+)
+def test_queue_refusals_in_anthropics_shape(outcome: Outcome, status: int, kind: str) -> None:
+    rejection = queue_rejection(outcome, bucket="b", retry_after_s=3)
+    shaped = json.loads(anthropic_error(rejection))
+    assert rejection.status == status
+    assert shaped["type"] == "error" and shaped["error"]["type"] == kind
+    assert shaped["error"]["code"] == rejection.code
+    assert shaped["error"]["message"] == json.loads(rejection.body)["error"]["message"]
