@@ -108,6 +108,9 @@ class Signals:
     # Each finished request's time in vLLM's waiting queue (None, 0: none, or not exported).
     queue_time_s: float | None = None
     queue_time_count: int = 0
+    # Requests vLLM itself refused since the last round (its --max-num-queued-reqs cap), all
+    # endpoints together; an endpoint's first reading counts none.
+    refused: int = 0
     errors: tuple[str, ...] = ()
     # Every host named no address (NXDOMAIN, no record): no backend exists at all, as a
     # headless Service with no ready pod says (not a DNS failure, which is no data).
@@ -179,6 +182,8 @@ class Scraper:
         self._resolve: Resolver = resolve or _getaddrinfo
         # One window per histogram read, by its ``EndpointSample`` field.
         self._windows = {name: HistogramWindow(window_s) for name in _HISTOGRAMS}
+        # Each endpoint's last reading of vLLM's refusals counter (those read last round only).
+        self._refused_seen: dict[str, float] = {}
         self._parse_turn = asyncio.Lock()  # one page parsed per iteration of the event loop
 
     @classmethod
@@ -269,8 +274,9 @@ class Scraper:
         """The pure step: readings of this round -> deltas into the windows -> Signals."""
         ok = 0
         failed = len(errors)  # hosts that did not resolve count as one failed endpoint each
-        waiting = running = 0.0
+        waiting = running = refused = 0.0
         kv_usage = 0.0
+        refused_now: dict[str, float] = {}
         read: dict[str, dict[str, Mapping[float, float] | None]] = {n: {} for n in _HISTOGRAMS}
         for key, result in results.items():
             if isinstance(result, str):
@@ -281,8 +287,15 @@ class Scraper:
             waiting += result.waiting or 0.0
             running += result.running or 0.0
             kv_usage = max(kv_usage, result.kv_usage or 0.0)
+            if result.refused is not None:
+                seen = self._refused_seen.get(key)
+                # A counter: the increase; below the last reading the engine restarted.
+                if seen is not None:
+                    refused += result.refused - seen if result.refused >= seen else result.refused
+                refused_now[key] = result.refused
             for name, of_name in read.items():
                 of_name[key] = getattr(result, name)
+        self._refused_seen = refused_now
         totals = {}
         for name, window in self._windows.items():
             window.add(now, read[name])
@@ -306,6 +319,7 @@ class Scraper:
             tpot_count=observations(tpot_total),
             queue_time_s=histogram_quantile(self.queue_time_quantile, queue_time_total),
             queue_time_count=observations(queue_time_total),
+            refused=round(refused),
             errors=tuple(errors),
             no_backend=no_backend,
         )

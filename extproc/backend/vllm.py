@@ -49,9 +49,11 @@ _ITL = "vllm:inter_token_latency_seconds_bucket"
 _ITL_OLD = "vllm:time_per_output_token_seconds_bucket"
 _TPOT = "vllm:request_time_per_output_token_seconds_bucket"
 _QUEUE = "vllm:request_queue_time_seconds_bucket"
+# vLLM's own admission cap (--max-num-queued-reqs / tokens): requests it refused, by reason.
+_REFUSED = "vllm:admission_rejections_total"
 _BUCKETS = frozenset({_TTFT, _ITL, _ITL_OLD, _TPOT, _QUEUE})
 # The families read.
-FAMILIES = frozenset({_WAITING, _RUNNING, _KV, _KV_OLD, *_BUCKETS})
+FAMILIES = frozenset({_WAITING, _RUNNING, _KV, _KV_OLD, _REFUSED, *_BUCKETS})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,6 +69,8 @@ class EndpointSample:
     itl: Mapping[float, float] | None = None
     tpot: Mapping[float, float] | None = None
     queue_time: Mapping[float, float] | None = None
+    # Requests vLLM refused since it started, all reasons (a counter); None: not exported.
+    refused: float | None = None
 
 
 def parse_metrics(page: str | bytes) -> EndpointSample:
@@ -109,6 +113,7 @@ def parse_metrics(page: str | bytes) -> EndpointSample:
         itl=buckets.get(_ITL, buckets.get(_ITL_OLD)),
         tpot=buckets.get(_TPOT),
         queue_time=buckets.get(_QUEUE),
+        refused=sums.get(_REFUSED),
     )
 
 

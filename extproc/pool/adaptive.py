@@ -32,6 +32,10 @@ Decrease, ``L := floor(L * f)``, when any of these holds, the first one named in
   are always waiting their prefill turn on a backend that keeps up. Whether that wait matters
   is what the TTFT objective (which includes it) says; this rule only catches a queue that
   stays long;
+- ``vllm_refused`` (``f = 0.8``, checked first): vLLM itself refused requests since the last
+  round (``vllm:admission_rejections_total`` grew: its ``--max-num-queued-reqs`` or
+  ``--max-num-queued-tokens`` cap). Those were requests the sidecar admitted and their clients
+  got vLLM's 503: the plainest sign that more is admitted than the engine takes in;
 - ``kv`` (``f = 0.8``): the fullest endpoint's KV cache is at or above ``max_kv_usage`` (0.9):
   past it vLLM preempts running requests and recomputes them, which costs more than it serves;
 - ``abandoned`` (``f = 0.8``, with ``slo.abandoned``): of the slot time of the admitted
@@ -343,6 +347,8 @@ class AdaptiveLimit:
 
     def _breach(self, s: Signals, objectives: bool) -> tuple[str, float] | None:
         """(reason, factor) of the first rule broken, or None."""
+        if s.refused > 0:
+            return "vllm_refused", DECREASE_FACTOR
         if objectives:
             for reason, q, count, slo in self._objectives(s):
                 if slo is not None and q is not None and count >= MIN_OBSERVATIONS and q > slo:

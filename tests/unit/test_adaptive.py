@@ -36,6 +36,7 @@ def sig(
     tpot_n: int = 100,
     queue: float | None = None,
     queue_n: int = 100,
+    refused: int = 0,
 ) -> Signals:
     return Signals(
         at=at,
@@ -52,6 +53,7 @@ def sig(
         tpot_count=tpot_n if tpot is not None else 0,
         queue_time_s=queue,
         queue_time_count=queue_n if queue is not None else 0,
+        refused=refused,
     )
 
 
@@ -127,6 +129,8 @@ def test_holds_between_increase_and_decrease(signals: dict[str, float], why: str
         ({"queue": 0.51}, "queue_time", 80),
         ({"queue": 0.8}, "queue_time", 62),  # 0.5 / 0.8 = 0.625
         ({"queue": 0.8, "tpot": 0.05}, "tpot", 80),  # tpot is named before queue_time
+        ({"refused": 1}, "vllm_refused", 80),  # vLLM refused what the sidecar admitted
+        ({"refused": 3, "ttft": 5.0}, "vllm_refused", 80),  # named first
     ],
 )
 def test_falls_on_each_breach(signals: dict[str, float], reason: str, limit: int) -> None:

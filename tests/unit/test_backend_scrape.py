@@ -786,3 +786,37 @@ def test_pages_within_the_bounds_are_read() -> None:
             assert (s.endpoints_ok, s.errors, s.running) == (1, (), running)
 
     run(main())
+
+
+def test_vllms_own_refusals_are_counted_by_their_increase() -> None:
+    """``vllm:admission_rejections_total`` (vLLM's ``--max-num-queued-reqs`` cap; labelled by
+    reason, no engine label): ``Signals.refused`` is its increase since the last round, all
+    reasons together; the first reading is a baseline, a lower one a restart (issue 32)."""
+
+    def page(refused: dict[str, float]) -> str:
+        lines = [vllm_page(Engine())]
+        lines += [
+            "# HELP vllm:admission_rejections_total Rejected.",
+            "# TYPE vllm:admission_rejections_total counter",
+        ]
+        lines += [
+            f'vllm:admission_rejections_total{{model_name="{MODEL}",reason="{r}"}} {v}'
+            for r, v in refused.items()
+        ]
+        return "\n".join(lines) + "\n"
+
+    async def main() -> None:
+        async with MetricsServer(page({"max_num_queued_reqs": 5.0})) as server:
+            scraper = make_scraper([server.url])
+
+            async def at(now: float, refused: dict[str, float]) -> int:
+                server.page = page(refused)
+                return (await scraper.scrape(now)).refused
+
+            assert await at(0.0, {"max_num_queued_reqs": 5.0}) == 0  # a baseline
+            assert await at(1.0, {"max_num_queued_reqs": 7.0, "max_num_queued_tokens": 1.0}) == 3
+            assert await at(2.0, {"max_num_queued_reqs": 7.0, "max_num_queued_tokens": 1.0}) == 0
+            assert await at(3.0, {"max_num_queued_reqs": 2.0}) == 2  # restarted: all of it
+
+    run(main())
+    assert parse_metrics(vllm_page(Engine())).refused is None  # not exported: None, not 0

@@ -225,3 +225,33 @@ def test_the_prompt_count_against_the_engines_usage(tight: Stack, vllm: VllmServ
     assert exact.prompt_tokens == text + overhead
     estimate = classify(policy, token_counter(policy.tokens), {}, parse_body(Endpoint.CHAT, raw))
     assert estimate.prompt_tokens >= text, (estimate.prompt_tokens, text)
+
+
+def params_n(vllm: VllmServer) -> tuple[float, float]:
+    """vLLM's ``vllm:request_params_n``: (requests observed, the sum of their n)."""
+    page = vllm.metrics()
+    count = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in page.splitlines()
+        if line.startswith("vllm:request_params_n_count{")
+    )
+    total = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in page.splitlines()
+        if line.startswith("vllm:request_params_n_sum{")
+    )
+    return count, total
+
+
+def test_the_sidecars_sequences_are_what_the_engine_counts(tight: Stack, vllm: VllmServer) -> None:
+    """Three prompts with ``n: 2``: the sidecar charges 6 sequences
+    (tests/unit/test_sequences.py); vLLM runs each prompt as a request of its own with n 2
+    (``vllm:request_params_n``: 3 more observations, summing to 6), and writes 6 x CAP tokens."""
+    before = params_n(vllm)
+    body = completion(["a", "b", "c"], n=2, max_tokens=3000, ignore_eos=True)
+    status, answer = asyncio.run(post(tight.url + "/v1/completions", body, False))
+    assert status == 200, answer
+    assert len(answer["choices"]) == 6 and answer["usage"]["completion_tokens"] == 6 * CAP
+    after = params_n(vllm)
+    assert (after[0] - before[0], after[1] - before[1]) == (3, 6)
+    wait_idle(tight)

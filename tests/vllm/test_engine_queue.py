@@ -41,12 +41,11 @@ def chat(max_tokens: int, **fields: Any) -> dict[str, Any]:
 
 
 def rejections(vllm: VllmServer) -> float:
-    text = vllm.metrics()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:admission_rejections_total{")
-    )
+    """vLLM's refusals, as the sidecar's scraper reads them (its adaptive limit cuts on their
+    increase: ``vllm_refused``, extproc/pool/adaptive.py)."""
+    refused = parse_metrics(vllm.metrics()).refused
+    assert refused is not None, "vllm:admission_rejections_total is not on the page"
+    return refused
 
 
 async def waiting(vllm: VllmServer, n: float) -> None:
