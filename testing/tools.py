@@ -21,12 +21,14 @@ from __future__ import annotations
 import os
 from typing import TypeVar
 
-__all__ = ["REQUIRE_TOOLS", "TOOL_LOG", "note_started", "optional_tool", "started"]
+__all__ = ["OPTIONAL_SKIP", "REQUIRE_TOOLS", "TOOL_LOG", "note_started", "optional_tool", "started"]
 
 T = TypeVar("T")
 
 TOOL_LOG = "LLM_EXTPROC_TOOL_LOG"
 REQUIRE_TOOLS = "LLM_EXTPROC_REQUIRE_TOOLS"
+# The end of every skip for a missing optional tool (tests/conftest.py reads it).
+OPTIONAL_SKIP = "CI installs it (.ci/run)"
 
 
 def note_started(marker: str) -> None:
@@ -54,6 +56,6 @@ def optional_tool(marker: str, found: T | None, name: str, how: str) -> T:
     if found is None:
         if os.environ.get(REQUIRE_TOOLS):
             pytest.fail(f"{REQUIRE_TOOLS} is set but {name} is not installed ({how})")
-        pytest.skip(f"{name} not installed ({how}); CI installs it (.ci/run)")
+        pytest.skip(f"{name} not installed ({how}); {OPTIONAL_SKIP}")
     note_started(marker)
     return found

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from testing.stack import Stack
-from testing.tools import REQUIRE_TOOLS, TOOL_LOG, started
+from testing.tools import OPTIONAL_SKIP, REQUIRE_TOOLS, TOOL_LOG, started
 
 REQUIRED = frozenset({"envoy", "redis"})
 OPTIONAL = frozenset({"docker", "promtool", "kubectl", "vllm"})
@@ -130,9 +130,13 @@ def pytest_runtest_makereport(
     their stack's processes."""
     report = yield
     if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         must_run = needs(item) & (REQUIRED | (OPTIONAL if os.environ.get(REQUIRE_TOOLS) else set()))
+        # A test that needs Envoy and an optional tool (the vLLM tier) may skip for the optional
+        # tool alone: testing.tools.optional_tool's reason says so.
+        if needs(item) & OPTIONAL and OPTIONAL_SKIP in str(reason):
+            must_run -= REQUIRED
         if must_run:
-            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
             report.outcome = "failed"
             report.longrepr = (
                 f"{item.nodeid} needs {', '.join(sorted(must_run))}, which must not be skipped "
