@@ -175,33 +175,6 @@ def _max_tokens(body: dict[str, Any], keys: tuple[str, ...]) -> tuple[int | None
     return requested, tuple(present)
 
 
-def _content_texts(content: object, where: str, texts: list[str]) -> int:
-    """Append the text of one message's content; return its count of non-text parts."""
-    if content is None:
-        return 0
-    if isinstance(content, str):
-        texts.append(content)
-        return 0
-    if not isinstance(content, list):
-        raise _bad_type(where, "a string, an array of content parts, or null", content)
-    non_text = 0
-    for j, part in enumerate(content):
-        pwhere = f"{where}[{j}]"
-        if not isinstance(part, dict):
-            raise _bad_type(pwhere, "an object", part)
-        kind = part.get("type")
-        if not isinstance(kind, str):
-            raise _bad_type(f"{pwhere}.type", "a string", kind)
-        if kind == "text":
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise _bad_type(f"{pwhere}.text", "a string", text)
-            texts.append(text)
-        else:
-            non_text += 1
-    return non_text
-
-
 def _chat(body: dict[str, Any], texts: list[str]) -> tuple[int, int]:
     messages = body.get("messages")
     if messages is None:
@@ -218,7 +191,9 @@ def _chat(body: dict[str, Any], texts: list[str]) -> tuple[int, int]:
         role = message.get("role")
         if not isinstance(role, str):
             raise _bad_type(f"{where}.role", "a string", role)
-        non_text += _content_texts(message.get("content"), f"{where}.content", texts)
+        # null: an assistant message with tool calls may have no content
+        content = message.get("content")
+        non_text += _parts(content, f"{where}.content", texts, _TEXT, null_ok=True)
         name = message.get("name")
         if isinstance(name, str):
             texts.append(name)
@@ -241,16 +216,31 @@ def _tools(body: dict[str, Any], texts: list[str], keys: tuple[str, ...]) -> Non
             texts.append(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
 
 
-def _parts(content: object, where: str, texts: list[str], text_types: frozenset[str]) -> int:
-    """A content that is a string or an array of typed parts: the text of parts whose type is
-    in ``text_types``, the JSON of the rest (tool calls and results: text the model reads)
-    except media (images, audio, files: counted as non-text parts). Returns the non-text
-    parts."""
+def _parts(
+    content: object,
+    where: str,
+    texts: list[str],
+    text_types: frozenset[str],
+    *,
+    media: frozenset[str] | None = None,
+    null_ok: bool = False,
+) -> int:
+    """A content that is a string or an array of typed parts (or null, where ``null_ok``):
+    the text of parts whose type is in ``text_types``; a part whose type is in ``media``
+    (None: every other part) counts as a non-text part; the JSON of the rest (tool calls and
+    results: text the model reads). Returns the non-text parts."""
     if isinstance(content, str):
         texts.append(content)
         return 0
+    if content is None and null_ok:
+        return 0
     if not isinstance(content, list):
-        raise _bad_type(where, "a string or an array of content parts", content)
+        expected = (
+            "a string, an array of content parts, or null"
+            if null_ok
+            else "a string or an array of content parts"
+        )
+        raise _bad_type(where, expected, content)
     non_text = 0
     for j, part in enumerate(content):
         pwhere = f"{where}[{j}]"
@@ -264,7 +254,7 @@ def _parts(content: object, where: str, texts: list[str], text_types: frozenset[
             if not isinstance(text, str):
                 raise _bad_type(f"{pwhere}.text", "a string", text)
             texts.append(text)
-        elif kind in _MEDIA_TYPES:
+        elif media is None or kind in media:
             non_text += 1
         else:
             texts.append(json.dumps(part, separators=(",", ":"), ensure_ascii=False))
@@ -275,7 +265,7 @@ _MEDIA_TYPES = frozenset(
     {"image", "image_url", "input_image", "input_audio", "input_file", "document", "file"}
 )
 _RESPONSES_TEXT = frozenset({"input_text", "output_text", "text"})
-_MESSAGES_TEXT = frozenset({"text"})
+_TEXT = frozenset({"text"})
 
 
 def _responses(body: dict[str, Any], texts: list[str]) -> tuple[int, int]:
@@ -306,7 +296,10 @@ def _responses(body: dict[str, Any], texts: list[str]) -> tuple[int, int]:
             role = item.get("role")
             if not isinstance(role, str):
                 raise _bad_type(f"{where}.role", "a string", role)
-            non_text += _parts(item.get("content"), f"{where}.content", texts, _RESPONSES_TEXT)
+            content = item.get("content")
+            non_text += _parts(
+                content, f"{where}.content", texts, _RESPONSES_TEXT, media=_MEDIA_TYPES
+            )
         else:
             texts.append(json.dumps(item, separators=(",", ":"), ensure_ascii=False))
     _tools(body, texts, ("tools",))
@@ -319,7 +312,7 @@ def _messages(body: dict[str, Any], texts: list[str]) -> tuple[int, int]:
     system = body.get("system")
     non_text = 0
     if system is not None:
-        non_text += _parts(system, "system", texts, _MESSAGES_TEXT)
+        non_text += _parts(system, "system", texts, _TEXT, media=_MEDIA_TYPES)
     messages = body.get("messages")
     if messages is None:
         raise RequestError("missing_field", "'messages' is required.", "messages")
@@ -334,7 +327,8 @@ def _messages(body: dict[str, Any], texts: list[str]) -> tuple[int, int]:
         role = message.get("role")
         if not isinstance(role, str):
             raise _bad_type(f"{where}.role", "a string", role)
-        non_text += _parts(message.get("content"), f"{where}.content", texts, _MESSAGES_TEXT)
+        content = message.get("content")
+        non_text += _parts(content, f"{where}.content", texts, _TEXT, media=_MEDIA_TYPES)
     _tools(body, texts, ("tools",))
     return len(messages), non_text
 

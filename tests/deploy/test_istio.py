@@ -60,6 +60,7 @@ from testing.redis import RedisServer
 from testing.stack import REPO, Stack, free_port, running_envoy
 from testing.wait import until
 from tests.deploy.kustomize import K8S, build, named
+from tests.deploy.test_render import HCM_SETTINGS as RENDERED_HCM
 
 DEPLOY = REPO / "deploy"
 ISTIO = DEPLOY / "istio"
@@ -68,15 +69,9 @@ GATEWAY_FILTER = K8S / "components" / "istio" / "envoyfilter-gateway.yaml"
 ENVOY_FILTERS = [GATEWAY_FILTER, ISTIO / "examples" / "sidecar-inbound.yaml"]
 BUFFER_FILTER = "envoy.filters.http.buffer"
 ACCESS_KINDS = ("PeerAuthentication", "AuthorizationPolicy", "NetworkPolicy")
-HCM_SETTINGS = (
-    "request_headers_timeout",
-    "request_timeout",
-    "local_reply_config",
-    "always_set_request_id_in_response",
-    "normalize_path",
-    "merge_slashes",
-    "path_with_escaped_slashes_action",
-)
+# What the gateway's connection manager patch carries: render-envoy's settings, less the
+# stream idle timeout (the gateway keeps Envoy's default, which the policy needs: below).
+HCM_SETTINGS = tuple(k for k in RENDERED_HCM if k != "stream_idle_timeout")
 
 
 @functools.cache

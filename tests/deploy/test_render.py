@@ -24,6 +24,9 @@ from testing.envoy import (
 )
 from testing.stack import cli
 
+# The connection manager's settings render-envoy derives, each of which envoy.yaml must carry.
+HCM_SETTINGS = tuple(render(default_policy())["http_connection_manager"])
+
 
 def shipped() -> dict[str, Any]:
     cfg = shipped_envoy()
@@ -36,19 +39,7 @@ def shipped() -> dict[str, Any]:
         "listener": {
             "per_connection_buffer_limit_bytes": listener["per_connection_buffer_limit_bytes"]
         },
-        "http_connection_manager": {
-            k: hcm[k]
-            for k in (
-                "stream_idle_timeout",
-                "request_headers_timeout",
-                "request_timeout",
-                "local_reply_config",
-                "always_set_request_id_in_response",
-                "normalize_path",
-                "merge_slashes",
-                "path_with_escaped_slashes_action",
-            )
-        },
+        "http_connection_manager": {k: hcm[k] for k in HCM_SETTINGS},
         "virtual_hosts": [
             {k: vh[k] for k in ("response_headers_to_add",)}
             for vh in hcm["route_config"]["virtual_hosts"]

@@ -25,7 +25,7 @@ import yaml
 from testing.clients import Reply, chat, post
 from testing.envoy import render_envoy_config
 from testing.harness import running_stack
-from testing.stack import free_port, running_envoy
+from testing.stack import Stack, free_port, running_envoy
 from tests.service.h2_peer import displaced, stranger, told_nothing
 from tests.service.test_h2_silent_calls import hold_a_call
 
@@ -38,15 +38,7 @@ def test_envoy_started_after_idle_strangers_gets_through(tmp_path: Path) -> None
     with running_stack(tmp_path / "stack", POLICY, start_envoy=False) as stack:
         strangers = [stranger(stack.extproc_port) for _ in range(STRANGERS)]
         try:
-            listener = free_port()
-            text = render_envoy_config(
-                listener_port=listener,
-                backend_port=stack.backend_port,
-                extproc_port=stack.extproc_port,
-                admin_port=free_port(),
-            )
-            with running_envoy(yaml.safe_load(text), tmp_path, listener):
-                replies = asyncio.run(requests(f"http://127.0.0.1:{listener}"))
+            replies = envoy_started_now(stack, tmp_path)
             assert [r.status for r in replies] == [200] * 3
             assert all(r.echo["headers"]["x-llm-bucket"] == "all" for r in replies)
             # The oldest 44 made room for the newest strangers, and Envoy's connection took the
@@ -59,6 +51,20 @@ def test_envoy_started_after_idle_strangers_gets_through(tmp_path: Path) -> None
                 p.close()
 
 
+def envoy_started_now(stack: Stack, tmp_path: Path) -> list[Reply]:
+    """A real Envoy started only now in front of ``stack``'s sidecar: its replies to three
+    requests (``requests``)."""
+    listener = free_port()
+    text = render_envoy_config(
+        listener_port=listener,
+        backend_port=stack.backend_port,
+        extproc_port=stack.extproc_port,
+        admin_port=free_port(),
+    )
+    with running_envoy(yaml.safe_load(text), tmp_path, listener):
+        return asyncio.run(requests(f"http://127.0.0.1:{listener}"))
+
+
 @pytest.mark.parametrize("how", ["process", "watch"])
 def test_envoy_started_after_calls_that_are_not_its_own_gets_through(
     tmp_path: Path, how: str
@@ -66,15 +72,7 @@ def test_envoy_started_after_calls_that_are_not_its_own_gets_through(
     with running_stack(tmp_path / "stack", POLICY, start_envoy=False) as stack:
         holders = [hold_a_call(stack.extproc_port, how) for _ in range(PLACES)]
         try:
-            listener = free_port()
-            text = render_envoy_config(
-                listener_port=listener,
-                backend_port=stack.backend_port,
-                extproc_port=stack.extproc_port,
-                admin_port=free_port(),
-            )
-            with running_envoy(yaml.safe_load(text), tmp_path, listener):
-                replies = asyncio.run(requests(f"http://127.0.0.1:{listener}"))
+            replies = envoy_started_now(stack, tmp_path)
             assert [r.status for r in replies] == [200] * 3
             # Envoy's connection took the place of the oldest holder (Envoy may have opened
             # one more): only holders were closed.

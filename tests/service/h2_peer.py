@@ -369,3 +369,14 @@ async def settle(server: H2Server, done: Callable[[H2Server], bool], within: flo
 def nothing_held(server: H2Server) -> bool:
     s = server.statistics()
     return s.calls == 0 and s.buffered_bytes == 0 and s.queued_out_bytes == 0
+
+
+async def honest_exchanges(port: int, n: int = 3) -> None:
+    """An honest client's ``n`` echo exchanges on a connection of its own, then closed: each
+    must be answered."""
+    honest = await Honest.connect(port)
+    try:
+        for _ in range(n):
+            await honest.exchange()
+    finally:
+        honest.close()

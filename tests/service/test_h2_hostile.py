@@ -53,6 +53,7 @@ from tests.service.h2_peer import (
     displaced,
     frame,
     grpc_msg,
+    honest_exchanges,
     nothing_held,
     p99,
     request_block,
@@ -769,12 +770,7 @@ def test_idle_strangers_give_way_to_an_honest_newcomer() -> None:
         limit = server.limits.max_connections
         assert limit == 256
         assert server.statistics().connections == limit
-        honest = await Honest.connect(port)
-        try:
-            for _ in range(3):
-                await honest.exchange()
-        finally:
-            honest.close()
+        await honest_exchanges(port)
         s = server.statistics()
         assert (s.displaced_connections, s.refused_connections) == (300 - limit + 1, 0)
         gone = 300 - limit + 1

@@ -34,6 +34,7 @@ from tests.service.h2_peer import (
     displaced,
     frame,
     grpc_msg,
+    honest_exchanges,
     methods,
     request_block,
     settle,
@@ -208,12 +209,7 @@ def test_calls_that_are_not_envoys_give_way_to_an_honest_newcomer(how: str) -> N
         assert limit == 256
         holders = await asyncio.to_thread(lambda: [hold_a_call(port, how) for _ in range(limit)])
         assert await settle(server, lambda s: s.statistics().calls == limit, within=10)
-        honest = await Honest.connect(port)
-        try:
-            for _ in range(3):
-                await honest.exchange()
-        finally:
-            honest.close()
+        await honest_exchanges(port)
         s = server.statistics()
         assert (s.displaced_connections, s.refused_connections) == (1, 0)
         assert await asyncio.to_thread(displaced, holders[0])
