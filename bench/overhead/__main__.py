@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,27 @@ from testing.stack import REPO, envoy_binary
 __all__ = ["main", "run"]
 
 
+def wait_for_first_grant(bench: Bench, bodies: dict[str, bytes], limit_s: float = 60.0) -> None:
+    """A pool that starts on an empty Redis grants nothing for its first lease (the fence,
+    docs/scaling.md): retry one request of the shared way until it is answered 200, so that
+    no way is measured before its pool serves."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        req = urllib.request.Request(
+            bench.url(listener_of(SIDECAR_REDIS)),
+            data=bodies[SIDECAR_REDIS],
+            headers={"content-type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=limit_s) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError as e:  # 429 while the fence stands
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"{SIDECAR_REDIS}: no grant within {limit_s:.0f}s ({e})") from e
+            time.sleep(0.5)
+
+
 def sanity_check(bench: Bench, bodies: dict[str, bytes]) -> None:
     """Each way answers 200; the sidecar really runs (it echoes the effective max_tokens); the
     shared-pool sidecar is in shared mode (it reached Redis) and Redis served its scripts."""
@@ -60,6 +82,7 @@ def sanity_check(bench: Bench, bodies: dict[str, bytes]) -> None:
         SIDECAR_RW: "256",
         SIDECAR_REDIS: "128",
     }
+    wait_for_first_grant(bench, bodies)
     for way in WAYS:
         req = urllib.request.Request(
             bench.url(listener_of(way)),
