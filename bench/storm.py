@@ -1,6 +1,6 @@
 """Disconnect storm: many requests, a random share of whose clients leave at random moments.
 
-``python -m bench.storm --url http://127.0.0.1:10000 -n 10000`` (or ``run_storm`` from a test).
+``run_storm``, which ``tests/e2e/test_faults.py`` sends through the real Envoy and sidecar.
 Each request is a chat completion, streamed or not, of a random class; a random ``abort_share``
 of clients close their connection after a random delay, which lands while the request is
 queued, admitted, or mid-stream (:func:`bench.load.presets.storm_arrivals`). The client
@@ -11,10 +11,6 @@ counters must add up to the requests that reached it.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -88,28 +84,3 @@ def _status(call: Call, reply: Reply) -> int | str:
     if reply.error is None and reply.status is not None:
         return reply.status
     return reply.error or reply.outcome
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--url", default="http://127.0.0.1:10000")
-    ap.add_argument("-n", type=int, default=10_000)
-    ap.add_argument("--abort-share", type=float, default=0.5)
-    ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=1)
-    args = ap.parse_args(argv)
-    result = asyncio.run(
-        run_storm(
-            args.url,
-            args.n,
-            abort_share=args.abort_share,
-            concurrency=args.concurrency,
-            seed=args.seed,
-        )
-    )
-    print(json.dumps(result.as_dict(), indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -399,7 +399,7 @@ async def leases_group(tmp: Path) -> Figures:
         (a, pa), (b, pb) = replica(server.url, "a", 3), replica(server.url, "b", 3)
         a.start()
         b.start()
-        await until_async(lambda: a.connected and b.connected, "both reached Redis")
+        await until_async(lambda: a.ledger.connected and b.ledger.connected, "both reached Redis")
         pa.arrive(0, 3)
         await until_async(lambda: pa.running == 3, "a holds the pool")
         pb.arrive(0, 3)
@@ -417,11 +417,13 @@ async def leases_group(tmp: Path) -> Figures:
         (x, _), (y, _) = (replica(server.url, n, 4, adaptive=True) for n in "xy")
         x.start()
         y.start()
-        await until_async(lambda: x.leader == y.leader != "" and x.connected, "one leader")
-        leader, follower = (x, y) if x.is_leader else (y, x)
+        await until_async(
+            lambda: x.ledger.leader == y.ledger.leader != "" and x.ledger.connected, "one leader"
+        )
+        leader, follower = (x, y) if x.ledger.is_leader else (y, x)
         await leader.close(give_back=False)
         left = time.monotonic()
-        await until_async(lambda: follower.is_leader, "the other leads", every=0.005)
+        await until_async(lambda: follower.ledger.is_leader, "the other leads", every=0.005)
         out["leader_takeover"] = time.monotonic() - left
         await follower.close()
     return out

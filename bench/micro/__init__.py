@@ -3,7 +3,8 @@ its own and printing its figures.
 
 - ``python -m bench.micro.admission_cost``: the admission core and gate with 10 to 10,000
   waiters (``bench.overhead`` runs the same step and holds it to its target);
-- ``python -m bench.micro.body_parser``: ``parse_body`` against ``json.loads`` on four bodies;
+- ``python -m bench.micro.tenant_cost``: the fair order with 1 tenant, 10,000 tracked and fresh
+  keys (``bench.overhead`` runs it too);
 - ``python -m bench.micro.metrics_parser``: our Prometheus page parser against
   ``prometheus_client``'s on a vLLM-shaped page;
 - ``python -m bench.micro.prompt_estimate``: the prompt estimate without a tokenizer against
@@ -11,10 +12,7 @@ its own and printing its figures.
 - ``python -m bench.micro.scrape_bounds``: what one metrics page can cost the event loop at
   the scraper's bounds (docs/pool.md, "What the scraper trusts");
 - ``python -m bench.micro.redis_rtt``: the shared pool's Redis script calls and the hand-over
-  between replicas, against a throwaway redis-server;
-- ``python -m bench.micro.prefill_pacing``: not a cost but a question for the pool's band cut,
-  answered on the simulator's scheduler offline: would pacing the batch band's prefill help the
-  interactive streams more than holding its slots does (docs/pool.md, "The band cut's unit").
+  between replicas, against a throwaway redis-server.
 
 Percentiles are ``bench.common.stats.percentile``'s. The whole request path, through Envoy, is
 ``bench.overhead``'s; these say where its time goes, one piece at a time.

@@ -20,6 +20,7 @@ from typing import Any
 from bench.common.stats import percentile_scaled
 from bench.common.table import format_table
 from bench.overhead.ways import held_policy
+from extproc.pool.values import Entry
 
 __all__ = ["LEVELS", "QUEUE_LENGTHS", "admission_costs", "core_costs", "format_costs", "gate_costs"]
 
@@ -53,13 +54,15 @@ def gate_costs(n: int, ops: int) -> dict[str, dict[str, float]]:
     clock = time.perf_counter_ns
     out: dict[str, list[int]] = defaultdict(list)
 
+    held, due = Entry(bucket="held", timeout_s=300.0), Entry(bucket="held", timeout_s=0.0)
+
     async def run() -> None:
         gate = Gate(policy)
-        slot = gate.enter("held", 300.0)
+        slot = gate.enter(held)
         assert not isinstance(slot, Waiter)
         waiters: deque[Waiter] = deque()
         for _ in range(n):
-            w = gate.enter("held", 300.0)
+            w = gate.enter(held)
             assert isinstance(w, Waiter)
             waiters.append(w)
         for i in range(ops):
@@ -70,7 +73,7 @@ def gate_costs(n: int, ops: int) -> dict[str, dict[str, float]]:
             slot = await head.admitted()
             t1 = clock()
             # enter: a newcomer joins the tail (keeps the queue at n).
-            w = gate.enter("held", 300.0)
+            w = gate.enter(held)
             t2 = clock()
             assert isinstance(w, Waiter)
             waiters.append(w)
@@ -83,14 +86,14 @@ def gate_costs(n: int, ops: int) -> dict[str, dict[str, float]]:
                 mid.cancel()
                 t1 = clock()
                 _remove_middle(waiters, mid)
-                w = gate.enter("held", 300.0)
+                w = gate.enter(held)
                 assert isinstance(w, Waiter)
                 waiters.append(w)
                 out["cancel"].append(t1 - t0)
             # evict: a waiter whose deadline is now; the timer fires on the next loop turn.
             if i % 4 == 0:
                 t0 = clock()
-                e = gate.enter("held", 0.0)
+                e = gate.enter(due)
                 assert isinstance(e, Waiter)
                 try:
                     await e.admitted()
@@ -124,8 +127,9 @@ def core_costs(n: int, ops: int) -> dict[str, dict[str, float]]:
     clock = time.perf_counter_ns
     core = Admission({"held": (1, n + 10)})
     now = 0.0
-    running = core.enqueue("held", now, 300.0).ticket.id
-    waiting: deque[int] = deque(core.enqueue("held", now, 300.0).ticket.id for _ in range(n))
+    held = Entry(bucket="held", timeout_s=300.0)
+    running = core.enqueue(held, now).ticket.id
+    waiting: deque[int] = deque(core.enqueue(held, now).ticket.id for _ in range(n))
     out: dict[str, list[int]] = defaultdict(list)
     for _ in range(ops):
         now += 0.001
@@ -135,7 +139,7 @@ def core_costs(n: int, ops: int) -> dict[str, dict[str, float]]:
         assert [t.id for t in admitted] == [waiting.popleft()]
         running = admitted[0].id
         t2 = clock()
-        d = core.enqueue("held", now, 300.0)
+        d = core.enqueue(held, now)
         t3 = clock()
         assert d.verdict is Verdict.QUEUED
         waiting.append(d.ticket.id)
@@ -150,9 +154,9 @@ def core_costs(n: int, ops: int) -> dict[str, dict[str, float]]:
             waiting.rotate(-i)
             waiting.popleft()
             waiting.rotate(i)
-            waiting.append(core.enqueue("held", now, 300.0).ticket.id)
+            waiting.append(core.enqueue(held, now).ticket.id)
             out["cancel"].append(t1 - t0)
-        d = core.enqueue("held", now, 0.0005)
+        d = core.enqueue(Entry(bucket="held", timeout_s=0.0005), now)
         t0 = clock()
         evicted = core.expire(now + 0.0005)
         t1 = clock()

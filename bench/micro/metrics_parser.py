@@ -116,8 +116,14 @@ def prometheus_client_read(page: str) -> EndpointSample:
         waiting=sums.get("vllm:num_requests_waiting"),
         running=sums.get("vllm:num_requests_running"),
         kv_usage=sums.get("vllm:kv_cache_usage_perc"),
-        ttft=buckets.get("vllm:time_to_first_token_seconds_bucket"),
-        itl=buckets.get("vllm:inter_token_latency_seconds_bucket"),
+        histograms={
+            name: buckets[f"{family}_bucket"]
+            for name, family in (
+                ("ttft", "vllm:time_to_first_token_seconds"),
+                ("itl", "vllm:inter_token_latency_seconds"),
+            )
+            if f"{family}_bucket" in buckets
+        },
     )
 
 
@@ -135,8 +141,7 @@ def _agree(a: EndpointSample, b: EndpointSample) -> bool:
         close(a.waiting, b.waiting)
         and close(a.running, b.running)
         and close(a.kv_usage, b.kv_usage)
-        and a.ttft == b.ttft
-        and a.itl == b.itl
+        and all(a.histograms.get(n) == b.histograms.get(n) for n in ("ttft", "itl"))
     )
 
 
@@ -147,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     page = vllm_page(args.engines)
     ours, theirs = parse_metrics(page), prometheus_client_read(page)
-    if ours.ttft is None or not _agree(ours, theirs):
+    if "ttft" not in ours.histograms or not _agree(ours, theirs):
         raise SystemExit(f"the two parsers disagree:\n  ours   {ours}\n  theirs {theirs}")
     sides: dict[str, Callable[[str], EndpointSample]] = {
         "ours (extproc.backend.vllm.parse_metrics)": parse_metrics,

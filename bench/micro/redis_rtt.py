@@ -47,7 +47,7 @@ class _Pool:
 async def _knows(holder: LeaseManager, replica: str) -> None:
     """Until ``holder`` has heard that ``replica`` waits."""
     for _ in range(5000):
-        if replica in holder._others:
+        if replica in holder.ledger._others:
             return
         await asyncio.sleep(0.001)
     raise TimeoutError
@@ -100,7 +100,7 @@ async def _handover(url: str, n: int) -> None:
     for p, m in zip(pools, managers, strict=True):
         # Replicas of a pool that has run a while (the hand-over is measured, not the first
         # lease a pool starting on an empty Redis waits out: docs/scaling.md, the fence).
-        m.roster = []
+        m.ledger.roster = []
         p.manager = m
         m.start()
     a, b = pools
@@ -114,7 +114,7 @@ async def _handover(url: str, n: int) -> None:
         waiter.waiting = 1
         assert waiter.manager is not None and holder.manager is not None
         waiter.manager.on_change()
-        await _knows(holder.manager, waiter.manager.replica)
+        await _knows(holder.manager, waiter.manager.ledger.replica)
         t = time.perf_counter()
         holder.manager.on_release()
         holder.running -= 1

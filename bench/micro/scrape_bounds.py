@@ -220,8 +220,6 @@ def round_hold_ms(rounds: int) -> tuple[float, float, float]:
             ["http://pool.svc:1/metrics"],
             timeout_s=10.0,
             window_s=10.0,
-            ttft_quantile=0.9,
-            itl_quantile=0.9,
             resolve=resolve,
         )
         await one(scraper)  # warm up

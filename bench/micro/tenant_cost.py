@@ -30,6 +30,7 @@ from typing import Final
 from bench.common.policy import policy_yaml
 from bench.common.stats import percentile_scaled
 from bench.common.table import format_table
+from extproc.pool.values import Entry
 
 __all__ = ["POPULATIONS", "TRACKED", "fair_policy", "format_tenant_costs", "tenant_costs"]
 
@@ -92,12 +93,15 @@ def population_costs(population: str, ops: int) -> dict[str, dict[str, float]]:
     async def run() -> None:
         nonlocal tracked
         gate = Gate(policy)
-        slot = gate.enter("fair", 300.0, cost=300, tenant=tenant_of(0), output=100)
+        slot = gate.enter(
+            Entry(bucket="fair", timeout_s=300.0, cost=300, tenant=tenant_of(0), output=100)
+        )
         assert not isinstance(slot, Waiter)
         waiters: deque[Waiter] = deque()
         for i in range(1, untimed + ops + QUEUED + 1):
+            entry = Entry(bucket="fair", timeout_s=300.0, cost=300, tenant=tenant_of(i), output=100)
             t0 = clock()
-            w = gate.enter("fair", 300.0, cost=300, tenant=tenant_of(i), output=100)
+            w = gate.enter(entry)
             t1 = clock()
             assert isinstance(w, Waiter)
             waiters.append(w)

@@ -7,7 +7,8 @@ ways through it, measured side by side:
    non-LLM route is in ``envoy/envoy.yaml``;
 2. **naive**: ext_proc to ``bench/overhead/naive.py``, a bare grpc.aio pass-through that parses
    the JSON body and answers CONTINUE (what a first attempt costs);
-3. **sidecar-grpc**: the sidecar on its grpc.aio transport (``serve --transport grpc``);
+3. **sidecar-grpc**: the sidecar on grpc.aio, the tests' oracle (``python -m
+   testing.grpc_sidecar``, ``serve``'s flags; not part of the product);
 4. **sidecar**: ext_proc to ``python -m extproc serve`` (the h2 transport) with a realistic
    policy whose buckets are big enough that nothing queues; **sidecar+rw** is the same with a
    body that lacks ``max_tokens``, so the sidecar adds it and rewrites the body.
@@ -52,8 +53,7 @@ Measured, one module each (the in-process one in :mod:`bench.micro`):
   gRPC stream, then N (default 10,000) requests through Envoy queue behind it, paced at
   500 req/s. Sidecar and Envoy RSS at rest and with all N held, Envoy's ext_proc counters, then
   the time to drain the queue once the slot is freed. The same N sent at once (what a burst
-  gets), and the naive server holding N streams from a direct gRPC client (what grpc.aio
-  itself costs per stream);
+  gets);
 - ``bench.micro.admission_cost`` (also runnable alone): **admission cost vs queue length**:
   ``extproc.pool.gate.Gate`` and ``extproc.pool.core.Admission`` in process, at 10,
   1,000 and 10,000 waiters: enqueue, admit (release + hand-over), cancel, evict (a real timer)

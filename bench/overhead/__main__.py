@@ -116,7 +116,6 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         log_dir,
         held_max_queue=max(args.held, args.held_burst) + 1000,
         server_env=server_env,
-        naive_style=args.naive_style,
     ) as bench:
         port = {w: bench.ports.listeners[listener_of(w)] for w in WAYS}
         requests = {
@@ -265,12 +264,6 @@ def _parser() -> argparse.ArgumentParser:
         help="also profile the sidecar under load with py-spy (needs py-spy in the venv)",
     )
     parser.add_argument("--profile-seconds", type=float, default=10.0)
-    parser.add_argument(
-        "--naive-style",
-        choices=("generator", "read-write"),
-        default="generator",
-        help="grpc.aio idiom of the naive server (default: async generator)",
-    )
     parser.add_argument(
         "--server-env",
         action="append",

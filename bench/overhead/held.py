@@ -3,13 +3,13 @@
 The held-queue sidecar's one bucket has one slot, taken by a direct gRPC stream (``Holder``);
 then N requests go through Envoy (h2c, h2load) and queue behind it, paced or all at once.
 Sidecar and Envoy RSS at rest and with all N held, Envoy's ext_proc counters, then the time to
-drain the queue once the slot is freed. And the naive server holding N streams opened by a
-direct grpc.aio client: what grpc.aio itself costs per held stream.
+drain the queue once the slot is freed. (The naive server holding as many streams from a direct
+grpc.aio client was measured here too, removed later: 302 MB for 10,000 in docs/performance.md's
+reference run at 140ecdd.)
 """
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import re
 import subprocess
@@ -21,9 +21,9 @@ from typing import Any
 from bench.overhead.h2load import h2load_args, parse_h2load, run_h2load
 from bench.overhead.meters import log, proc_rss_mb
 from bench.overhead.procs import Bench
-from bench.overhead.ways import CHAT_PATH, CLASS_HEADER, HELD, NAIVE, chat_body
+from bench.overhead.ways import CHAT_PATH, CLASS_HEADER, HELD
 
-__all__ = ["Holder", "held_queue", "naive_held_rss"]
+__all__ = ["Holder", "held_queue"]
 
 
 def _headers_message(headers: list[tuple[str, str]]) -> Any:
@@ -85,41 +85,6 @@ class Holder:
     def close(self) -> None:
         self._requests.put(None)
         self._channel.close()
-
-
-def naive_held_rss(port: int, pid: int, n: int) -> dict[str, float]:
-    """RSS of the naive server holding ``n`` ext_proc streams open (headers and body answered,
-    stream not ended), opened by a direct grpc.aio client: what grpc.aio itself costs per held
-    stream, the floor under the sidecar's figure."""
-    import grpc
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-
-    headers = _headers_message([(":method", "POST"), (":path", CHAT_PATH), CLASS_HEADER])
-    body = _body_message(chat_body(with_max_tokens=True))
-
-    async def hold() -> dict[str, float]:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.ExternalProcessorStub(channel)
-            calls: list[Any] = []
-
-            async def one() -> None:
-                call = stub.Process()
-                calls.append(call)
-                await call.write(headers)
-                await call.read()
-                await call.write(body)
-                await call.read()
-
-            rest = proc_rss_mb(pid)
-            for i in range(0, n, 200):
-                await asyncio.gather(*(one() for _ in range(min(200, n - i))))
-            await asyncio.sleep(0.5)
-            held = proc_rss_mb(pid)
-            for call in calls:
-                call.cancel()
-        return {"n": n, "rest_rss_mb": rest, "held_rss_mb": held}
-
-    return asyncio.run(hold())
 
 
 def _queued(bench: Bench) -> int:
@@ -235,8 +200,7 @@ def held_queue(
     log_dir: Path,
 ) -> dict[str, Any]:
     """The held-queue figures: ``n`` requests paced at ``rate`` into one bucket behind a held
-    slot, then ``burst`` requests sent all at once (0: skip), then the naive server holding
-    ``n`` streams."""
+    slot, then ``burst`` requests sent all at once (0: skip)."""
     # Warm the path (Envoy's gRPC connections to the sidecar, the sidecar's code) first.
     warm = run_h2load(
         h2load_args(bench.url(HELD), body_file, [CLASS_HEADER], "-c", "1", "-n", "200", log=None),
@@ -255,6 +219,4 @@ def held_queue(
     if burst:
         log(f"held queue: {burst} requests at once behind one held slot")
         out["burst"] = _hold(bench, body_file, body, burst, None, log_dir)
-    log(f"held streams: the naive server holding {n} streams (direct gRPC client)")
-    out["naive_direct"] = naive_held_rss(bench.ports.grpc[NAIVE], bench.pid(NAIVE), n)
     return out

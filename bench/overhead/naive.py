@@ -7,10 +7,10 @@ examples use); it answers ``request_headers`` with CONTINUE, parses the buffered
 Envoy ends the stream. No policy, no queue, no metrics, no mutation.
 
 It is a yardstick, not a product: the sidecar must cost no more per request than this does.
-``--style read-write`` gives the same answers through ``context.read()``/``context.write()``,
-the idiom the sidecar's grpc transport (extproc/service.py) uses.
+(The same answers through ``context.read()``/``context.write()`` were no slower, 383e630's
+``--naive-style read-write``, removed later.)
 
-``python -m bench.overhead.naive --listen 127.0.0.1:50052 [--style generator|read-write]``
+``python -m bench.overhead.naive --listen 127.0.0.1:50052``
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-__all__ = ["NaiveExtProc", "NaiveExtProcReadWrite", "main", "serve"]
+__all__ = ["NaiveExtProc", "main", "serve"]
 
 
 class NaiveExtProc(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -49,31 +49,9 @@ class NaiveExtProc(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 yield pb.ProcessingResponse()
 
 
-class NaiveExtProcReadWrite(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    """The same answers with the other grpc.aio idiom, ``context.read()`` / ``context.write()``
-    (the one extproc/service.py uses), to tell the cost of the idiom from the cost of the work."""
-
-    async def Process(self, request_iterator: object, context: Any) -> None:
-        while (msg := await context.read()) is not grpc.aio.EOF:
-            kind = msg.WhichOneof("request")
-            if kind == "request_headers":
-                await context.write(_HEADERS_CONTINUE)
-            elif kind == "request_body":
-                if msg.request_body.body:
-                    json.loads(msg.request_body.body)
-                await context.write(_BODY_CONTINUE)
-            else:
-                await context.write(pb.ProcessingResponse())
-
-
-_HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-_BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse())
-STYLES = {"generator": NaiveExtProc, "read-write": NaiveExtProcReadWrite}
-
-
-async def serve(listen: str, style: str = "generator") -> None:
+async def serve(listen: str) -> None:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_ExternalProcessorServicer_to_server(STYLES[style](), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(NaiveExtProc(), server)
     if server.add_insecure_port(listen) == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()
@@ -88,14 +66,8 @@ async def serve(listen: str, style: str = "generator") -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.overhead.naive", description=__doc__)
     parser.add_argument("--listen", default="127.0.0.1:50052", help="gRPC HOST:PORT")
-    parser.add_argument(
-        "--style",
-        choices=sorted(STYLES),
-        default="generator",
-        help="grpc.aio idiom: an async generator (default) or context.read()/write()",
-    )
     args = parser.parse_args(argv)
-    asyncio.run(serve(args.listen, args.style))
+    asyncio.run(serve(args.listen))
 
 
 if __name__ == "__main__":

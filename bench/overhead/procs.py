@@ -1,7 +1,7 @@
 """The processes of one run: Envoy with one listener per way, the naive server, the sidecar on
-each transport, the shared-pool sidecar and its redis-server (``testing.redis.RedisServer``),
-and the held-queue sidecar, all on free ports of 127.0.0.1, started and stopped by
-``testing.stack.Proc``."""
+each transport (h2, the product's; grpc.aio, the tests' oracle: ``testing.grpc_aio``), the
+shared-pool sidecar and its redis-server (``testing.redis.RedisServer``), and the held-queue
+sidecar, all on free ports of 127.0.0.1, started and stopped by ``testing.stack.Proc``."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from bench.overhead.ways import (
     held_policy,
     shared_policy,
 )
+from testing.grpc_aio import serve_argv
 from testing.redis import RedisServer
 from testing.stack import Proc, envoy_binary, wait_http, wait_tcp
 
@@ -59,13 +60,11 @@ class Bench:
         log_dir: Path,
         held_max_queue: int,
         server_env: dict[str, str] | None = None,
-        naive_style: str = "generator",
     ) -> None:
         self.log_dir = log_dir
         self.ports = Ports.pick()
         self.held_max_queue = held_max_queue
         self.server_env = server_env or {}
-        self.naive_style = naive_style
         self.procs: dict[str, Proc] = {}
         self.redis = RedisServer(log_dir)
 
@@ -100,8 +99,6 @@ class Bench:
                 "bench.overhead.naive",
                 "--listen",
                 f"127.0.0.1:{p.grpc[NAIVE]}",
-                "--style",
-                self.naive_style,
             ],
             self.log_dir,
             env=self.server_env,
@@ -117,18 +114,13 @@ class Bench:
             self.procs[name] = Proc(
                 name,
                 [
-                    py,
-                    "-m",
-                    "extproc",
-                    "serve",
+                    *serve_argv(transport),
                     "--policy",
                     str(policy),
                     "--listen",
                     f"127.0.0.1:{p.grpc[name]}",
                     "--metrics",
                     f"127.0.0.1:{p.metrics[name]}",
-                    "--transport",
-                    transport,
                 ],
                 self.log_dir,
                 env=self.server_env,

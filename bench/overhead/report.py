@@ -79,11 +79,9 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     if held:
         h = held["paced"]
         q, rss = h["queued"], h["sidecar_rss_mb"]
-        nd = held.get("naive_direct")
-        floor = f" (naive server holding as many streams: {nd['held_rss_mb']:.0f} MB)" if nd else ""
         add(
             f"{held['n']:,} queued requests held, sidecar RSS < 300 MB",
-            f"{q:,} held, {rss:.0f} MB{floor}",
+            f"{q:,} held, {rss:.0f} MB",
             q >= held["n"] and rss < 300,
         )
     gate = res.get("gate")
@@ -272,13 +270,6 @@ def _held(held: dict[str, Any]) -> list[str]:
         f"Envoy (h2c); at rest: sidecar RSS {rest['sidecar_rss_mb']:.0f} MB, Envoy RSS "
         f"{rest['envoy_rss_mb']:.0f} MB",
     ]
-    nd = held.get("naive_direct")
-    if nd:
-        out.append(
-            f"  grpc.aio floor: the naive server holding {nd['n']:,} streams (direct gRPC "
-            f"client): RSS {nd['rest_rss_mb']:.0f} -> {nd['held_rss_mb']:.0f} MB, "
-            f"{1024 * (nd['held_rss_mb'] - nd['rest_rss_mb']) / nd['n']:.1f} KB per stream"
-        )
     for kind in ("paced", "burst"):
         h = held.get(kind)
         if not h:

@@ -57,7 +57,7 @@ CLASS_HEADER = ("x-llm-class", "interactive")
 
 # The ways through Envoy, in the order they are reported.
 FLOOR, NAIVE, SIDECAR, SIDECAR_RW = "floor", "naive", "sidecar", "sidecar+rw"
-# The same sidecar on its other transport, grpc.aio (``serve --transport grpc``).
+# The same sidecar on grpc.aio, the tests' oracle (``python -m testing.grpc_sidecar``).
 SIDECAR_GRPC = "sidecar-grpc"
 # The sidecar's policy with its slots in a static pool shared through a local redis-server
 # (``pool.shared``): the way, its sidecar (server and listener), and the redis-server.

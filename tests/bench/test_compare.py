@@ -99,7 +99,7 @@ def test_pool_policy_timers_scaled_slos_not(cap: Capacity) -> None:
     assert (a.min_limit, a.max_limit, a.initial) == (8, 256, 32)
     assert a.interval_s == pytest.approx(0.5 / OPTS.speedup, abs=1e-3)  # whole ms
     assert a.window_s == pytest.approx(10 / OPTS.speedup, abs=1e-3)
-    assert (a.ttft_slo_s, a.itl_slo_s) == (1.0, 0.1)  # the simulator's histograms: simulated s
+    assert a.slo_s == {"ttft": 1.0, "itl": 0.1}  # the simulator's histograms: simulated s
     assert policy.backend.metrics == ("http://127.0.0.1:9/metrics",)
     b = {x.name: x for x in policy.buckets}
     assert (b["interactive"].priority, b["interactive"].min_share) == (0, 0.5)
@@ -120,13 +120,14 @@ def test_pool_policy_timers_scaled_slos_not(cap: Capacity) -> None:
     band = policy_from_yaml(pool_policy(cap, opts, ["http://127.0.0.1:9/metrics"]), "generated")
     late = band.bucket("interactive-late")
     assert band.bucket("interactive").relegate_to == late.name and late.priority == 0
-    assert a.queue_time_slo_s is None  # by default, time to first token only
+    assert "queue_time" not in a.slo_s  # by default, time to first token only
     for choice, ttft, queue in (("queue_time", None, 0.3), ("both", 1.0, 0.3)):
         opts, _ = parse_args(["--admission-objective", choice, "--queue-time-ms", "300"])
         generated = policy_from_yaml(pool_policy(cap, opts, ["http://127.0.0.1:9/m"]), "generated")
         assert generated.pool is not None and generated.pool.adaptive is not None
         got = generated.pool.adaptive
-        assert (got.ttft_slo_s, got.queue_time_slo_s, got.queue_time_quantile) == (ttft, queue, 0.9)
+        assert (got.slo_s.get("ttft"), got.slo_s.get("queue_time")) == (ttft, queue)
+        assert got.quantiles["queue_time"] == 0.9
 
 
 def _envoy(**kwargs: Any) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from bench.compare.report import format_targets
 from bench.compare.scenarios import plan
 from bench.compare.strategies import pool_policy
 from bench.compare.tenants import TenantStats, jain_index, tenant_stats
-from bench.compare.window import window_rows
 from bench.load.summary import RequestRecord
 from bench.load.workload import build_schedule
 from extproc.config.policy import Order, policy_from_yaml
@@ -86,24 +85,6 @@ def test_fair_policy_is_the_pool_policy_with_tenants(cap: Capacity) -> None:
     assert fifo.pool == off.pool and not fifo.trusted_headers
     assert [replace(b, order=Order.COST) for b in fifo.buckets] == list(off.buckets)
     assert all(b.order is Order.FIFO for b in fifo.buckets)
-
-
-def test_window_reads_the_limit_and_the_admitted_lengths_of_a_run() -> None:
-    """``python -m bench.compare.window``: over the window only, the limit's p10/50/90 and
-    the 200s' count, mean lengths and heavy share."""
-    timelines = {"noisy-s0/sidecar": [{"t_s": float(t), "limit": float(t)} for t in range(100)]}
-    ok = {"status": 200, "e2e_s": 1.0, "output_tokens": 10}
-    records = {
-        "noisy-s0/sidecar": [
-            {**ok, "arrival_s": 30.0, "prompt_tokens": 100, "tenant": "heavy"},
-            {**ok, "arrival_s": 40.0, "prompt_tokens": 300, "tenant": "light-1"},
-            {**ok, "arrival_s": 40.0, "prompt_tokens": 900, "status": 429},
-            {**ok, "arrival_s": 90.0, "prompt_tokens": 900},  # ends after the window
-        ]
-    }
-    assert window_rows(timelines, records, 20.0, 75.0) == [
-        ["noisy-s0/sidecar", "25/47/69", "2", "200", "10", "1"]  # limits 20..74
-    ]
 
 
 def _tenant(r: RequestRecord, tenant: str) -> RequestRecord:

@@ -5,14 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.micro import (
-    admission_cost,
-    body_parser,
-    prefill_pacing,
-    redis_rtt,
-    scrape_bounds,
-    tenant_cost,
-)
+from bench.micro import admission_cost, redis_rtt, scrape_bounds, tenant_cost
 from extproc.backend import http, prometheus
 
 
@@ -40,40 +33,6 @@ def test_tenant_cost(capsys: pytest.CaptureFixture[str]) -> None:
     tenant_cost.main(["--ops", "20"])
     out = capsys.readouterr().out
     assert "admission cost against tenants tracked" in out and "10,000 tracked" in out
-
-
-def test_prefill_pacing(capsys: pytest.CaptureFixture[str]) -> None:
-    rows = prefill_pacing.pacing_table(ks=(2, 8), interactive=24, seconds=40.0)
-    figs = {v.name: f for v, f, _ in rows}
-    assert figs["no batch"].batch_rps == 0
-    for k in (2, 8):
-        held = figs[f"slots {k}"]
-        # The paced and Poisson variants send what the slots reached, so they compare like
-        # with like (a few arrivals either way in 36 s).
-        for other in (f"paced (slots {k}'s rate)", f"poisson (slots {k}'s rate)"):
-            assert figs[other].batch_rps == pytest.approx(held.batch_rps, rel=0.25)
-        # With prefill chunks of 2,048 tokens no step is longer than 16.4 ms + 2,048 x 47.8 us
-        # (the A100 profile), and a decoding stream gets a token every step.
-        assert figs[f"slots {k}, chunks 2048"].itl_p99_ms <= 115.0 < held.itl_p99_ms
-    # More batch prefill slows the streams: the lever the band cut pulls.
-    assert figs["slots 8"].batch_prompt_tps > figs["slots 2"].batch_prompt_tps
-    assert figs["slots 8"].tpot_p90_ms > figs["slots 2"].tpot_p90_ms > figs["no batch"].tpot_p90_ms
-    # Deterministic for a seed.
-    again = prefill_pacing.run_variant(rows[1][0], interactive=24, seconds=40.0, warmup=4.0)
-    assert again == figs["slots 2"]
-    prefill_pacing.main(["--seconds", "20", "--interactive", "8"])
-    out = capsys.readouterr().out
-    assert "8 interactive streams" in out and "paced (slots 4's rate)" in out
-
-
-def test_body_parser(capsys: pytest.CaptureFixture[str]) -> None:
-    costs = body_parser.parse_costs(20)
-    assert list(costs) == list(body_parser.BODIES)
-    assert all(c["parse_p50_us"] > 0 and c["json_p50_us"] > 0 for c in costs.values())
-    assert costs["chat 1 KB"]["bytes"] < 2000 < costs["chat 16 KB, 80 turns"]["bytes"]
-    body_parser.main(["--n", "20"])
-    (head, *rows) = capsys.readouterr().out.splitlines()
-    assert head.startswith("body") and "parse/json" in head and len(rows) == len(costs)
 
 
 @pytest.mark.slow  # a round of 64 endpoints of 1 MiB each: seconds
