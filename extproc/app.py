@@ -4,11 +4,10 @@
 event loop in one process, which is what keeps admission exact: the gate's state is touched by
 one thread only.
 
-Two gRPC transports run the same servicer, picked by name from ``_TRANSPORTS``: ``h2``
-(default; ``extproc.transport.h2_transport``, HTTP/2 framing on the event loop's own sockets)
-and ``grpc`` (``extproc.transport.grpc_aio``). Both serve ext_proc and the standard
-``grpc.health.v1`` service on the same port, behind one interface
-(``extproc.transport.Transport``).
+The gRPC server is an ``extproc.transport.Transport`` that serves ext_proc and the standard
+``grpc.health.v1`` service on one port: ``Sidecar``'s ``transport`` builds it, by default the h2
+transport (``extproc.transport.h2_transport``, HTTP/2 framing on the event loop's own sockets).
+Tests pass another, grpc.aio, as an oracle (``testing.grpc_aio``).
 """
 
 from __future__ import annotations
@@ -25,27 +24,21 @@ from grpc_health.v1 import health_pb2
 
 from extproc.config.policy import Policy, load_policy, policy_from_yaml
 from extproc.contract import EXT_PROC_SERVICE
-from extproc.ops.loops import Guard
+from extproc.loops import Guard
 from extproc.ops.metrics import Metrics, serve_metrics
 from extproc.pool.control import PoolControl
 from extproc.pool.gate import Gate
 from extproc.service import ExtProcService
 from extproc.transport import Serving, TlsFiles, Transport, split_host_port
-from extproc.transport.grpc_aio import GrpcAioTransport
 from extproc.transport.h2_transport import H2Transport
 
 __all__ = [
-    "TRANSPORTS",
     "ListenError",
     "Sidecar",
     "TlsFiles",
     "default_policy",
     "split_host_port",
 ]
-
-# ``--transport``: the name, and the transport it builds.
-_TRANSPORTS: dict[str, Callable[[], Transport]] = {"h2": H2Transport, "grpc": GrpcAioTransport}
-TRANSPORTS = tuple(_TRANSPORTS)
 
 log = logging.getLogger("extproc")
 
@@ -84,12 +77,13 @@ class Sidecar:
         policy_path: str | Path | None = None,
         watch_interval_s: float = 1.0,
         tls: TlsFiles | None = None,
-        transport: str = "h2",
+        transport: Callable[[], Transport] = H2Transport,
+        transport_name: str = "h2",
     ) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
-        self.transport = transport
-        self._transport: Transport = _TRANSPORTS[transport]()
+        # ``transport`` builds the gRPC server; ``transport_name`` names it in
+        # llm_extproc_build_info and the start log.
+        self.transport = transport_name
+        self._transport: Transport = transport()
         self.tls = tls
         self.policy = policy
         self.policy_path = Path(policy_path) if policy_path is not None else None
@@ -214,7 +208,7 @@ class Sidecar:
         """One look at the policy file, every ``watch_interval_s`` (an atomic `mv` over it
         changes its inode; an edit in place its mtime or size): one reload per change.
         Polling needs no extra dependency and sees Kubernetes ConfigMap symlink swaps too. A
-        look that raises is the loop's guard's (``extproc.ops.loops``)."""
+        look that raises is the loop's guard's (``extproc.loops``)."""
         now, last = self._file_state(), self._watched
         self._watched = now
         if now is not None and now != last:

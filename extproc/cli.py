@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from extproc import version
-from extproc.app import TRANSPORTS, ListenError, Sidecar, TlsFiles, default_policy, split_host_port
+from extproc.app import ListenError, Sidecar, TlsFiles, default_policy, split_host_port
 from extproc.config.policy import Policy, PolicyError, load_policy
 from extproc.contract import MESSAGE_TIMEOUT_MARGIN_S
 from extproc.ops.logs import configure as configure_logging
@@ -139,7 +139,6 @@ async def _serve(args: argparse.Namespace, policy: Policy, tls: TlsFiles | None)
         policy_path=args.policy,
         watch_interval_s=args.watch_interval,
         tls=tls,
-        transport=args.transport,
     )
     await sidecar.start()
     stop = asyncio.Event()
@@ -279,13 +278,6 @@ def main(argv: list[str] | None = None) -> int:
         choices=("auto", "asyncio", "uvloop"),
         default=os.environ.get("LLM_EXTPROC_EVENT_LOOP", "auto"),
         help="auto: uvloop when installed (default; env LLM_EXTPROC_EVENT_LOOP)",
-    )
-    serve.add_argument(
-        "--transport",
-        choices=TRANSPORTS,
-        default=os.environ.get("LLM_EXTPROC_TRANSPORT", "h2"),
-        help="h2: the sidecar's own HTTP/2 gRPC server (default); grpc: grpc.aio "
-        "(env LLM_EXTPROC_TRANSPORT)",
     )
     serve.add_argument(
         "--envoy-config",

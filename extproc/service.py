@@ -14,10 +14,10 @@ SEND, request body BUFFERED, nothing of the response; docs/envoy.md):
    (``extproc.request.routes``) arrives on this message.
 2. ``request_body`` (end_of_stream). Parse (``request.parse``), bound and classify
    (``request.classify``); a bad request gets its 4xx as an ImmediateResponse.
-3. Admission (``pool.gate``). Admitted at once, or queued: then first send
-   ``override_message_timeout`` so Envoy's short message timeout does not fire while we wait,
-   and keep reading the stream so that a client who leaves is dropped from the queue at once.
-   Queue full, evicted at the deadline, or expired at the client's own sooner one
+3. Admission (``pool.gate``) as ``request.deadline.plan`` plans it. Admitted at once, or queued:
+   then first send ``override_message_timeout`` so Envoy's short message timeout does not fire
+   while we wait, and keep reading the stream so that a client who leaves is dropped from the queue
+   at once. Queue full, evicted at the deadline, or expired at the client's own sooner one
    (``extproc.request.deadline``): ImmediateResponse 429 with Retry-After.
 4. Admitted: answer the body message (``request.respond.admitted``).
 5. Hold: keep reading until Envoy ends the stream (it does so when the HTTP stream is done,
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -52,10 +52,11 @@ from extproc.ops.metrics import Metrics
 from extproc.outcome import Outcome, Rejection, RequestError, queue_rejection
 from extproc.pool.gate import Gate, Refused, Slot, Waiter
 from extproc.pool.shares import Share, Shares
+from extproc.pool.values import Entry
 from extproc.record import NO_BUCKET, RequestRecord
 from extproc.request import respond
 from extproc.request.classify import Classification, TokenCounter, token_counter
-from extproc.request.deadline import Deadline, abandoned, deadline_of
+from extproc.request.deadline import NO_DEADLINE, Deadline, abandoned, deadline_of, plan
 from extproc.request.endpoints import Endpoint, canonical, endpoint_for_path, refused_api
 from extproc.request.offload import INLINE_BODY_BYTES, Busy, Offload, Parsed, parse_and_classify
 from extproc.request.parse import check_content_headers
@@ -254,36 +255,18 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> None:
         rec = st.rec
         rec.classified(cls)
-        now = self._loop.time()
-        timeout = cls.queue_timeout_s
-        if st.answer_by is not None:  # a slow parse already used some of the wait
-            timeout = max(0.0, min(timeout, st.answer_by - now))
-        own = False  # True: the wait ends at the client's own deadline (expired, not evicted)
-        if st.deadline.at is not None:  # nobody waits longer than their client will
-            timeout, own = st.deadline.cap(timeout, now)
-        cost = cls.prompt_tokens + cls.output_tokens
-        deadline = now + timeout
-        limit = timeout + (0.0 if own else self._policy.relegation_s(cls.bucket))  # relegated
+        wait = plan(cls, st.deadline, st.answer_by, size, tenant, self._policy, self._loop.time())
+        entry, limit = wait.entry, wait.limit_s
         read: asyncio.Future[Any] | None = None
         if share is not None:  # first a place in the route's own share of the bucket
             st.share = share
-            got = await self._slot(
-                context, st, lambda: self._shares.enter(share, timeout, size, own), limit, read
-            )
+            got = await self._slot(context, st, share, entry, limit, read)
             if got is None:
                 return
             st.share_slot, read = got
-        remaining = max(0.0, deadline - self._loop.time())
-        by = st.own_deadline()  # a relegation's bound
-        got = await self._slot(
-            context,
-            st,
-            lambda: self._gate.enter(
-                cls.bucket.name, remaining, size, cost, own, *tenant, cls.output_tokens, by
-            ),
-            limit,
-            read,
-        )
+            if read is not None:  # it waited for the share: what is left of its wait
+                entry = wait.remaining(self._loop.time())
+        got = await self._slot(context, st, None, entry, limit, read)
         if got is None:
             return
         st.slot, read = got
@@ -296,26 +279,27 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self,
         context: stream.Stream,
         st: stream.State,
-        enter: Callable[[], Slot | Waiter],
+        share: Share | None,
+        entry: Entry,
         limit_s: float,
         read: asyncio.Future[Any] | None,
     ) -> tuple[Slot, asyncio.Future[Any] | None] | None:
-        """A slot from ``enter``, at once or after a wait that watches the stream, with the
-        read still pending; None when the request was answered (refused, evicted) or left."""
+        """A slot of ``share`` (None: the bucket's) for ``entry``, now or after a wait that
+        watches the stream, its read still pending; None if answered (refused, evicted) or gone."""
         try:
-            entry = enter()
+            entered = self._gate.enter(entry) if share is None else self._shares.enter(share, entry)
         except Refused as r:
             if read is not None:
                 read.cancel()
             await self._refuse_queue(context, st.rec, r, limit_s)
             return None
-        if isinstance(entry, Slot):
-            return entry, read
-        st.waiter = entry
+        if isinstance(entered, Slot):
+            return entered, read
+        st.waiter = entered
         if not st.overridden:
             st.overridden = True
             await context.write(respond.timeout_override(limit_s + MESSAGE_TIMEOUT_MARGIN_S))
-        read, slot = await self._wait(context, st.rec, entry, read, limit_s)
+        read, slot = await self._wait(context, st.rec, entered, read, limit_s)
         st.waiter = None
         return None if slot is None else (slot, read)
 
@@ -330,17 +314,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """Shadow mode: take the decisions enforcement would, then let the request through."""
         if cls is not None:
             st.rec.classified(cls)
-            try:
-                cost = cls.prompt_tokens + cls.output_tokens
-                entry = self._gate.enter(
-                    cls.bucket.name,
-                    cls.queue_timeout_s,
-                    size,
-                    cost,
-                    False,
-                    *tenant,
-                    cls.output_tokens,
-                )
+            try:  # as if it had no deadline of its own
+                wait = plan(cls, NO_DEADLINE, None, size, tenant, self._policy, self._loop.time())
+                entry = self._gate.enter(wait.entry)
             except Refused as r:
                 self._note_shadow(st.rec, r.outcome, r.code)
             else:

@@ -63,14 +63,6 @@ class State:
         self.deadline = NO_DEADLINE
         self.shadow_task: asyncio.Task[None] | None = None
 
-    def own_deadline(self) -> tuple[float, bool] | None:
-        """The latest the request may wait, whatever its bucket (a relegation's bound): the
-        sooner of its own deadline and ``answer_by``; and whether that is its client's."""
-        at, stated = self.deadline.at, self.deadline.stated
-        if self.answer_by is not None and (at is None or self.answer_by < at):
-            at, stated = self.answer_by, False
-        return None if at is None else (at, stated)
-
 
 def headers_of(msg: pb.HttpHeaders) -> dict[str, str]:
     """Envoy's headers message as {lower-case name: value} (values arrive as raw bytes)."""

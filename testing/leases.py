@@ -110,14 +110,14 @@ def replica(
         pool, policy, limit=limit, adaptive=adaptive, replica=name, rand=rand, **options
     )
     if not fresh:
-        m.roster = []
+        m.ledger.roster = []
     pool.manager = m
     return m, pool
 
 
 def asked_since(m: LeaseManager, t: float) -> bool:
     """Whether an ``ACQUIRE`` that ``m`` sent at loop time ``t`` or later has been answered."""
-    known = m.known()
+    known = m.ledger.known()
     return known.last_acquire >= t and not known.acquiring
 
 

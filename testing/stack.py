@@ -34,6 +34,7 @@ from testing.envoy import (
     with_file_rds,
     with_upstream_tls,
 )
+from testing.grpc_aio import serve_argv
 
 __all__ = [
     "REPO",
@@ -225,7 +226,8 @@ class Stack:
         # breakers).
         self.envoy_source = envoy_source
         self.envoy_patch = envoy_patch
-        self.transport = transport  # the sidecar's --transport (None: its default)
+        # The sidecar's transport (testing.grpc_aio.TRANSPORTS; None: the product's, h2).
+        self.transport = transport
         self.sidecar_args = list(sidecar_args)  # more of the sidecar's flags (--grace 1)
         self.start_envoy = start_envoy
         self.ext_proc = ext_proc
@@ -364,10 +366,7 @@ class Stack:
 
     def start_sidecar_proc(self) -> Proc:
         argv = [
-            sys.executable,
-            "-m",
-            "extproc",
-            "serve",
+            *serve_argv(self.transport or "h2"),
             "--listen",
             f"127.0.0.1:{self.extproc_port}",
             "--metrics",
@@ -375,8 +374,6 @@ class Stack:
         ]
         if self.policy_path is not None:
             argv += ["--policy", str(self.policy_path)]
-        if self.transport is not None:
-            argv += ["--transport", self.transport]
         argv += self.sidecar_args
         if self.tls is not None:
             argv += [

@@ -26,8 +26,8 @@ One round is four stages, each a module of this package, data flowing one way:
 3. read the page (``vllm.parse_metrics`` over ``prometheus.samples``: pure, a page in, an
    ``EndpointSample`` out);
 4. fold the samples (``Scraper._fold``, no I/O): gauges summed (KV usage: the fullest
-   endpoint), histograms into their ``window.HistogramWindow`` (pure, ``now`` passed in), the
-   windows' quantiles, and the failures, into one ``Signals``.
+   endpoint), each objective's histogram (``objectives``) into its ``window.HistogramWindow``
+   (pure, ``now`` passed in), the windows' quantiles, and the failures, into one ``Signals``.
 
 Whatever goes wrong with one endpoint (DNS, refused, timeout, a status other than 200, a page
 without vLLM's families, a malformed sample of those families) counts it as failed with a short
@@ -50,12 +50,13 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 from extproc.backend.http import MAX_BODY_BYTES, Target, get
 from extproc.backend.vllm import EndpointSample, parse_metrics
 from extproc.backend.window import HistogramWindow, histogram_quantile, observations
+from extproc.objectives import OBJECTIVES
 
 if TYPE_CHECKING:
     from extproc.config.policy import AdaptivePolicy, BackendPolicy
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_ENDPOINTS",
     "EndpointSample",
+    "Latency",
     "Resolver",
     "Scraper",
     "Signals",
@@ -78,14 +80,19 @@ MAX_ENDPOINTS = 64
 # At most this many error strings in a Signals (a log line, not a report), each cut at this.
 _MAX_ERRORS = 8
 _MAX_ERROR_CHARS = 120
-# The histograms read (``EndpointSample``'s fields), each windowed over ``window_s``.
-_HISTOGRAMS = ("ttft", "itl", "tpot", "queue_time")
 # getaddrinfo's "this name has no address" (NXDOMAIN, or a name without A/AAAA records), as
 # against a failure to ask (EAI_AGAIN, a timeout): the error ``_addresses`` reports for both.
 _NO_ADDRESS = "dns: no address"
 _NO_ADDRESS_ERRNOS = frozenset(
     e for e in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None)) if e is not None
 )
+
+
+class Latency(NamedTuple):
+    """An objective's windowed quantile (None: no observation) and its observations."""
+
+    seconds: float | None = None
+    observations: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,16 +105,8 @@ class Signals:
     waiting: int  # vLLM's own queue, all endpoints together
     running: int
     kv_usage: float  # the fullest endpoint, 0..1
-    ttft_s: float | None  # None: no observation in the window
-    itl_s: float | None
-    ttft_count: int  # observations in the window
-    itl_count: int
-    # Each finished request's mean time per output token (None, 0: none, or not exported).
-    tpot_s: float | None = None
-    tpot_count: int = 0
-    # Each finished request's time in vLLM's waiting queue (None, 0: none, or not exported).
-    queue_time_s: float | None = None
-    queue_time_count: int = 0
+    # By latency objective (``objectives``); one absent: no observation (or not exported).
+    latency: Mapping[str, Latency] = field(default_factory=dict)
     # Requests vLLM itself refused since the last round (its --max-num-queued-reqs cap), all
     # endpoints together; an endpoint's first reading counts none.
     refused: int = 0
@@ -154,19 +153,18 @@ class Scraper:
         *,
         timeout_s: float,
         window_s: float,
-        ttft_quantile: float,
-        itl_quantile: float,
-        tpot_quantile: float = 0.9,
-        queue_time_quantile: float = 0.9,
+        quantiles: Mapping[str, float] | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         resolve: Resolver | None = None,
     ) -> None:
-        """``resolve`` maps (host, port) to the (address, port) pairs to scrape; the default is
+        """``quantiles``: each objective's, by name (absent: its row's default). ``resolve`` maps
+        (host, port) to the (address, port) pairs to scrape; the default is
         ``loop.getaddrinfo`` (every A/AAAA record). Raises ValueError for a URL that is not
         plain ``http://``, or for out-of-range settings."""
         if not urls:
             raise ValueError("no URL to scrape")
-        for q in (ttft_quantile, itl_quantile, tpot_quantile, queue_time_quantile):
+        self.quantiles = {o.name: (quantiles or {}).get(o.name, o.quantile) for o in OBJECTIVES}
+        for q in self.quantiles.values():
             if not 0.0 < q < 1.0:
                 raise ValueError(f"quantile {q} is not in (0, 1)")
         if timeout_s <= 0 or window_s <= 0 or max_body_bytes <= 0:
@@ -174,14 +172,10 @@ class Scraper:
         self._targets = [Target.parse(u) for u in urls]
         self.timeout_s = timeout_s
         self.window_s = window_s
-        self.ttft_quantile = ttft_quantile
-        self.itl_quantile = itl_quantile
-        self.tpot_quantile = tpot_quantile
-        self.queue_time_quantile = queue_time_quantile
         self.max_body_bytes = max_body_bytes
         self._resolve: Resolver = resolve or _getaddrinfo
-        # One window per histogram read, by its ``EndpointSample`` field.
-        self._windows = {name: HistogramWindow(window_s) for name in _HISTOGRAMS}
+        # One window per objective's histogram, by its name.
+        self._windows = {name: HistogramWindow(window_s) for name in self.quantiles}
         # Each endpoint's last reading of vLLM's refusals counter (those read last round only).
         self._refused_seen: dict[str, float] = {}
         self._parse_turn = asyncio.Lock()  # one page parsed per iteration of the event loop
@@ -200,10 +194,7 @@ class Scraper:
             backend.metrics,
             timeout_s=backend.scrape_timeout_s,
             window_s=adaptive.window_s,
-            ttft_quantile=adaptive.ttft_quantile,
-            itl_quantile=adaptive.itl_quantile,
-            tpot_quantile=adaptive.tpot_quantile,
-            queue_time_quantile=adaptive.queue_time_quantile,
+            quantiles=adaptive.quantiles,
             max_body_bytes=max_body_bytes,
             resolve=resolve,
         )
@@ -277,7 +268,7 @@ class Scraper:
         waiting = running = refused = 0.0
         kv_usage = 0.0
         refused_now: dict[str, float] = {}
-        read: dict[str, dict[str, Mapping[float, float] | None]] = {n: {} for n in _HISTOGRAMS}
+        read: dict[str, dict[str, Mapping[float, float] | None]] = {n: {} for n in self._windows}
         for key, result in results.items():
             if isinstance(result, str):
                 failed += 1
@@ -294,14 +285,14 @@ class Scraper:
                     refused += result.refused - seen if result.refused >= seen else result.refused
                 refused_now[key] = result.refused
             for name, of_name in read.items():
-                of_name[key] = getattr(result, name)
+                of_name[key] = result.histograms.get(name)
         self._refused_seen = refused_now
-        totals = {}
+        latency = {}
         for name, window in self._windows.items():
             window.add(now, read[name])
-            totals[name] = window.total(now)
-        ttft_total, itl_total = totals["ttft"], totals["itl"]
-        tpot_total, queue_time_total = totals["tpot"], totals["queue_time"]
+            total = window.total(now)
+            q = histogram_quantile(self.quantiles[name], total)
+            latency[name] = Latency(q, observations(total))
         if len(errors) > _MAX_ERRORS:
             errors[_MAX_ERRORS - 1 :] = [f"+{len(errors) - _MAX_ERRORS + 1} more"]
         return Signals(
@@ -311,14 +302,7 @@ class Scraper:
             waiting=round(waiting),
             running=round(running),
             kv_usage=min(1.0, kv_usage),
-            ttft_s=histogram_quantile(self.ttft_quantile, ttft_total),
-            itl_s=histogram_quantile(self.itl_quantile, itl_total),
-            ttft_count=observations(ttft_total),
-            itl_count=observations(itl_total),
-            tpot_s=histogram_quantile(self.tpot_quantile, tpot_total),
-            tpot_count=observations(tpot_total),
-            queue_time_s=histogram_quantile(self.queue_time_quantile, queue_time_total),
-            queue_time_count=observations(queue_time_total),
+            latency=latency,
             refused=round(refused),
             errors=tuple(errors),
             no_backend=no_backend,
@@ -326,4 +310,4 @@ class Scraper:
 
     def __repr__(self) -> str:
         hosts = ", ".join(f"{t.host}:{t.port}" for t in self._targets)
-        return f"<Scraper {hosts}, {len(self._windows['ttft'])} endpoints known>"
+        return f"<Scraper {hosts}, {len(next(iter(self._windows.values())))} endpoints known>"

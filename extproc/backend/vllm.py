@@ -3,13 +3,9 @@
 Each family is summed over its label sets, since one server may run several models or
 data-parallel engines: the gauges ``vllm:num_requests_waiting``, ``vllm:num_requests_running``
 and ``vllm:kv_cache_usage_perc`` (older vLLM: ``vllm:gpu_cache_usage_perc``; a fraction, so its
-max is taken rather than its sum), and the histograms ``vllm:time_to_first_token_seconds``,
-``vllm:inter_token_latency_seconds`` (older vLLM: ``vllm:time_per_output_token_seconds``; when a
-version exposes both during the rename they carry the same observations, so only the new one
-is read), ``vllm:request_time_per_output_token_seconds`` (each finished request's mean gap
-between its tokens, the ``tpot`` objective's; versions without it leave ``tpot`` None) and
-``vllm:request_queue_time_seconds`` (each finished request's time in vLLM's waiting queue
-before its first scheduling step, the ``queue_time`` objective's). A
+max is taken rather than its sum), and the histogram of each latency objective
+(``extproc.objectives``: a row's ``family``, or its ``old`` name where ``family`` is
+absent; an objective's family absent in a version leaves it out of ``histograms``). A
 histogram is read from its ``_bucket`` samples: upper bound (``le``) -> cumulative count, the
 counts of one bound summed over label sets.
 
@@ -31,9 +27,10 @@ ValueError (as ``prometheus.samples`` does for a malformed line, or for a page o
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from extproc.backend.prometheus import samples, split_label
+from extproc.objectives import OBJECTIVES
 
 __all__ = ["FAMILIES", "MAX_BOUNDS", "MAX_VALUE", "EndpointSample", "parse_metrics"]
 
@@ -44,14 +41,11 @@ _WAITING = "vllm:num_requests_waiting"
 _RUNNING = "vllm:num_requests_running"
 _KV = "vllm:kv_cache_usage_perc"
 _KV_OLD = "vllm:gpu_cache_usage_perc"
-_TTFT = "vllm:time_to_first_token_seconds_bucket"
-_ITL = "vllm:inter_token_latency_seconds_bucket"
-_ITL_OLD = "vllm:time_per_output_token_seconds_bucket"
-_TPOT = "vllm:request_time_per_output_token_seconds_bucket"
-_QUEUE = "vllm:request_queue_time_seconds_bucket"
 # vLLM's own admission cap (--max-num-queued-reqs / tokens): requests it refused, by reason.
 _REFUSED = "vllm:admission_rejections_total"
-_BUCKETS = frozenset({_TTFT, _ITL, _ITL_OLD, _TPOT, _QUEUE})
+# Each objective's bucket families, the first one present read.
+_READ = {o.name: [f"{f}_bucket" for f in (o.family, o.old) if f] for o in OBJECTIVES}
+_BUCKETS = frozenset(f for families in _READ.values() for f in families)
 # The families read.
 FAMILIES = frozenset({_WAITING, _RUNNING, _KV, _KV_OLD, _REFUSED, *_BUCKETS})
 
@@ -60,15 +54,13 @@ FAMILIES = frozenset({_WAITING, _RUNNING, _KV, _KV_OLD, _REFUSED, *_BUCKETS})
 class EndpointSample:
     """One endpoint's page: each family summed over its label sets; None where absent.
 
-    Histograms map a bucket's upper bound (``le``, +Inf included) to its cumulative count."""
+    ``histograms``: by objective, those present, each a bucket's upper bound (``le``, +Inf
+    included) -> its cumulative count."""
 
     waiting: float | None = None
     running: float | None = None
     kv_usage: float | None = None
-    ttft: Mapping[float, float] | None = None
-    itl: Mapping[float, float] | None = None
-    tpot: Mapping[float, float] | None = None
-    queue_time: Mapping[float, float] | None = None
+    histograms: Mapping[str, Mapping[float, float]] = field(default_factory=dict)
     # Requests vLLM refused since it started, all reasons (a counter); None: not exported.
     refused: float | None = None
 
@@ -105,14 +97,12 @@ def parse_metrics(page: str | bytes) -> EndpointSample:
         else:
             sums[name] = sums.get(name, 0.0) + value
     buckets = {name: _histogram(name, of_name.values()) for name, of_name in series.items()}
+    present = {name: [buckets[f] for f in fs if f in buckets] for name, fs in _READ.items()}
     return EndpointSample(
         waiting=sums.get(_WAITING),
         running=sums.get(_RUNNING),
         kv_usage=kv.get(_KV, kv.get(_KV_OLD)),
-        ttft=buckets.get(_TTFT),
-        itl=buckets.get(_ITL, buckets.get(_ITL_OLD)),
-        tpot=buckets.get(_TPOT),
-        queue_time=buckets.get(_QUEUE),
+        histograms={name: found[0] for name, found in present.items() if found},
         refused=sums.get(_REFUSED),
     )
 

@@ -44,7 +44,7 @@ from prometheus_client.registry import Collector
 
 from extproc import version
 from extproc.config.policy import BucketPolicy
-from extproc.ops.loops import LOOPS
+from extproc.loops import LOOPS
 from extproc.outcome import OUTCOMES, Outcome
 from extproc.pool.adaptive import AdaptiveSnapshot
 from extproc.pool.lease_adapter import SharedSnapshot

@@ -2,10 +2,10 @@
 
 Data plane (per request):
 
-- ``values``: the core's value types (``Ticket``, ``Decision``, ``Verdict``, ``BucketStats``,
-  ``PoolStats``); ``state``: its mutable state; ``core``: ``Admission``, the pure state machine
-  (``now`` passed in); ``order``: its named decisions (the order within a bucket, the choice
-  across buckets); ``demand``: the bands and demand questions, each answered once.
+- ``values``: the core's value types (``Entry``, ``Ticket``, ``Decision``, ``Verdict``,
+  ``BucketStats``, ``PoolStats``); ``state``: its mutable state; ``core``: ``Admission``, the
+  pure state machine (``now`` passed in); ``order``: its named decisions (in a bucket, across
+  buckets); ``demand``: the bands and demand questions, each answered once.
 - ``gate``: the asyncio shell (futures, one eviction timer, ``Slot.release()``); ``shares``:
   route shares, buckets of a second gate.
 

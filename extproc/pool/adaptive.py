@@ -9,21 +9,12 @@ Control law (one ``update`` per scrape; ``L`` is the limit)
 -----------------------------------------------------------
 Decrease, ``L := floor(L * f)``, when any of these holds, the first one named in ``reason``:
 
-- ``ttft`` / ``itl`` / ``tpot``: the windowed quantile ``q`` is above its objective ``o``, over
-  at least ``MIN_OBSERVATIONS`` (10) observations: fewer, and a p90 is the latency of one
-  request. ``itl`` reads every token's gap (``vllm:inter_token_latency_seconds``), ``tpot``
-  each finished request's mean gap (``vllm:request_time_per_output_token_seconds``): one
-  prefill step of 115 ms in a stream of 50 ms steps breaks an ``itl`` p90 of 100 ms once a
-  tenth of the steps carry one, while the client reads its answer at the speed of the mean.
+- a latency objective (``extproc.objectives``, in its order; the reason is its name,
+  ``ttft`` say): the windowed quantile ``q`` is above its objective ``o``, over at least
+  ``MIN_OBSERVATIONS`` (10) observations: fewer, and a p90 is the latency of one request.
   ``f = min(0.8, max(0.5, o / q))``: a small breach takes 20 %, a quantile twice its objective
   halves the limit at once, so a backend that lost half its speed is followed in one cut, not
   one cut per cooldown while the queue deadlines expire;
-- ``queue_time``, the same rule on the time each request waited in vLLM's own queue before its
-  first scheduling step (``vllm:request_queue_time_seconds``, observed when a request
-  finishes; vLLM's ``queued_time = scheduled_ts - queued_ts``, ``vllm/v1/metrics/stats.py``).
-  A request's time to first token is that wait plus its prefill, and the prefill grows with
-  the prompt, which no admission shortens; the wait is what admitting too much adds, whatever
-  the prompt's size. It lags by the answers' length, as ``tpot`` does;
 - ``vllm_queue`` (``f = 0.8``): vLLM's own waiting queue (summed over endpoints) is longer than
   the allowance ``max(8, floor(0.1 * L))`` in three rounds in a row: vLLM could not take in
   everything we admitted. A request joins vLLM's waiting queue on arrival and leaves it at a
@@ -125,12 +116,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
 
-from extproc.backend.scrape import Signals
+from extproc.backend.scrape import Latency, Signals
 from extproc.config.policy import AdaptivePolicy
+from extproc.objectives import OBJECTIVES
 from extproc.pool.bandcut import BandCut, BandLoad
 from extproc.pool.view import HIDDEN, gauge
 
-__all__ = ["AdaptiveLimit", "AdaptiveSnapshot", "LimitState"]
+__all__ = ["AdaptiveLimit", "AdaptiveSnapshot", "LimitReason", "LimitState"]
 
 # The law's constants (the settings are the policy's).
 INCREASE_FRACTION: Final = 0.05  # the step up, of the limit (at least 1)
@@ -142,8 +134,6 @@ QUEUE_TOLERANCE: Final = 0.1  # vLLM's queue allowance, of the limit ...
 QUEUE_MIN: Final = 8  # ... and at least this many
 QUEUE_ROUNDS: Final = 3  # rounds in a row above the allowance that are a breach
 DEMAND_MARGIN: Final = 0.1  # in flight within this share of the limit is demand
-# The breaches a band cut answers first (extproc.pool.bandcut).
-LATENCY: Final = ("ttft", "itl", "tpot", "queue_time")
 
 
 class LimitState(StrEnum):
@@ -151,6 +141,43 @@ class LimitState(StrEnum):
     HOLDING = "holding"  # data stale for stale_after_s: the last limit holds
     FALLBACK = "fallback"  # data stale for fallback_after_s: the fallback limit
     NO_BACKEND = "no_backend"  # queue_while_no_backend and no host has an address: 0
+
+
+class LimitReason(StrEnum):
+    """Why the limit, the band cut or the state last changed: these, and a latency objective's
+    breach, its name (the limit cut) or ``band_<name>`` (the band cut), made from
+    ``OBJECTIVES`` when first asked for (``_missing_``): a new objective adds no member."""
+
+    INITIAL = "initial"
+    INCREASE = "increase"
+    LEND = "lend"  # the band cut eased
+    VLLM_REFUSED = "vllm_refused"
+    VLLM_QUEUE = "vllm_queue"
+    KV = "kv"
+    ABANDONED = "abandoned"
+    STALE = "stale"
+    FALLBACK = "fallback"
+    NO_BACKEND = "no_backend"
+    RESUMED = "resumed"
+
+    @classmethod
+    def _missing_(cls, value: object) -> LimitReason | None:
+        names = {o.name for o in OBJECTIVES}
+        if not isinstance(value, str) or value.removeprefix("band_") not in names:
+            return None
+        reason = str.__new__(cls, value)
+        reason._name_, reason._value_ = value.upper(), value
+        return cls._value2member_map_.setdefault(value, reason)  # type: ignore[return-value]
+
+    @property
+    def is_latency(self) -> bool:
+        """A latency objective's breach, which cuts the least urgent band first."""
+        return self in {o.name for o in OBJECTIVES}
+
+    @property
+    def moves_band(self) -> bool:
+        """The band cut moved, not the limit: ``lend``, ``band_<name>``."""
+        return self is LimitReason.LEND or self in {f"band_{o.name}" for o in OBJECTIVES}
 
 
 _LIMIT_CODES: dict[str, int] = {
@@ -174,7 +201,7 @@ class AdaptiveSnapshot:
             codes=_LIMIT_CODES,
         )
     )
-    reason: str
+    reason: LimitReason
 
 
 class AdaptiveLimit:
@@ -187,8 +214,8 @@ class AdaptiveLimit:
     ) -> None:
         """The policy's settings; ``initial`` (default the policy's) is where the limit starts
         (the pool's controller passes the limit in force), ``fallback_limit`` (default
-        ``initial``) where it goes once the data has been stale for ``fallback_after_s``.
-        ``None`` for an objective: no objective on that latency."""
+        ``initial``) where it goes once the data has been stale for ``fallback_after_s``. An
+        objective absent from ``policy.slo_s``: no objective on that latency."""
         if policy.min_limit < 1 or policy.max_limit < policy.min_limit:
             raise ValueError("need 1 <= min_limit <= max_limit")
         if policy.fallback_after_s < policy.stale_after_s:
@@ -201,7 +228,7 @@ class AdaptiveLimit:
         self._queued_rounds = 0  # consecutive rounds with vLLM's queue above the allowance
         self._limit = self._clamp(start)
         self._state = LimitState.TRACKING
-        self._reason = "initial"
+        self._reason = LimitReason.INITIAL
         self._last_good: float | None = None  # time of the last good scrape
         self._decreased_at: float | None = None
         self._ended: tuple[int, float] = (0, 0.0)  # this round's (ended, abandoned share)
@@ -216,11 +243,7 @@ class AdaptiveLimit:
         return self._state
 
     @property
-    def reason(self) -> str:
-        """Why the limit, the band cut or the state last changed: 'initial', 'increase',
-        'ttft', 'itl', 'tpot', 'queue_time', 'band_ttft', 'band_itl', 'band_tpot',
-        'band_queue_time' (the band cut), 'lend' (the band cut eased),
-        'vllm_queue', 'kv', 'abandoned', 'stale', 'fallback', 'no_backend' or 'resumed'."""
+    def reason(self) -> LimitReason:
         return self._reason
 
     def update(
@@ -262,18 +285,18 @@ class AdaptiveLimit:
             if self._state is LimitState.NO_BACKEND:
                 self._limit = self._clamp(self.policy.initial)  # a backend from zero
             self._state = LimitState.TRACKING
-            self._reason = "resumed"
+            self._reason = LimitReason.RESUMED
         cooling = self._decreased_at is not None and now - self._decreased_at < self.cooldown_s
         self._ended = ended
         breach = self._breach(signals, objectives)
         if breach is not None:
             reason, factor = breach
             landing = self._decreased_at is not None and in_flight > self._limit
-            first = band if reason in LATENCY else None  # whom a latency breach cuts first
+            first = band if reason.is_latency else None  # whom a latency breach cuts first
             if cooling or landing or (first is not None and self.band_cut.landing(first)):
                 return self._limit
             if first is not None and self.band_cut.cut(first, factor):
-                self._reason = f"band_{reason}"  # the least urgent band first (bandcut)
+                self._reason = LimitReason(f"band_{reason}")  # the least urgent band first
                 self._decreased_at = now
                 return self._limit
             cut = self._clamp(math.floor(self._limit * factor))
@@ -286,12 +309,12 @@ class AdaptiveLimit:
             return self._limit
         step = max(1, math.floor(self._limit * INCREASE_FRACTION))
         if band is not None and self.band_cut.lend(band, step):
-            self._reason = "lend"
+            self._reason = LimitReason.LEND
         elif self._demand(in_flight, waiting):
             grown = self._clamp(self._limit + step)
             if grown > self._limit:
                 self._limit = grown
-                self._reason = "increase"
+                self._reason = LimitReason.INCREASE
         return self._limit
 
     def snapshot(self) -> AdaptiveSnapshot:
@@ -310,7 +333,7 @@ class AdaptiveLimit:
 
     def _no_backend(self, at: float) -> int:
         self._last_good = at if self._last_good is None else max(self._last_good, at)
-        self._state, self._limit, self._reason = LimitState.NO_BACKEND, 0, "no_backend"
+        self._state, self._limit, self._reason = LimitState.NO_BACKEND, 0, LimitReason.NO_BACKEND
         self.band_cut.lift()
         return 0
 
@@ -323,47 +346,45 @@ class AdaptiveLimit:
                 self._state = LimitState.FALLBACK
                 self._limit = self.fallback_limit
                 self.band_cut.lift()
-                self._reason = "fallback"
+                self._reason = LimitReason.FALLBACK
         elif age >= self.policy.stale_after_s and self._state is LimitState.TRACKING:
             self._state = LimitState.HOLDING
-            self._reason = "stale"
+            self._reason = LimitReason.STALE
         return self._limit
 
-    def _objectives(self, s: Signals) -> tuple[tuple[str, float | None, int, float | None], ...]:
-        """(reason, windowed quantile, observations, objective) of each latency objective, in
-        the order a breach is named."""
-        p = self.policy
-        return (
-            ("ttft", s.ttft_s, s.ttft_count, p.ttft_slo_s),
-            ("itl", s.itl_s, s.itl_count, p.itl_slo_s),
-            ("tpot", s.tpot_s, s.tpot_count, p.tpot_slo_s),
-            ("queue_time", s.queue_time_s, s.queue_time_count, p.queue_time_slo_s),
-        )
+    def _objectives(self, s: Signals) -> list[tuple[str, Latency, float]]:
+        """(name, reading, objective) of each latency objective set, in the table's order."""
+        slo_s = self.policy.slo_s
+        return [
+            (o.name, s.latency.get(o.name, Latency()), slo_s[o.name])
+            for o in OBJECTIVES
+            if o.name in slo_s
+        ]
 
     def _latency_cut(self, q: float, slo: float) -> float:
         """The factor for a latency breach: the objective over the quantile, within
         [DEEPEST_CUT, DECREASE_FACTOR]."""
         return min(DECREASE_FACTOR, max(DEEPEST_CUT, slo / q))
 
-    def _breach(self, s: Signals, objectives: bool) -> tuple[str, float] | None:
+    def _breach(self, s: Signals, objectives: bool) -> tuple[LimitReason, float] | None:
         """(reason, factor) of the first rule broken, or None."""
         if s.refused > 0:
-            return "vllm_refused", DECREASE_FACTOR
+            return LimitReason.VLLM_REFUSED, DECREASE_FACTOR
         if objectives:
-            for reason, q, count, slo in self._objectives(s):
-                if slo is not None and q is not None and count >= MIN_OBSERVATIONS and q > slo:
-                    return reason, self._latency_cut(q, slo)
+            for name, (q, count), objective in self._objectives(s):
+                if q is not None and count >= MIN_OBSERVATIONS and q > objective:
+                    return LimitReason(name), self._latency_cut(q, objective)
         if s.waiting > self._queue_allowance():
             self._queued_rounds += 1
             if self._queued_rounds >= QUEUE_ROUNDS:
-                return "vllm_queue", DECREASE_FACTOR
+                return LimitReason.VLLM_QUEUE, DECREASE_FACTOR
         else:
             self._queued_rounds = 0
         if s.kv_usage >= self.policy.max_kv_usage:
-            return "kv", DECREASE_FACTOR
+            return LimitReason.KV, DECREASE_FACTOR
         share, slo = self._abandoned()
         if share is not None and slo is not None and share > slo:
-            return "abandoned", DECREASE_FACTOR
+            return LimitReason.ABANDONED, DECREASE_FACTOR
         return None
 
     def _abandoned(self) -> tuple[float | None, float | None]:
@@ -378,10 +399,7 @@ class AdaptiveLimit:
         return (
             (
                 not objectives
-                or all(
-                    slo is None or q is None or q < HEADROOM * slo
-                    for _, q, _, slo in self._objectives(s)
-                )
+                or all(q is None or q < HEADROOM * slo for _, (q, _), slo in self._objectives(s))
             )
             and s.waiting <= self._queue_allowance()
             and s.kv_usage < self.policy.max_kv_usage

@@ -14,12 +14,12 @@ docs/pool.md, "The band cut's unit").
 
 Rules (``AdaptiveLimit.update`` asks; ``BandLoad`` is the band now, in requests)
 -------------------------------------------------------------------------------
-1. **Who is cut first.** A latency objective (``ttft``, ``itl``) breached while the least
-   urgent band holds more than its floor cuts the band, not the limit: it may hold
-   ``max(floor, floor(held x f))`` requests from now on, ``held`` what it holds now (its
-   requests running, or the cut in force if lower) and ``f`` the limit's own factor for this
-   breach (0.5-0.8). vLLM's queue and KV cache measure what the whole pool admitted, and still
-   cut the limit.
+1. **Who is cut first.** A latency objective (``extproc.objectives``) breached while
+   the least urgent band holds more than its floor cuts the band, not the limit (the reason
+   ``band_<objective>``, ``LimitReason.is_latency``): it may hold ``max(floor, floor(held x
+   f))`` requests from now on, ``held`` what it holds now (its requests running, or the cut in
+   force if lower) and ``f`` the limit's own factor for this breach (0.5-0.8). vLLM's queue
+   and KV cache measure what the whole pool admitted, and still cut the limit.
 2. **The floor.** The band's guaranteed share, ``floor(min_share x limit)`` summed over its
    buckets, in requests: no cut takes it away (the core never caps a bucket below its
    guaranteed share), so a band with work always gets at least its share.
@@ -32,9 +32,10 @@ Rules (``AdaptiveLimit.update`` asks; ``BandLoad`` is the band now, in requests)
    cooldown, of the band or of the limit, never a collapse to ``min_limit``.
 5. **Lend back.** In a round where the limit could grow (every objective with 10 % to spare,
    vLLM's queue and KV within bounds, no cooldown), and the band is held by its cut (it has
-   waiters and holds the cut), the cut rises by the limit's own step, ``max(1, floor(0.05 x
-   limit))`` requests; at the band's usual cap (``max_share``, ``max_concurrency``) the cut
-   is lifted. A round that lends does not grow the limit: one step of load a round.
+   waiters and holds the cut), the cut rises by the limit's own step (``lend``), ``max(1,
+   floor(0.05 x limit))`` requests; at the band's usual cap (``max_share``,
+   ``max_concurrency``) the cut is lifted. A round that lends does not grow the limit: one
+   step of load a round.
 6. **Work-conserving.** The cut applies only while a more urgent band has requests running or
    waiting (``demand.cut_band``, as the overload cut); above its cut the band's waiters are
    no demand for a higher limit (``demand.limit_demand``).
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from extproc.pool.demand import least_urgent, protected
-from extproc.pool.values import BucketStats
+from extproc.pool.values import BucketStats, slots
 
 __all__ = ["BandCut", "BandLoad", "band_load"]
 
@@ -105,8 +106,8 @@ def band_load(
         if st is not None:
             running += st.in_flight
             waiting += st.queued
-        floor += math.floor(b.min_share * limit + 1e-9)
-        cap = max(1, math.floor(b.max_share * limit + 1e-9))
+        floor += slots(b.min_share, limit)
+        cap = max(1, slots(b.max_share, limit))
         top += min(cap, b.max_concurrency) if b.max_concurrency else cap
     return BandLoad(running=running, waiting=waiting, floor=floor, top=top)
 

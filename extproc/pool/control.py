@@ -40,26 +40,25 @@ metrics collector at scrape time) and the pool's entry of /debug/queues (``debug
 controllers' snapshots (``extproc.pool.view``): the pool's ``PoolStats``, the monitor's, the
 adaptive limit's and the signals of its last round, the lease manager's.
 
-A policy (re)load is two steps. ``prepare`` builds and checks everything the policy needs
-that could fail (the adaptive limit and its scraper, the overload monitor, and for another
-``pool.shared`` a new lease manager, which a reload refuses when redis-py cannot use its
-URL) and changes nothing: what raises there refuses the policy, and ``discard`` closes what
-it built. ``apply`` then only switches, and cannot fail. A reload rebuilds a controller only
-when its own settings changed, and the adaptive limit carries on from the limit in force.
-A new lease manager takes over from the old one without the gate ever leaving the leases
-(``LeaseAdapter.take_over``): the old manager retires, keeping the leases of the requests
-running at the switch and giving one back as each ends, and is closed (it leaves the pool)
-once they all have; nothing new is admitted but on the new manager's leases. A policy
-without ``pool.shared`` (or without a pool) leaves shared mode: every lease goes back at
-once, and the pool is this replica's own, at the policy's limit. Going into shared mode or out
-of it starts the adaptive limit afresh: the band cut in force is lifted (a shared pool has
-none) and a poller runs only where this replica leads (out of shared mode: here).
+A policy (re)load is two steps. ``prepare`` checks everything the policy needs that could
+fail (``pool.shared`` as it was, the adaptive limit and its scraper, the overload monitor) and
+changes nothing: what raises there refuses the policy. ``apply`` then only switches, and
+cannot fail. A reload rebuilds a controller only when its own settings changed, and the
+adaptive limit carries on from the limit in force.
+
+The lease manager is made by the first ``apply`` (the start) and closed by ``close``; a reload
+keeps it, and applies a new limit and adaptive bounds to it in place. A reload that changes
+``pool.shared`` (its ``redis`` or ``key_prefix``, its ``lease``, ``timeout`` or ``replicas``,
+or turns shared mode on or off) is refused by ``prepare`` (``shared_change``): a running pool
+is not moved to another Redis or manager; a restart (a rolling restart) applies it.
 
 Every task started here has an owner: the overload tick and the poller's own task are awaited
-by ``stop``, a poller stopped on a reload or a change of leader is awaited there too, and
-every lease manager, retiring or left behind by a reload, is closed before ``close`` returns
-(``extproc.pool.lease_switch``). The loops run under
-guards (``extproc.ops.loops``), counted in ``llm_extproc_loop_errors_total{loop}``.
+by ``stop``, a poller stopped on a reload or a change of leader is awaited there too, and the
+lease manager is closed by ``close``. The loops run under guards (``extproc.loops``),
+counted in ``llm_extproc_loop_errors_total{loop}``.
+
+What the controllers count goes to ``Counters``, the counters and gauges they are given
+(``extproc.ops.metrics.Metrics`` is one; the pool imports nothing of ops).
 """
 
 from __future__ import annotations
@@ -68,19 +67,24 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Coroutine
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
 
 from extproc.backend.scrape import Scraper, Signals
-from extproc.config.policy import AdaptivePolicy, BackendPolicy, OverloadPolicy, Policy
-from extproc.ops.loops import Guard
-from extproc.ops.metrics import Metrics
+from extproc.config.policy import (
+    AdaptivePolicy,
+    BackendPolicy,
+    OverloadPolicy,
+    Policy,
+    PolicyError,
+    PoolPolicy,
+)
+from extproc.loops import Guard
 from extproc.pool import demand
 from extproc.pool.adaptive import AdaptiveLimit
 from extproc.pool.bandcut import BandLoad, band_load
 from extproc.pool.gate import POOL, Gate
-from extproc.pool.lease_adapter import SharedSnapshot
-from extproc.pool.lease_switch import Built, LeaseSwitch
+from extproc.pool.lease_adapter import LeaseAdapter, SharedSnapshot, limit_bounds, starting_limit
 from extproc.pool.overload import Overload, OverloadMonitor, OverloadSnapshot
 from extproc.pool.poller import BackendSnapshot, Poller
 from extproc.pool.shared import LeaseManager, Mode
@@ -88,11 +92,47 @@ from extproc.pool.tenants import HeaderWatch, watch_header
 from extproc.pool.values import PoolStats
 from extproc.pool.view import render_debug, render_gauges
 
-__all__ = ["OVERLOAD_TICK_S", "PoolControl", "Prepared"]
+__all__ = ["OVERLOAD_TICK_S", "Counters", "PoolControl", "Prepared", "shared_change"]
 
 log = logging.getLogger("extproc.control")
 
 OVERLOAD_TICK_S = 1.0
+
+
+class _Count(Protocol):
+    def inc(self, amount: float = 1) -> None: ...
+
+
+class _Counts(Protocol):  # a family of counts by their label
+    def labels(self, *values: str) -> _Count: ...
+
+
+class _Level(Protocol):
+    def set(self, value: float) -> None: ...
+
+
+class _Levels(Protocol):  # a family of gauges by their label
+    def labels(self, *values: str) -> _Level: ...
+    def remove(self, *values: str) -> None: ...
+
+
+class Counters(Protocol):
+    """What the controllers count, each one a Prometheus series of the same name."""
+
+    @property
+    def loop_errors(self) -> _Counts: ...  # by loop
+    @property
+    def shared_redis_errors(self) -> _Counts: ...  # by call
+    @property
+    def shared_degraded(self) -> _Count: ...
+    @property
+    def backend_scrape_errors(self) -> _Count: ...
+    @property
+    def adaptive_changes(self) -> _Counts: ...  # by reason
+    @property
+    def overload_transitions(self) -> _Counts: ...  # by state
+    @property
+    def tenant_header_missing(self) -> _Levels: ...  # by bucket
 
 
 def _p95(values: list[float]) -> float | None:
@@ -102,82 +142,88 @@ def _p95(values: list[float]) -> float | None:
     return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
 
 
+def shared_change(before: PoolPolicy | None, after: PoolPolicy | None) -> str | None:
+    """Why a reload from the pool ``before`` to ``after`` is refused: its ``pool.shared``
+    changed (None: it did not). A restart applies it."""
+    old, new = (p.shared if p is not None else None for p in (before, after))
+    if old == new:
+        return None
+    if old is None or new is None:
+        why = f"pool.shared {'added' if old is None else 'removed'}: a reload cannot turn "
+        why += f"shared mode {'on' if old is None else 'off'}"
+    else:
+        changed = [f.name for f in fields(old) if getattr(old, f.name) != getattr(new, f.name)]
+        if "redis" in changed:
+            why = "pool.shared.redis changed: a reload cannot move a running pool to another Redis"
+        elif "key_prefix" in changed:
+            why = "pool.shared.key_prefix changed: a reload cannot move a running pool to another"
+            why += " pool on its Redis"
+        else:
+            keys = " and ".join(f"pool.shared.{n.removesuffix('_s')}" for n in changed)
+            why = f"{keys} changed: a reload cannot change a running pool's lease manager"
+    return f"{why}; restart the sidecar (a rolling restart) to apply it"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Prepared:
-    """A policy, and what ``PoolControl.prepare`` built for it: a new lease manager (not
-    started) on its local pool when its ``pool.shared`` is another."""
+    """A policy that ``PoolControl.prepare`` checked."""
 
     policy: Policy
-    built: Built | None = None
 
 
 class PoolControl:
-    def __init__(self, gate: Gate, metrics: Metrics) -> None:
+    def __init__(self, gate: Gate, metrics: Counters) -> None:
         self._gate = gate
         self._metrics = metrics
         self._policy: Policy | None = None
         self._poller: Poller | None = None
-        # What the poller is for: its settings, and whether the pool is shared.
-        self._poller_key: tuple[AdaptivePolicy, BackendPolicy, int, bool] | None = None
+        self._poller_key: tuple[AdaptivePolicy, BackendPolicy, int] | None = None  # its settings
         self._monitor: OverloadMonitor | None = None
         self._monitor_key: OverloadPolicy | None = None
         self._signals: Signals | None = None
         self._task: asyncio.Task[None] | None = None
         self._started = False
-        self._switch = LeaseSwitch(
-            gate,
-            metrics,
-            on_mode=self._on_mode,
-            on_leader=self._on_leader,
-            on_loop_error=self._loop_error,
-        )
+        self._shared: LeaseManager | None = None  # pool.shared's, from the start to close
         self._stopping: set[asyncio.Task[None]] = set()  # pollers being stopped
         # Bucket -> (its tenant header, the watch; None until the first look).
         self._headers: dict[str, tuple[str, HeaderWatch | None]] = {}
 
-    @property
-    def _shared(self) -> LeaseManager | None:
-        """The lease manager in force (``extproc.pool.lease_switch``)."""
-        return self._switch.manager
-
     # --- life --------------------------------------------------------------------------------
 
-    def prepare(self, policy: Policy, *, refuse_unusable: bool = True) -> Prepared:
-        """Build and check what ``policy`` needs (module docstring); raises, changing
-        nothing, when it cannot be used. ``refuse_unusable``: refuse a Redis URL redis-py
-        cannot use (a reload: the current policy stays); at the start there is none to keep,
-        and the replica runs degraded on it instead (``extproc.pool.shared.client``)."""
+    def prepare(self, policy: Policy) -> Prepared:
+        """Check what ``policy`` needs (module docstring); raises, changing nothing, when it
+        cannot be used: ``PolicyError`` for a reload that changes ``pool.shared``."""
         pool = policy.pool
+        if self._policy is not None and (why := shared_change(self._policy.pool, pool)):
+            raise PolicyError(why)
         if pool is not None and pool.adaptive is not None:
             AdaptiveLimit(pool.adaptive)
             Scraper.from_policy(policy.backend, pool.adaptive)
         if pool is not None and pool.overload.enabled:
             OverloadMonitor(pool.overload)
-        built = self._switch.build(pool, refuse_unusable=refuse_unusable)
-        return Prepared(policy=policy, built=built)
+        return Prepared(policy=policy)
 
     def discard(self, prepared: Prepared) -> None:
-        """The policy was refused after ``prepare``: close what it built."""
-        self._switch.discard(prepared.built)
+        """The policy was refused after ``prepare``, which builds nothing to close."""
 
     def apply(self, next_policy: Policy | Prepared) -> None:
         """Follow a (re)loaded policy, ``prepare``d (a bare one, at the start, is prepared
-        here, a URL redis-py cannot use let through); the gate has been reconfigured
-        already."""
+        here); the gate has been reconfigured already. The first one makes the lease manager
+        of its ``pool.shared``; a reload gives it the new limit and bounds."""
         prepared = next_policy
         if not isinstance(prepared, Prepared):
-            prepared = self.prepare(prepared, refuse_unusable=False)
+            prepared = self.prepare(prepared)
+        first = self._policy is None
         self._policy = policy = prepared.policy
         pool = policy.pool
-        if self._switch.switch(pool, prepared.built, started=self._started) and not self._leads():
-            self._stop_poller()  # the new manager's poller starts once it leads
+        if first and pool is not None and pool.shared is not None:
+            self._shared = self._join(pool)
+        elif self._shared is not None and pool is not None:
+            self._shared.set_limits(
+                starting_limit(pool), adaptive=pool.adaptive is not None, bounds=limit_bounds(pool)
+            )
         adaptive = pool.adaptive if pool is not None else None
-        # Into or out of shared mode is another poller too: a shared pool has no band cut
-        # (its leader sees only its own bands) and its poller runs only where it leads.
-        shared = self._shared is not None
-        key = (
-            (adaptive, policy.backend, pool.max_concurrency, shared) if adaptive and pool else None
-        )
+        key = (adaptive, policy.backend, pool.max_concurrency) if adaptive and pool else None
         if key != self._poller_key:
             self._stop_poller()
             self._poller_key = key
@@ -219,9 +265,9 @@ class PoolControl:
             await asyncio.wait(self._stopping)
 
     async def close(self) -> None:
-        """After the last request: give a shared pool's leases back and leave it (with
-        those of managers a reload replaced, still retiring)."""
-        await self._switch.close()
+        """After the last request: give a shared pool's leases back and leave it."""
+        if self._shared is not None:
+            await self._shared.close()
 
     def _loop_error(self, loop: str) -> None:
         self._metrics.loop_errors.labels(loop).inc()
@@ -234,10 +280,34 @@ class PoolControl:
 
     # --- the shared pool ---------------------------------------------------------------------
 
+    def _join(self, pool: PoolPolicy) -> LeaseManager:
+        """The lease manager of ``pool.shared``, owning the gate's limit (started with the
+        controllers)."""
+        assert pool.shared is not None
+        metrics = self._metrics
+        for call in ("acquire", "return", "renew", "events", "demand"):
+            metrics.shared_redis_errors.labels(call)
+        leases = LeaseAdapter(self._gate)
+        manager = LeaseManager(
+            leases,
+            pool.shared,
+            limit=starting_limit(pool),
+            adaptive=pool.adaptive is not None,
+            bounds=limit_bounds(pool),
+            on_mode=self._on_mode,
+            on_error=lambda call: metrics.shared_redis_errors.labels(call).inc(),
+            on_leader=self._on_leader,
+            on_loop_error=self._loop_error,
+        )
+        leases.attach(manager, manager.ledger.limit)
+        if self._started:
+            manager.start()
+        return manager
+
     def _leads(self) -> bool:
         """Whether this replica runs the adaptive poller: always, unless the pool is shared,
         in shared mode, and another replica leads."""
-        s = self._shared
+        s = self._shared.ledger if self._shared is not None else None
         return s is None or s.is_leader or s.mode is Mode.DEGRADED
 
     def _on_mode(self, mode: Mode) -> None:
@@ -283,7 +353,7 @@ class PoolControl:
         current = self._gate.pool_statistics().get(POOL)
         initial = a.initial if current is None else current.limit
         if self._shared is not None:
-            initial = self._shared.limit
+            initial = self._shared.ledger.limit
         limit = AdaptiveLimit(a, initial=initial, fallback_limit=fallback)
         scraper = Scraper.from_policy(backend, a)
         if self._shared is not None:
@@ -306,7 +376,7 @@ class PoolControl:
         this replica alone, ``demand.shared_limit_demand`` for a shared one."""
         if self._shared is not None:
             held, waiting = self._shared.pool_demand()
-            return demand.shared_limit_demand(held, waiting, self._shared.limit)
+            return demand.shared_limit_demand(held, waiting, self._shared.ledger.limit)
         s = self._gate.pool_statistics().get(POOL)
         if s is None:
             return (0, 0)
@@ -338,7 +408,7 @@ class PoolControl:
         if signals is not None and signals.endpoints_failed:
             self._metrics.backend_scrape_errors.inc(signals.endpoints_failed)
         if self._shared is not None:
-            if self._shared.limit != limit:
+            if self._shared.ledger.limit != limit:
                 assert self._poller is not None
                 self._metrics.adaptive_changes.labels(self._poller.adaptive.reason).inc()
             self._shared.publish_limit(limit)
@@ -352,7 +422,7 @@ class PoolControl:
             self._gate.set_pool_limit(limit)
         factor = adaptive.band_cut.factor(self._band(limit))
         if current is not None and factor != current.band_cut:
-            if adaptive.reason.startswith(("band_", "lend")):  # not the limit moving its cap
+            if adaptive.reason.moves_band:  # not the limit moving its cap
                 self._metrics.adaptive_changes.labels(adaptive.reason).inc()
                 log.info("band cut %.2f -> %.2f (%s)", current.band_cut, factor, adaptive.reason)
             self._gate.set_cut(factor, band=True)
@@ -493,7 +563,7 @@ class PoolControl:
                 for name, (header, watch) in self._headers.items()
             }
         if self._shared is not None:
-            out["shared"] = {**self._shared.debug(), "retiring": self._switch.debug()}
+            out["shared"] = self._shared.debug()
         if self._poller is not None:
             sig = self._signals
             out["adaptive"] = {

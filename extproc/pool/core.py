@@ -18,7 +18,7 @@ requests in flight). Two ways to build them:
   largest ``max_share`` of the pool's limit, an optional absolute ``cap``, and a queue
   ``order``.
 
-A request asks with ``enqueue``; the answer is one of
+A request asks with ``enqueue(entry, now)`` (an ``Entry``: what it brings); the answer is one of
 
 - ADMITTED: it holds a slot now;
 - QUEUED: it waits; it has a deadline (enqueue time + its queue timeout);
@@ -94,7 +94,7 @@ from extproc.pool.order import QUEUE_ORDERS, BucketChoice
 from extproc.pool.relegate import Relegation, longest_wait, relegate
 from extproc.pool.state import BucketState, PoolState, ewma
 from extproc.pool.tenants import TenantSeen
-from extproc.pool.values import BucketStats, Decision, PoolStats, Ticket, Verdict
+from extproc.pool.values import BucketStats, Decision, Entry, PoolStats, Ticket, Verdict
 
 __all__ = ["Admission"]
 
@@ -119,52 +119,36 @@ class Admission:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def enqueue(
-        self,
-        bucket: str,
-        now: float,
-        timeout_s: float,
-        held_bytes: int = 0,
-        cost: int = 0,
-        client_deadline: bool = False,
-        tenant: str | None = None,
-        weight: float = 1.0,
-        output: int = 0,
-        own_deadline: tuple[float, bool] | None = None,
-    ) -> Decision:
-        """``client_deadline``: ``timeout_s`` is the client's own deadline, sooner than the
-        bucket's queue timeout (rule 3: it expires there rather than being evicted);
-        ``tenant``, ``weight``, ``output``: who it is for, for the fair order and the
-        tenant's bounds (rule 6); ``own_deadline``: (when, whether the client's) its own
-        deadline, which a relegation never waits past."""
-        b = self._buckets[bucket]
+    def enqueue(self, entry: Entry, now: float) -> Decision:
+        """Admit, queue or refuse ``entry`` at ``now`` (the rules above)."""
+        b = self._buckets[entry.bucket]
         pool = b.pool
         ticket = Ticket(
             id=next(self._ids),
-            bucket=bucket,
+            bucket=entry.bucket,
             enqueued_at=now,
-            deadline=now + timeout_s,
-            held_bytes=held_bytes,
-            cost=cost,
-            client_deadline=client_deadline,
-            tenant=tenant,
-            weight=weight,
-            output=output,
-            own_deadline=None if own_deadline is None else own_deadline[0],
-            own_stated=own_deadline is not None and own_deadline[1],
+            deadline=now + entry.timeout_s,
+            held_bytes=entry.held_bytes,
+            cost=entry.cost,
+            client_deadline=entry.client_deadline,
+            tenant=entry.tenant,
+            weight=entry.weight,
+            output=entry.output,
+            own_deadline=entry.own_deadline,
+            own_stated=entry.own_stated,
         )
         counts = b.tenants
         if counts is not None:
-            refusal = b.tenant_refusal(tenant)
+            refusal = b.tenant_refusal(ticket.tenant)
             if refusal is not None:
                 return Decision(verdict=refusal, ticket=ticket)
-            counts.joined(tenant)
+            counts.joined(ticket.tenant)
         # Join the queue, then let the rules decide: admitted at once when they pick it now.
         self._where[ticket.id] = b
         b.waiting[ticket.id] = ticket
-        b.order.push(ticket, timeout_s)
-        self.queued_bytes += held_bytes
-        b.queued_bytes += held_bytes
+        b.order.push(ticket, entry.timeout_s)
+        self.queued_bytes += ticket.held_bytes
+        b.queued_bytes += ticket.held_bytes
         if pool.running < pool.limit:
             self._fill(pool, now)
             if ticket.id in b.running:

@@ -2,13 +2,13 @@
 
 Who owns a slot
 ---------------
-``Gate.enter`` returns a ``Slot`` (admitted now), a ``Waiter`` (queued), or raises ``Refused``
-(queue full). ``await waiter.admitted()`` returns the ``Slot`` or raises ``Refused`` (evicted at
-its deadline); ``await waiter.admitted_unless(gone)`` does the same, but leaves the queue and
-returns None as soon as the future ``gone`` completes (the servicer passes its pending read of
-the stream: a client who leaves is dropped at once). The caller owns a ``Slot`` and must
-``release()`` it in a ``finally``; ``release`` is idempotent, so the slot goes back exactly once
-whatever ends the stream.
+``Gate.enter(entry)`` (an ``Entry``) returns a ``Slot`` (admitted now), a ``Waiter`` (queued), or
+raises ``Refused`` (queue full). ``await waiter.admitted()`` returns the ``Slot`` or raises
+``Refused`` (evicted at its deadline); ``await waiter.admitted_unless(gone)`` does the same, but
+leaves the queue and returns None as soon as the future ``gone`` completes (the servicer passes its
+pending read of the stream: a client who leaves is dropped at once). The caller owns a ``Slot`` and
+must ``release()`` it in a ``finally``; ``release`` is idempotent, so the slot goes back exactly
+once whatever ends the stream.
 
 Cancellation: if the task awaiting ``admitted()`` is cancelled (the client left), the ticket
 leaves the queue at once. If the slot was handed over in the same instant, before the task could
@@ -49,7 +49,7 @@ from extproc.pool.ends import Ends
 from extproc.pool.refused import EXPIRED, REFUSED, Refused, retry_after_s
 from extproc.pool.relegate import relegation
 from extproc.pool.tenants import TenantSeen
-from extproc.pool.values import BucketStats, PoolStats, Ticket, Verdict
+from extproc.pool.values import BucketStats, Entry, PoolStats, Ticket, Verdict
 
 __all__ = ["POOL", "Gate", "LimitOwner", "Refused", "Slot", "Waiter", "retry_after_s"]
 
@@ -322,49 +322,22 @@ class Gate:
     def _shutting_down(self, bucket: str) -> Refused:
         return Refused(Outcome.REJECTED_SHUTTING_DOWN, bucket, self._retry.min_s, 0, 0.0)
 
-    def enter(
-        self,
-        bucket: str,
-        timeout_s: float,
-        held_bytes: int = 0,
-        cost: int = 0,
-        client_deadline: bool = False,
-        tenant: str | None = None,
-        weight: float = 1.0,
-        output: int = 0,
-        own_deadline: tuple[float, bool] | None = None,
-    ) -> Slot | Waiter:
-        """A slot now, a place in the queue, or ``Refused`` (queue full, the bytes held by
-        queued requests past the policy's bound, a predicted wait over ``timeout_s``, or the
-        tenant over its bounds). ``cost``: estimated prompt + max_tokens (the token bound,
-        the ``cost`` and ``fair`` orders); ``client_deadline``: ``timeout_s`` is the client's
-        own (``EXPIRED_CLIENT_DEADLINE``); ``tenant``, ``weight``, ``output`` (max_tokens):
-        for the ``fair`` order and the tenant's bounds; ``own_deadline``: (loop time, whether
-        the client's) the request's own deadline, which bounds a relegation."""
+    def enter(self, entry: Entry) -> Slot | Waiter:
+        """A slot now, a place in the queue, or ``Refused`` (queue full, the queued bytes past the
+        policy's bound, a predicted wait over its timeout, or the tenant over its bounds)."""
         if self._closed:
-            raise self._shutting_down(bucket)
+            raise self._shutting_down(entry.bucket)
         now = self._loop.time()
-        decision = self._core.enqueue(
-            bucket,
-            now,
-            timeout_s,
-            held_bytes,
-            cost,
-            client_deadline,
-            tenant,
-            weight,
-            output,
-            own_deadline,
-        )
+        decision = self._core.enqueue(entry, now)
         if decision.verdict is Verdict.ADMITTED:
             self._changed()
             return Slot(self, decision.ticket)
         if decision.verdict is not Verdict.QUEUED:  # refused at once
             raise Refused(
                 REFUSED[decision.verdict],
-                bucket,
-                self._retry_after(bucket),
-                self._core.queued(bucket),
+                entry.bucket,
+                self._retry_after(entry.bucket),
+                self._core.queued(entry.bucket),
                 decision.predicted_wait_s,
             )
         fut: asyncio.Future[Slot] = self._loop.create_future()

@@ -64,27 +64,26 @@ Who gets a freed slot is decided in two steps, each a small class:
    two buckets or more compete.
 
 A new order (EDF, say) is a new class here and its test; the core's ``_fill`` does not
-change.
+change. The choice reads a bucket through ``Contender``, what it needs of one
+(``extproc.pool.state.BucketState`` is one): the state imports the orders, not back.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, ClassVar, Final
+from collections.abc import Mapping, Sequence, Sized
+from typing import ClassVar, Final, Protocol, TypeVar
 
 from extproc.config.policy import Order, TenantPolicy
 from extproc.pool.values import Ticket
-
-if TYPE_CHECKING:
-    from extproc.pool.state import BucketState
 
 __all__ = [
     "COST_EWMA_ALPHA",
     "OUTPUT_WEIGHT",
     "QUEUE_ORDERS",
     "BucketChoice",
+    "Contender",
     "CostOrder",
     "FairOrder",
     "FifoOrder",
@@ -430,23 +429,42 @@ QUEUE_ORDERS: Final[dict[Order, type[QueueOrder]]] = {
 }
 
 
+class Contender(Protocol):
+    """What the choice across buckets reads of a bucket."""
+
+    @property
+    def priority(self) -> int: ...
+    @property
+    def shared(self) -> bool: ...  # in a pool with other buckets (else its own slots)
+    @property
+    def running(self) -> Sized: ...  # its tickets holding a slot
+    @property
+    def order(self) -> QueueOrder: ...
+    def head(self) -> tuple[float, Ticket] | None: ...
+    def min_slots(self, limit: int) -> int: ...
+    def max_slots(self, limit: int, cut_band: int | None) -> int: ...
+
+
+_B = TypeVar("_B", bound=Contender)
+
+
 class BucketChoice:
     """Which of the competing buckets a free slot goes to: the smallest rank."""
 
     __slots__ = ()
 
-    def rank(self, bucket: BucketState, head_key: float, limit: int) -> tuple[float, ...]:
+    def rank(self, bucket: Contender, head_key: float, limit: int) -> tuple[float, ...]:
         """The bucket's rank, given its head's queue key and the pool's limit."""
         raise NotImplementedError
 
     def pick(
-        self, buckets: Sequence[BucketState], limit: int, band: int | None
-    ) -> tuple[BucketState, float, Ticket] | None:
+        self, buckets: Sequence[_B], limit: int, band: int | None
+    ) -> tuple[_B, float, Ticket] | None:
         """The bucket whose head takes the next free slot of a pool of ``limit`` (``band``: the
         band the pool's cut applies to, ``demand.cut_band``), the head's key and the head; None
         when no bucket with waiters is below its cap."""
         rank = self.rank
-        best: BucketState | None = None
+        best: _B | None = None
         best_key = 0.0
         ticket: Ticket | None = None
         best_rank: tuple[float, ...] | None = None
@@ -478,6 +496,6 @@ class GuaranteeBandHead(BucketChoice):
 
     __slots__ = ()
 
-    def rank(self, bucket: BucketState, head_key: float, limit: int) -> tuple[float, ...]:
+    def rank(self, bucket: Contender, head_key: float, limit: int) -> tuple[float, ...]:
         below_min = 0 if len(bucket.running) < bucket.min_slots(limit) else 1
         return (below_min, bucket.priority, head_key)

@@ -68,6 +68,7 @@ __all__ = [
     "WAIT_FRACTION",
     "Overload",
     "OverloadMonitor",
+    "OverloadReason",
     "OverloadSnapshot",
     "OverloadState",
 ]
@@ -86,6 +87,17 @@ class OverloadState(StrEnum):
     RECOVERING = "recovering"
 
 
+class OverloadReason(StrEnum):
+    """Why the state or factor last changed."""
+
+    INITIAL = "initial"
+    EVICTIONS = "evictions"  # breach: the eviction rate above tighten_rate
+    WAIT = "wait"  # breach: the p95 wait near the deadline
+    CLEARED = "cleared"  # overloaded -> the first recovering step
+    STEP = "step"  # the next recovering step
+    RECOVERED = "recovered"  # -> normal
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Overload:
     """The verdict of one tick."""
@@ -97,7 +109,7 @@ class Overload:
     p95_wait_s: float | None
     needs_capacity: bool
     changed: bool  # state or factor changed at this tick
-    reason: str  # why the state or factor last changed
+    reason: OverloadReason
     samples: int  # admitted + evicted in the window
 
 
@@ -122,7 +134,7 @@ class OverloadSnapshot:
             "overload_factor", "Share of its cap the least urgent band may hold (1: no cut)."
         )
     )
-    reason: str | None  # None before the first tick
+    reason: OverloadReason | None  # None before the first tick
     eviction_rate: float | None = field(
         metadata=gauge(
             "overload_eviction_rate", "Eviction rate of the protected bands over the window."
@@ -191,7 +203,7 @@ class OverloadMonitor:
         self._totals: deque[_Totals] = deque()
         self._state = OverloadState.NORMAL
         self._step = -1  # index into steps while recovering
-        self._reason = "initial"
+        self._reason = OverloadReason.INITIAL
         self._clear_since: float | None = None
         self._last: Overload | None = None
 
@@ -232,11 +244,11 @@ class OverloadMonitor:
             and p95_wait_s >= self.wait_fraction * deadline_s
         )
 
-        breach: str | None = None
+        breach: OverloadReason | None = None
         if eviction_rate is not None and eviction_rate > self.tighten_rate:
-            breach = "evictions"
+            breach = OverloadReason.EVICTIONS
         elif counts and slow:
-            breach = "wait"
+            breach = OverloadReason.WAIT
         if eviction_rate is not None:
             clear = eviction_rate < self.clear_rate and not slow
         else:
@@ -291,13 +303,14 @@ class OverloadMonitor:
 
     def _advance(self) -> None:
         if self._step + 1 < len(self.steps):
-            self._reason = "cleared" if self._state is OverloadState.OVERLOADED else "step"
+            overloaded = self._state is OverloadState.OVERLOADED
+            self._reason = OverloadReason.CLEARED if overloaded else OverloadReason.STEP
             self._state = OverloadState.RECOVERING
             self._step += 1
         else:
             self._state = OverloadState.NORMAL
             self._step = -1
-            self._reason = "recovered"
+            self._reason = OverloadReason.RECOVERED
 
     def _deltas(
         self, now: float, admitted: int, evicted: int, refused: int

@@ -5,7 +5,8 @@
 ``extproc.backend.scrape.Scraper``, or a fake in tests), read the pool's demand, whether the
 latency objectives apply and the least urgent band, ``AdaptiveLimit.update``, hand the limit
 to ``on_update``.
-``BackendSnapshot`` is the signals of a round as the gauges and /debug/queues show them.
+``BackendSnapshot`` is the signals of a round as the gauges and /debug/queues show them (a
+gauge per latency objective, ``extproc.objectives``).
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from extproc.backend.scrape import Signals
-from extproc.ops.loops import Guard
+from extproc.loops import Guard
+from extproc.objectives import OBJECTIVES
 from extproc.pool.adaptive import AdaptiveLimit, LimitState
 from extproc.pool.bandcut import BandLoad
-from extproc.pool.view import gauge
+from extproc.pool.view import each, gauge
 
 __all__ = ["BackendSnapshot", "Poller", "SignalSource"]
 
@@ -59,26 +61,16 @@ class BackendSnapshot:
             when="endpoints_ok",
         )
     )
-    ttft_s: float | None = field(
-        metadata=gauge(
-            "backend_ttft_seconds", "Windowed quantile of vLLM's time to first token (the SLO's)."
-        )
-    )
-    itl_s: float | None = field(
-        metadata=gauge(
-            "backend_itl_seconds", "Windowed quantile of vLLM's inter-token latency (the SLO's)."
-        )
-    )
-    tpot_s: float | None = field(
-        metadata=gauge(
-            "backend_tpot_seconds",
-            "Windowed quantile of vLLM's time per output token per request (the SLO's).",
-        )
-    )
-    queue_time_s: float | None = field(
-        metadata=gauge(
-            "backend_queue_time_seconds",
-            "Windowed quantile of the time requests waited in vLLM's own queue (the SLO's).",
+    quantiles: Mapping[str, float | None] = field(
+        metadata=each(
+            {
+                o.name: gauge(
+                    f"backend_{o.name}_seconds",
+                    f"Windowed quantile of {o.what} (the SLO's).",
+                    key=f"{o.name}_s",
+                )
+                for o in OBJECTIVES
+            }
         )
     )
     errors: tuple[str, ...]
@@ -91,10 +83,7 @@ class BackendSnapshot:
             waiting=s.waiting,
             running=s.running,
             kv_usage=s.kv_usage,
-            ttft_s=s.ttft_s,
-            itl_s=s.itl_s,
-            tpot_s=s.tpot_s,
-            queue_time_s=s.queue_time_s,
+            quantiles={name: reading.seconds for name, reading in s.latency.items()},
             errors=tuple(s.errors),
         )
 
@@ -113,7 +102,7 @@ class Poller:
     a round that takes longer than the interval delays the next one rather than overlapping it.
     An exception in a round (scrape, ``demand``, ``on_update``) is logged and the loop goes on: a
     scrape that raised counts as no data, so the limit degrades to holding and fallback. Any
-    other exception of a round is the loop's guard's (``extproc.ops.loops``: logged, counted
+    other exception of a round is the loop's guard's (``extproc.loops``: logged, counted
     by ``on_loop_error``, the next round after a backoff).
     """
 

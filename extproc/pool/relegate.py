@@ -32,24 +32,25 @@ queued: the pool's ``queued_bytes`` does not change, only the buckets' shares of
 A pool with ``fail_fast`` refuses a newcomer whose predicted wait is longer than the longest
 it may wait, relegation included (``longest_wait``).
 
-``relegate`` changes both buckets' side (their queues, orders, tenants, bytes and counts);
-the core (``extproc.pool.core.Admission.expire``) moves the ticket's entry and its deadline,
-and fills the pool afterwards, since the target may have room the source had not (rule 2).
+``relegate`` changes both buckets' side (their queues, orders, tenants, bytes and counts),
+through ``Relegating``, what it reads and changes of a bucket
+(``extproc.pool.state.BucketState`` is one: the state imports this module, not back); the core
+(``extproc.pool.core.Admission.expire``) moves the ticket's entry and its deadline, and fills
+the pool afterwards, since the target may have room the source had not (rule 2).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from extproc.config.policy import BucketPolicy, Policy
-from extproc.pool.values import Ticket
+from extproc.pool.order import QueueOrder
+from extproc.pool.tenants import TenantCounts
+from extproc.pool.values import Ticket, Verdict
 
-if TYPE_CHECKING:
-    from extproc.pool.state import BucketState
-
-__all__ = ["Relegation", "longest_wait", "relegate", "relegation"]
+__all__ = ["Relegating", "Relegation", "longest_wait", "relegate", "relegation"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,7 +68,34 @@ def relegation(policy: Policy, bucket: BucketPolicy) -> Relegation | None:
     return Relegation(target=bucket.relegate_to, timeout_s=policy.relegation_s(bucket))
 
 
-def longest_wait(source: BucketState, ticket: Ticket, now: float) -> float:
+class Relegating(Protocol):
+    """What relegation reads and changes of a bucket."""
+
+    queued_bytes: int
+    relegated_total: int
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def pool(self) -> object: ...  # only compared: the same pool or not
+    @property
+    def relegate(self) -> Relegation | None: ...
+    @property
+    def max_queue(self) -> int: ...
+    @property
+    def waiting(self) -> MutableMapping[int, Ticket]: ...
+    @property
+    def order(self) -> QueueOrder: ...
+    @property
+    def tenants(self) -> TenantCounts | None: ...
+    def tenant_refusal(self, tenant: str | None) -> Verdict | None: ...
+    def left(self, ticket: Ticket) -> None: ...
+
+
+_B = TypeVar("_B", bound=Relegating)
+
+
+def longest_wait(source: Relegating, ticket: Ticket, now: float) -> float:
     """The longest ``ticket``, joining ``source`` now, may wait: to its deadline, and for a
     bucket that relegates to its relegation's (what ``fail_fast`` compares a predicted wait
     with: a wait past the first deadline can still succeed)."""
@@ -81,8 +109,8 @@ def longest_wait(source: BucketState, ticket: Ticket, now: float) -> float:
 
 
 def relegate(
-    ticket: Ticket, source: BucketState, buckets: Mapping[str, BucketState], now: float
-) -> tuple[BucketState, Ticket] | None:
+    ticket: Ticket, source: _B, buckets: Mapping[str, _B], now: float
+) -> tuple[_B, Ticket] | None:
     """Move ``ticket``, a waiter of ``source`` at its deadline, into the queue of the bucket
     ``source`` relegates to; returns that bucket and the ticket as it waits there, or None:
     it cannot move (the module docstring says when) and is evicted as before."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from extproc.config.policy import Policy
 from extproc.pool.gate import Gate, Slot, Waiter
+from extproc.pool.values import Entry
 
 __all__ = ["Share", "Shares"]
 
@@ -40,15 +41,16 @@ class Shares:
     def reconfigure(self, policy: Policy) -> None:
         self._gate.reconfigure(policy)
 
-    def enter(
-        self, share: Share, timeout_s: float, held_bytes: int = 0, client_deadline: bool = False
-    ) -> Slot | Waiter:
-        """A share slot now, a place in the share's queue, or ``Refused`` (``client_deadline``:
-        as ``Gate.enter``)."""
-        if share.key not in self._live:
-            self._live.add(share.key)
-            self._gate.set_limits(share.key, share.capacity, share.max_queue, timeout_s)
-        return self._gate.enter(share.key, timeout_s, held_bytes, client_deadline=client_deadline)
+    def enter(self, share: Share, entry: Entry) -> Slot | Waiter:
+        """A share slot now, a place in its queue, or ``Refused`` (``entry``: the request's)."""
+        key, t = share.key, entry.timeout_s
+        if key not in self._live:
+            self._live.add(key)
+            self._gate.set_limits(key, share.capacity, share.max_queue, t)
+        own, held = entry.client_deadline, entry.held_bytes
+        return self._gate.enter(
+            Entry(bucket=key, timeout_s=t, held_bytes=held, client_deadline=own)
+        )
 
     def forget_routes(self) -> None:
         """The route cache was cleared: every share's route is gone."""

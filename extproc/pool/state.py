@@ -10,7 +10,6 @@ buckets' running tickets.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from typing import Final
 
@@ -18,7 +17,7 @@ from extproc.config.policy import TenantPolicy
 from extproc.pool.order import BucketChoice, FifoOrder, GuaranteeBandHead, QueueOrder
 from extproc.pool.relegate import Relegation
 from extproc.pool.tenants import TenantBounds, TenantCounts
-from extproc.pool.values import BucketStats, PoolStats, Ticket, Verdict
+from extproc.pool.values import BucketStats, PoolStats, Ticket, Verdict, slots
 
 __all__ = [
     "HOLD_EWMA_ALPHA",
@@ -355,13 +354,13 @@ class BucketState:
         self.order.compact(self.waiting)
 
     def min_slots(self, limit: int) -> int:
-        return math.floor(self.min_share * limit + 1e-9)
+        return slots(self.min_share, limit)
 
     def max_slots(self, limit: int, cut_band: int | None) -> int:
-        top = max(1, math.floor(self.max_share * limit + 1e-9))
+        top = max(1, slots(self.max_share, limit))
         if self.cap is not None:
             top = min(top, self.cap)
         cut = self.pool.factor
         if cut < 1.0 and self.priority == cut_band:
-            top = min(top, max(self.min_slots(limit), math.floor(cut * top + 1e-9)))
+            top = min(top, max(self.min_slots(limit), slots(cut, top)))
         return top

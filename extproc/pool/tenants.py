@@ -49,11 +49,10 @@ fewer than ``HEADER_MIN_REQUESTS`` a window is never found missing.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Final
 
-from extproc.pool.values import Verdict
+from extproc.pool.values import Verdict, slots
 
 __all__ = [
     "HEADER_MIN_REQUESTS",
@@ -138,7 +137,7 @@ class TenantCounts:
         if bounds.max_queue is not None and waiting >= bounds.max_queue:
             return Verdict.TENANT_QUEUE_FULL
         if bounds.max_share is not None:
-            share = max(1, math.floor(bounds.max_share * max_slots + 1e-9))
+            share = max(1, slots(bounds.max_share, max_slots))
             if waiting + self.running.get(tenant, 0) >= share:
                 return Verdict.TENANT_OVER_SHARE
         return None

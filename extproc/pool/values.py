@@ -6,12 +6,13 @@ pool's snapshot for the gauges and /debug/queues (``extproc.pool.view``): its fi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from extproc.pool.view import HIDDEN, gauge
 
-__all__ = ["BucketStats", "Decision", "PoolStats", "Ticket", "Verdict"]
+__all__ = ["BucketStats", "Decision", "Entry", "PoolStats", "Ticket", "Verdict", "slots"]
 
 
 class Verdict(StrEnum):
@@ -24,15 +25,13 @@ class Verdict(StrEnum):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Ticket:
-    id: int
+class Entry:
+    """What a request brings to admission (``Admission.enqueue``): its ``Ticket`` is made of it."""
+
     bucket: str
-    enqueued_at: float
-    deadline: float
-    # Bytes the request holds while it waits (its body, to be forwarded once admitted).
-    held_bytes: int = 0
-    # Estimated prompt tokens + effective max_tokens: what it costs the backend.
-    cost: int = 0
+    timeout_s: float  # how long it may wait: its deadline is its enqueue time + this
+    held_bytes: int = 0  # held while it waits (its body, to be forwarded once admitted)
+    cost: int = 0  # estimated prompt tokens + effective max_tokens: what it costs the backend
     # Its deadline is its client's own, sooner than its queue timeout: when it passes, the
     # ticket expires (``client_expired_total``) rather than being evicted.
     client_deadline: bool = False
@@ -43,6 +42,22 @@ class Ticket:
     output: int = 0
     # The request's own deadline (its client's or its route's; None: none) and whether it is
     # the client's (stated): a relegation never waits past it (``extproc.pool.relegate``).
+    own_deadline: float | None = None
+    own_stated: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ticket:
+    id: int
+    bucket: str
+    enqueued_at: float
+    deadline: float  # ``enqueued_at`` + its timeout; the fields below are its ``Entry``'s
+    held_bytes: int = 0
+    cost: int = 0
+    client_deadline: bool = False
+    tenant: str | None = None
+    weight: float = 1.0
+    output: int = 0
     own_deadline: float | None = None
     own_stated: bool = False
     # The bucket it was relegated from (None: it waits or runs in the bucket it joined).
@@ -131,3 +146,8 @@ class PoolStats:
             "(1: none).",
         ),
     )
+
+
+def slots(share: float, limit: float) -> int:
+    """The slots ``share`` of ``limit`` gives, rounded down past float error (0.29 x 100: 29)."""
+    return math.floor(share * limit + 1e-9)

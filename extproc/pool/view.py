@@ -3,9 +3,10 @@
 A controller's ``snapshot()`` is a frozen dataclass whose fields say how they are shown. A
 field with ``field(metadata=gauge(name, help))`` is the gauge ``llm_extproc_<name>`` with that
 help text, and a key of the debug view; a plain field is a debug key only; one with
-``field(metadata=HIDDEN)`` is neither. Adding a gauge is one edit: a field and its
-``gauge(...)``; the metrics collector (``extproc.ops.metrics.POOL_GAUGES``) and the debug view
-read the metadata.
+``field(metadata=HIDDEN)`` is neither; a mapping field with ``metadata=each({key: gauge(...)})``
+is one gauge and debug key per key (None where it lacks the key). Adding a gauge is one edit: a
+field and its ``gauge(...)``; the metrics collector (``extproc.ops.metrics.POOL_GAUGES``) and
+the debug view read the metadata.
 
 How a value renders:
 
@@ -21,16 +22,18 @@ Rendering reads the fields at scrape time; nothing here runs per request.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-__all__ = ["HIDDEN", "Gauge", "gauge", "gauges_of", "render_debug", "render_gauges"]
+__all__ = ["HIDDEN", "Gauge", "each", "gauge", "gauges_of", "render_debug", "render_gauges"]
 
 _GAUGE = "gauge"
 _KEY = "debug_key"  # the field's key in the debug view, when not its name
 _HIDDEN = "hidden"
+_EACH = "each"  # a mapping field: its keys' metadata
 
 # The metadata of a field shown nowhere (what the views need to compute, not to show).
 HIDDEN: Mapping[str, object] = {_HIDDEN: True}
@@ -60,21 +63,35 @@ def gauge(
     return {_GAUGE: g, _KEY: key}
 
 
-_Layout = tuple[tuple[str, Gauge | None, str | None], ...]
+def each(items: Mapping[str, Mapping[str, object]]) -> dict[str, object]:
+    """The metadata of a mapping field shown as one entry per key, by ``items[key]``."""
+    return {_EACH: items}
+
+
+def _getter(name: str, key: str | None) -> Callable[[Any], Any]:
+    """A field's value, or with ``key`` (``each``) its value there (absent: None)."""
+    if key is None:
+        return operator.attrgetter(name)
+    return lambda snapshot: getattr(snapshot, name).get(key)
+
+
+_Layout = tuple[tuple[Callable[[Any], Any], Gauge | None, str | None], ...]
 _LAYOUTS: dict[type, _Layout] = {}
 
 
 def _layout(cls: type) -> _Layout:
-    """(field, gauge, debug key) for each field of a snapshot class, in field order."""
+    """(value getter, gauge, debug key) for each field of a snapshot class (each key of a
+    mapping field's ``each``), in field order."""
     layout = _LAYOUTS.get(cls)
     if layout is None:
         layout = _LAYOUTS[cls] = tuple(
             (
-                f.name,
-                f.metadata.get(_GAUGE),
-                None if f.metadata.get(_HIDDEN) else f.metadata.get(_KEY) or f.name,
+                _getter(f.name, key),
+                meta.get(_GAUGE),
+                None if meta.get(_HIDDEN) else meta.get(_KEY) or key or f.name,
             )
             for f in dataclasses.fields(cls)
+            for key, meta in f.metadata.get(_EACH, {None: f.metadata}).items()
         )
     return layout
 
@@ -86,10 +103,10 @@ def gauges_of(cls: type) -> list[Gauge]:
 
 def render_gauges(snapshot: Any, out: dict[str, float]) -> None:
     """Add the snapshot's gauges to ``out`` (name -> value), in field order."""
-    for name, g, _ in _layout(type(snapshot)):
+    for get, g, _ in _layout(type(snapshot)):
         if g is None or (g.when is not None and not getattr(snapshot, g.when)):
             continue
-        value = getattr(snapshot, name)
+        value = get(snapshot)
         if value is None:
             if g.if_none is not None:
                 out[g.name] = g.if_none
@@ -102,10 +119,10 @@ def render_gauges(snapshot: Any, out: dict[str, float]) -> None:
 def render_debug(snapshot: Any) -> dict[str, Any]:
     """The snapshot as a JSON-ready dict, in field order."""
     out: dict[str, Any] = {}
-    for name, _, key in _layout(type(snapshot)):
+    for get, _, key in _layout(type(snapshot)):
         if key is None:
             continue
-        value = getattr(snapshot, name)
+        value = get(snapshot)
         if isinstance(value, Enum):
             value = str(value)
         elif isinstance(value, tuple):

@@ -37,6 +37,10 @@ Rules (``tests/unit/test_deadline.py`` pins each):
    after it left, so a stream cut at the deadline itself may end on either side of it; an
    answer that completes within the margin of its deadline counts too. The adaptive limit's
    ``slo.abandoned`` reads the share of them (``extproc.pool.ends``).
+7. A classified request's wait (``plan``): its queue timeout, cut to what a slow parse left
+   (``answer_by``) and capped by its deadline (``Deadline.cap``); its own deadline (a
+   relegation's bound): the sooner of the two; ``limit_s``: the timeout, plus its bucket's
+   relegation unless the wait ends at its client's own deadline.
 
 Pure: ``now`` comes from the caller. A request that states nothing (the common case) gets the
 shared ``NO_DEADLINE``, without allocating.
@@ -46,11 +50,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
-from extproc.config.policy import ClientDeadlinePolicy
+from extproc.config.policy import ClientDeadlinePolicy, Policy
+from extproc.pool.values import Entry
+from extproc.request.classify import Classification
+from extproc.request.tenant import Tenant
 
-__all__ = ["NO_DEADLINE", "Deadline", "abandoned", "deadline_of", "header_ms"]
+__all__ = ["NO_DEADLINE", "Deadline", "WaitPlan", "abandoned", "deadline_of", "header_ms", "plan"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,3 +130,50 @@ def deadline_of(
         stated=stated,
         invalid=tuple(invalid or ()),
     )
+
+
+class WaitPlan(NamedTuple):
+    """How a classified request waits (rule 7); a tuple: a third of a frozen dataclass's cost."""
+
+    entry: Entry  # what it enters its bucket with
+    until: float  # loop time its wait ends: now + ``entry.timeout_s``
+    limit_s: float  # the longest it may wait, relegation included
+
+    def remaining(self, now: float) -> Entry:
+        """``entry`` with what is left of the wait at ``now`` (after a route share's)."""
+        return replace(self.entry, timeout_s=max(0.0, self.until - now))
+
+
+def plan(
+    cls: Classification,
+    deadline: Deadline,
+    answer_by: float | None,
+    held_bytes: int,
+    tenant: Tenant,
+    policy: Policy,
+    now: float,
+) -> WaitPlan:
+    """The wait of a request classified ``cls`` entering a queue at ``now`` (rule 7)."""
+    timeout = cls.queue_timeout_s
+    if answer_by is not None:  # a slow parse already used some of the wait
+        timeout = max(0.0, min(timeout, answer_by - now))
+    own, at, stated = False, deadline.at, deadline.stated
+    if at is not None:  # nobody waits past their client (own: expired there, not evicted)
+        timeout, own = deadline.cap(timeout, now)
+    if answer_by is not None and (at is None or answer_by < at):
+        at, stated = answer_by, False  # a relegation's bound
+    output = cls.output_tokens
+    entry = Entry(
+        bucket=cls.bucket.name,
+        timeout_s=timeout,
+        held_bytes=held_bytes,
+        cost=cls.prompt_tokens + output,
+        client_deadline=own,
+        tenant=tenant.key,
+        weight=tenant.weight,
+        output=output,
+        own_deadline=at,
+        own_stated=stated and at is not None,
+    )
+    limit = timeout + (0.0 if own else policy.relegation_s(cls.bucket))
+    return WaitPlan(entry, now + timeout, limit)

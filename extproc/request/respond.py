@@ -10,6 +10,9 @@ The answers (the last stage of the request path):
 - ``refusal(rejection, rec)``: an ImmediateResponse (status, JSON error, Retry-After) with the
   same metadata.
 
+``rec`` is what the request went through, read through ``Facts`` (``extproc.record.RequestRecord``
+is one: the record sits above the request path, which does not import it).
+
 Why bytes:
 
 Building ``ProcessingResponse`` messages with the protobuf API (five HeaderValueOptions, a
@@ -31,7 +34,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -39,13 +42,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import duration_pb2, struct_pb2
 
 from extproc.contract import METADATA_NAMESPACE
-from extproc.outcome import Rejection
-from extproc.record import RequestRecord
+from extproc.outcome import Outcome, Rejection
 from extproc.request.classify import Classification
 
 __all__ = [
     "HEADERS_CONTINUE",
     "PASS_THROUGH",
+    "Facts",
     "admitted",
     "admitted_unchanged",
     "body_continue",
@@ -231,7 +234,28 @@ def timeout_override(seconds: float) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(override_message_timeout=d)
 
 
-def _metadata(rec: RequestRecord) -> bytes:
+class Facts(Protocol):
+    """What the answers say of the request: the access log's metadata, the error's shape."""
+
+    @property
+    def anthropic(self) -> bool: ...  # refusals take Anthropic's error shape
+    @property
+    def bucket(self) -> str: ...
+    @property
+    def outcome(self) -> Outcome | None: ...
+    @property
+    def shadow_outcome(self) -> Outcome | None: ...
+    @property
+    def code(self) -> str | None: ...
+    @property
+    def prompt_tokens(self) -> int | None: ...
+    @property
+    def max_tokens(self) -> int | None: ...
+    @property
+    def queue_s(self) -> float: ...
+
+
+def _metadata(rec: Facts) -> bytes:
     """Dynamic metadata for Envoy's access log: %DYNAMIC_METADATA(llm_extproc:bucket)% etc."""
     fields: dict[str, str | int] = {
         "bucket": rec.bucket,
@@ -249,7 +273,7 @@ def _metadata(rec: RequestRecord) -> bytes:
     return metadata_struct(METADATA_NAMESPACE, fields)
 
 
-def refusal(rejection: Rejection, rec: RequestRecord) -> bytes:
+def refusal(rejection: Rejection, rec: Facts) -> bytes:
     body = anthropic_error(rejection) if rec.anthropic else rejection.body
     return immediate(
         rejection.status,
@@ -281,7 +305,7 @@ def anthropic_error(rejection: Rejection) -> bytes:
     return json.dumps(shaped, separators=(",", ":")).encode()
 
 
-def admitted(cls: Classification, rec: RequestRecord) -> bytes:
+def admitted(cls: Classification, rec: Facts) -> bytes:
     headers = [
         ("x-llm-bucket", cls.bucket.name),
         ("x-llm-queue-ms", str(round(rec.queue_s * 1000))),
@@ -297,5 +321,5 @@ def admitted(cls: Classification, rec: RequestRecord) -> bytes:
     return body_continue(headers, cls.new_body, _metadata(rec))
 
 
-def admitted_unchanged(rec: RequestRecord) -> bytes:
+def admitted_unchanged(rec: Facts) -> bytes:
     return body_continue((), None, _metadata(rec))

@@ -1,16 +1,13 @@
-"""The sidecar's gRPC transports, and the small interface they share.
+"""The sidecar's gRPC transport, and the small interface it meets.
 
-Two transports serve the same servicer, ext_proc's ``Process`` and the standard
-``grpc.health.v1`` service on one address (``llm-extproc serve --transport``):
+The transport serves the servicer, ext_proc's ``Process``, and the standard ``grpc.health.v1``
+service on one address: ``h2_transport.H2Transport``, on the HTTP/2 server of this project
+(``h2/``, with ``health.H2Health`` for the health service). Tests run a second one beside it,
+grpc.aio, as an oracle (``testing.grpc_aio``, not part of the product).
 
-* ``h2`` (the default): ``h2_transport.H2Transport``, on the HTTP/2 server of this project
-  (``h2/``, with ``health.H2Health`` for the health service);
-* ``grpc``: ``grpc_aio.GrpcAioTransport``, grpc.aio with grpc_health's servicer, kept for
-  comparison (benchmarks, the differential fuzz test; docs/transport.md says where it is safe).
-
-``extproc.app`` picks one by name from its table and drives it through ``Transport``: start
-it on an address (``split_host_port``'s ``HOST:PORT``, or ``unix:PATH``), with TLS or mutual TLS
-from ``TlsFiles``; set the health statuses; stop it with a grace; wait for its end.
+``extproc.app`` builds one and drives it through ``Transport``: start it on an address
+(``split_host_port``'s ``HOST:PORT``, or ``unix:PATH``), with TLS or mutual TLS from
+``TlsFiles``; set the health statuses; stop it with a grace; wait for its end.
 """
 
 from __future__ import annotations
@@ -20,8 +17,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-
-import grpc
 
 __all__ = [
     "Health",
@@ -46,13 +41,6 @@ class TlsFiles:
     cert: Path
     key: Path
     client_ca: Path | None = None
-
-    def server_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials(
-            [(self.key.read_bytes(), self.cert.read_bytes())],
-            root_certificates=self.client_ca.read_bytes() if self.client_ca else None,
-            require_client_auth=self.client_ca is not None,
-        )
 
     def ssl_context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -119,8 +107,9 @@ class _Server(Protocol):
 
 
 class ServerTransport:
-    """The part of a ``Transport`` both transports share: once ``start`` has a server
-    listening (``_server``), it is stopped and waited for the same way."""
+    """The part of a ``Transport`` that stops a server and waits for it: once ``start`` has
+    one listening (``_server``), it is stopped and waited for the same way (the h2 transport
+    and the tests' grpc.aio one share it)."""
 
     def __init__(self) -> None:
         self._server: _Server | None = None

@@ -28,6 +28,7 @@ from extproc.ops.metrics import POOL_GAUGES
 from extproc.outcome import Outcome
 from extproc.pool.gate import Slot
 from extproc.pool.overload import OverloadMonitor, OverloadState
+from extproc.pool.values import Entry
 from testing.stack import REPO
 from testing.tools import optional_tool
 
@@ -115,7 +116,7 @@ def exported() -> set[str]:
             loop = asyncio.get_running_loop()
             sidecar.control.tick(loop.time())  # the overload window's first totals
             for _ in range(25):  # enough decisions for an eviction rate
-                slot = sidecar.gate.enter("interactive", 5.0, 0, 100)
+                slot = sidecar.gate.enter(Entry(bucket="interactive", timeout_s=5.0, cost=100))
                 assert isinstance(slot, Slot)
                 slot.release()
             sidecar.control.tick(loop.time())

@@ -13,8 +13,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from extproc.app import TRANSPORTS
 from testing.clients import Reply, chat, post, slow_stream
+from testing.grpc_aio import TRANSPORTS
 from testing.harness import (
     backend_stats,
     gauge,
@@ -49,7 +49,8 @@ INTERACTIVE = {"x-llm-class": "interactive"}
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def stack(module_tmp: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
-    # Every test here runs on both of the sidecar's gRPC transports, through the real Envoy.
+    # Every test here runs on both gRPC transports, the product's (h2) and the grpc.aio oracle
+    # (testing.grpc_aio), through the real Envoy.
     yield from start_stack(module_tmp / request.param, POLICY, transport=request.param)
 
 

@@ -1,21 +1,21 @@
 """Tier 3: one HEADERS frame with a non-UTF-8 ``:path`` stops grpc.aio's server for good.
 
-Pinned on grpcio 1.85 (``--transport grpc``): grpc.aio decodes each call's method name as
-UTF-8 in its server loop, and ``/\\xff`` (sent as an HPACK literal, so nothing normalises it)
-raises UnicodeDecodeError there. The loop dies and the server shuts down: every open
-connection is ended, every call fails UNAVAILABLE, new connections are refused, while the
-process and its metrics port stay up, so a liveness check on /metrics sees nothing wrong. Any
-peer that can open a TCP connection to the gRPC port can do this; that is why docs/deploy.md
-allows ``--transport grpc`` only where nothing but Envoy can reach the port, and the default
-transport is ``h2``.
+Pinned on grpcio 1.85 (the tests' grpc.aio oracle, ``testing.grpc_aio``): grpc.aio decodes
+each call's method name as UTF-8 in its server loop, and ``/\\xff`` (sent as an HPACK literal,
+so nothing normalises it) raises UnicodeDecodeError there. The loop dies and the server shuts
+down: every open connection is ended, every call fails UNAVAILABLE, new connections are refused,
+while the process and its metrics port stay up, so a liveness check on /metrics sees nothing
+wrong. Any peer that can open a TCP connection to the gRPC port can do this; that is one reason
+the product serves gRPC on its own ``h2`` transport only, and grpc.aio is a test oracle.
 
-If a grpcio release fixes this, the first test fails: then update docs/deploy.md (the
-transport column of its reachability tables) and this file.
+If a grpcio release fixes this, the first test fails: then update docs/deploy.md ("Who can reach
+the sidecar") and this file.
 
-The second test sends the same frame to the default ``h2`` transport: the offending call gets
+The second test sends the same frame to the product's ``h2`` transport: the offending call gets
 UNIMPLEMENTED, and the connection and every other client carry on.
 
-The sidecar runs as its own process here (the CLI), so grpcio's broken state cannot reach
+The sidecar runs as its own process here (``llm-extproc serve``, or for grpc.aio
+``python -m testing.grpc_sidecar`` with the same flags), so grpcio's broken state cannot reach
 other tests.
 """
 
@@ -35,6 +35,7 @@ import hpack
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from testing.grpc_aio import serve_argv
 from testing.stack import Proc, free_port, wait_http, wait_tcp
 from testing.wait import until
 
@@ -47,7 +48,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 @contextlib.contextmanager
 def sidecar(tmp: Path, transport: str) -> Iterator[tuple[Proc, int, int]]:
     grpc_port, metrics_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "extproc", "serve", "--transport", transport]
+    argv = serve_argv(transport)
     argv += ["--listen", f"127.0.0.1:{grpc_port}", "--metrics", f"127.0.0.1:{metrics_port}"]
     proc = Proc("sidecar", argv, tmp)
     try:

@@ -15,9 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import version
-from extproc.app import TRANSPORTS, Sidecar
 from extproc.config.policy import policy_from_yaml
 from extproc.pool.gate import Slot
+from extproc.pool.values import Entry
+from testing.grpc_aio import TRANSPORTS, sidecar_on
 from testing.wait import until_async
 
 POLICY = policy_from_yaml(
@@ -54,9 +55,7 @@ def test_readyz_follows_the_grpc_health_service_and_healthz_stays_up(transport: 
     )
 
     async def main() -> None:
-        sidecar = Sidecar(
-            POLICY, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", transport=transport
-        )
+        sidecar = sidecar_on(transport)(POLICY, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0")
         assert not sidecar.ready()
         await sidecar.start()
         stopping: asyncio.Task[None] | None = None
@@ -67,7 +66,7 @@ def test_readyz_follows_the_grpc_health_service_and_healthz_stays_up(transport: 
             assert await fetch(port, "/readyz") == (200, "ready\n")
             assert await grpc_health(grpc_port) == serving
             assert sidecar.gate is not None
-            slot = sidecar.gate.enter("solo", 5.0)
+            slot = sidecar.gate.enter(Entry(bucket="solo", timeout_s=5.0))
             assert isinstance(slot, Slot)
             stopping = asyncio.create_task(sidecar.stop(grace=30))
             await until_async(
@@ -92,13 +91,13 @@ def test_build_info_and_process_metrics_on_each_sidecars_own_registry() -> None:
 
     async def main() -> None:
         sidecars = [
-            Sidecar(POLICY, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", transport=t)
-            for t in ("h2", "grpc")
+            sidecar_on(t)(POLICY, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0")
+            for t in TRANSPORTS
         ]
         for sidecar in sidecars:
             await sidecar.start()
         try:
-            for sidecar, transport in zip(sidecars, ("h2", "grpc"), strict=True):
+            for sidecar, transport in zip(sidecars, TRANSPORTS, strict=True):
                 assert sidecar.metrics_port is not None
                 status, text = await fetch(sidecar.metrics_port, "/metrics")
                 assert status == 200

@@ -20,8 +20,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2, text_format
 
-from extproc.app import TRANSPORTS, Sidecar
+from extproc.app import Sidecar
 from extproc.config.policy import policy_from_yaml
+from testing.grpc_aio import TRANSPORTS, sidecar_on
 from testing.wait import until_async
 
 POLICY = policy_from_yaml(
@@ -90,7 +91,7 @@ def bucket(sidecar: Sidecar) -> tuple[int, int, int]:
 
 def run(test: Callable[[Sidecar, pb_grpc.ExternalProcessorStub], Awaitable[None]], t: str) -> None:
     async def main() -> None:
-        sidecar = Sidecar(POLICY, listen="127.0.0.1:0", metrics_listen=None, transport=t)
+        sidecar = sidecar_on(t)(POLICY, listen="127.0.0.1:0", metrics_listen=None)
         await sidecar.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}") as ch:

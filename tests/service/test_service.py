@@ -1,8 +1,9 @@
 """Tier 2: the gRPC service in-process, over a real loopback gRPC channel (no Envoy).
 
 These pin the exact messages we send Envoy; the end-to-end tests pin what Envoy does with them.
-Every test runs on both transports (``h2``, the default, and ``grpc``), with grpc-python's
-client, so the h2 transport is also checked against a second gRPC implementation.
+Every test runs on both transports (``h2``, the product's, and ``grpc``, the grpc.aio oracle of
+``testing.grpc_aio``), with grpc-python's client, so the h2 transport is also checked against a
+second gRPC implementation.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.app import TRANSPORTS, Sidecar
+from extproc.app import Sidecar
 from extproc.config.policy import policy_from_yaml
+from testing.grpc_aio import TRANSPORTS, sidecar_on
 from testing.wait import until_async
 
 POLICY = policy_from_yaml(
@@ -72,9 +74,7 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 def with_sidecar(test: Test) -> None:
     async def main() -> None:
-        sidecar = Sidecar(
-            POLICY, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", transport=TRANSPORT
-        )
+        sidecar = sidecar_on(TRANSPORT)(POLICY, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0")
         await sidecar.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}") as ch:
@@ -369,7 +369,7 @@ def test_health_and_metrics_endpoints() -> None:
 def test_unix_socket_listener(tmp_path: Path) -> None:
     async def main() -> None:
         path = tmp_path / "extproc.sock"
-        sidecar = Sidecar(POLICY, listen=f"unix:{path}", metrics_listen=None, transport=TRANSPORT)
+        sidecar = sidecar_on(TRANSPORT)(POLICY, listen=f"unix:{path}", metrics_listen=None)
         await sidecar.start()
         try:
             async with grpc.aio.insecure_channel(f"unix:{path}") as ch:

@@ -21,6 +21,7 @@ from extproc import stream
 from extproc.config.policy import policy_from_yaml
 from extproc.ops.metrics import Metrics
 from extproc.pool.gate import Gate, Slot
+from extproc.pool.values import Entry
 from extproc.service import ExtProcService
 from testing.wait import until_async
 
@@ -114,7 +115,8 @@ def test_a_shadow_place_in_the_queue_is_given_back_once_whatever_ends_the_stream
         gate = Gate(POLICY)
         metrics = Metrics(gate.statistics)
         service = ExtProcService(POLICY, gate, metrics)
-        held = gate.enter("b", 5.0)  # the bucket's one slot: the shadow request would queue
+        # The bucket's one slot: the shadow request would queue
+        held = gate.enter(Entry(bucket="b", timeout_s=5.0))
         assert isinstance(held, Slot)
         end = asyncio.Event()
         script = Script(request_messages(), None if ending is same_turn else end)
@@ -136,7 +138,7 @@ def test_a_shadow_place_in_the_queue_is_given_back_once_whatever_ends_the_stream
         held.release()
         assert bucket(gate) == (0, 0)
         # The slot is free for the next request: given back once, not kept by a task.
-        nxt = gate.enter("b", 5.0)
+        nxt = gate.enter(Entry(bucket="b", timeout_s=5.0))
         assert isinstance(nxt, Slot) and bucket(gate) == (1, 0)
         nxt.release()
         await other_tasks_done()

@@ -2,7 +2,8 @@
 replica leads and runs the adaptive poller, the others do not and read its limit; when the
 leader leaves, another takes over and starts its own poller from the limit in force. A
 degraded replica (Redis unreachable, or a URL that cannot be used) computes the limit itself,
-and stops when it is shared again and another leads."""
+and stops when it is shared again and another leads. A reload keeps the lease manager (and
+its leadership), or is refused when it changes ``pool.shared``."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import logging
 
 import pytest
 
-from extproc.config.policy import Policy, policy_from_yaml
+from extproc.config.policy import Policy, PolicyError, policy_from_yaml
 from extproc.ops.metrics import Metrics
 from extproc.pool.control import PoolControl
 from extproc.pool.gate import POOL, Gate, Waiter
 from extproc.pool.shared import LeaseManager
+from extproc.pool.values import Entry
 from testing.leases import with_redis
 from testing.redis import RedisServer
 from testing.stack import free_port
@@ -56,7 +58,7 @@ def test_one_leader_runs_the_poller_and_the_others_read_its_limit(
         controls = [started(policy(redis_server.url)) for _ in range(3)]
 
         def leaders() -> list[PoolControl]:
-            return [c for c in controls if c._shared is not None and c._shared.is_leader]
+            return [c for c in controls if c._shared is not None and c._shared.ledger.is_leader]
 
         await until_async(lambda: len(leaders()) == 1, "one leader")
         leader = leaders()[0]
@@ -70,9 +72,10 @@ def test_one_leader_runs_the_poller_and_the_others_read_its_limit(
         await leader.close()
         rest = [c for c in controls if c is not leader]
         await until_async(
-            lambda: len([c for c in rest if c._shared and c._shared.is_leader]) == 1, "takeover"
+            lambda: len([c for c in rest if c._shared and c._shared.ledger.is_leader]) == 1,
+            "takeover",
         )
-        new = next(c for c in rest if c._shared is not None and c._shared.is_leader)
+        new = next(c for c in rest if c._shared is not None and c._shared.ledger.is_leader)
         await until_async(lambda: new._poller is not None, "the new leader polls")
         assert new.gauges()["shared_leader"] == 1
         for c in rest:
@@ -134,8 +137,8 @@ def test_an_unreachable_redis_degrades_and_the_limit_keeps_adapting() -> None:
         gate, metrics = control._gate, control._metrics
         shared = control._shared
         assert shared is not None
-        await until_async(lambda: str(shared.mode) == "degraded", "degraded")
-        await until_async(lambda: shared.limit == 3, "the limit adapts (fallback)")
+        await until_async(lambda: str(shared.ledger.mode) == "degraded", "degraded")
+        await until_async(lambda: shared.ledger.limit == 3, "the limit adapts (fallback)")
         assert gate.pool_statistics()[POOL].limit == 3
         assert errors(metrics, "renew") >= 1
         await control.stop()
@@ -154,16 +157,21 @@ def test_shared_again_only_the_leader_runs_the_poller(redis_server: RedisServer)
         def managers() -> list[LeaseManager]:
             return [c._shared for c in controls if c._shared is not None]
 
-        await until_async(lambda: all(m.connected for m in managers()), "both reached Redis")
+        await until_async(lambda: all(m.ledger.connected for m in managers()), "both reached Redis")
         redis_server.stop()
-        await until_async(lambda: all(str(m.mode) == "degraded" for m in managers()), "degraded")
+        await until_async(
+            lambda: all(str(m.ledger.mode) == "degraded" for m in managers()), "degraded"
+        )
         await until_async(lambda: all(c._poller is not None for c in controls), "both poll")
         redis_server.start()
-        await until_async(lambda: all(str(m.mode) == "shared" for m in managers()), "rejoined")
+        await until_async(
+            lambda: all(str(m.ledger.mode) == "shared" for m in managers()), "rejoined"
+        )
         await until_async(
             lambda: (
-                [c._poller is not None for c in controls] == [m.is_leader for m in managers()]
-                and sum(m.is_leader for m in managers()) == 1
+                [c._poller is not None for c in controls]
+                == [m.ledger.is_leader for m in managers()]
+                and sum(m.ledger.is_leader for m in managers()) == 1
             ),
             "only the leader polls",
         )
@@ -174,41 +182,39 @@ def test_shared_again_only_the_leader_runs_the_poller(redis_server: RedisServer)
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-def test_a_reload_on_the_leader_hands_the_leadership_on(redis_server: RedisServer) -> None:
-    """The leader reloads a new ``lease`` while a request runs on it: its old manager retires
-    (it keeps that request's lease) and gives the leadership up at once; one current manager
-    leads and polls, and the old one leaves once the request ends."""
+def test_a_reload_on_the_leader_keeps_its_manager_and_the_leadership(
+    redis_server: RedisServer,
+) -> None:
+    """The leader reloads while a request runs on it. A new ``pool.shared.lease`` is refused
+    (a restart applies it). A new adaptive ``max`` applies in place: the same lease manager,
+    on the new bounds, still leading and polling, with the request's lease held."""
 
     async def main() -> None:
         controls = [started(policy(redis_server.url)) for _ in range(2)]
 
         def leaders() -> list[PoolControl]:
-            return [c for c in controls if c._shared is not None and c._shared.is_leader]
+            return [c for c in controls if c._shared is not None and c._shared.ledger.is_leader]
 
         await until_async(lambda: len(leaders()) == 1, "one leader")
         leader = leaders()[0]
-        entered = leader._gate.enter("all", 2.0)
+        entered = leader._gate.enter(Entry(bucket="all", timeout_s=2.0))
         slot = await entered.admitted() if isinstance(entered, Waiter) else entered
-        old = leader._shared
-        assert old is not None and old.held == 1
+        manager = leader._shared
+        assert manager is not None and manager.ledger.held == 1
         p = policy(redis_server.url)
-        assert p.pool is not None and p.pool.shared is not None
+        assert p.pool is not None and p.pool.shared is not None and p.pool.adaptive is not None
         shared = dataclasses.replace(p.pool.shared, lease_s=1.5)
-        leader.apply(
+        with pytest.raises(PolicyError, match=r"^pool\.shared\.lease changed: .* restart"):
             leader.prepare(dataclasses.replace(p, pool=dataclasses.replace(p.pool, shared=shared)))
-        )
-        assert leader._shared is not old and old.retiring and not old._closed
-        await until_async(lambda: not old.is_leader, "the old manager gave the leadership up")
-        assert old.held == 1
-        view = leader.debug()
-        assert view is not None
-        assert view["shared"]["retiring"] == [{"replica": old.replica, "held": 1, "keep": 1}]
-        await until_async(lambda: len(leaders()) == 1, "a current manager leads")
-        new = leaders()[0]
-        await until_async(lambda: new._poller is not None, "the new leader polls")
-        assert [c._poller is None for c in controls if c is not new] == [True]
+        adaptive = dataclasses.replace(p.pool.adaptive, max_limit=12)
+        wider = dataclasses.replace(p, pool=dataclasses.replace(p.pool, adaptive=adaptive))
+        leader._gate.reconfigure(wider)
+        leader.apply(leader.prepare(wider))
+        assert leader._shared is manager and manager.ledger.bounds == (1, 12)
+        assert manager.ledger.is_leader and leader._poller is not None
+        await asyncio.sleep(0.5)  # renewals and the poller's rounds on the new policy
+        assert leaders() == [leader] and manager.ledger.held == 1 and not manager._closed
         slot.release()
-        await until_async(lambda: old._closed, "the old manager left once the request ended")
         for c in controls:
             await c.stop()
             await c.close()

@@ -439,15 +439,16 @@ def test_a_killed_sidecars_slots_come_back_within_the_lease(module_tmp: Path) ->
         asyncio.run(main(g))
 
 
-def test_a_reload_of_a_shared_key_under_load_stays_within_the_limit(module_tmp: Path) -> None:
+def test_a_reload_of_a_shared_key_under_load_is_refused(module_tmp: Path) -> None:
     """Two gateways at 3x overload (12 clients each on the pool of 8, long answers: the
-    backend's count, polled, sees every request) reload a new ``lease`` from their policy
-    file: the backend never runs more than the limit, and nothing fails.
-    Each reload used to detach the gate at the policy's limit: the local queue ran at once,
-    without leases."""
+    backend's count, polled, sees every request) see a new ``lease`` in their policy file:
+    each refuses the reload (a restart applies it) and serves on, on the lease manager it
+    had: the backend never runs more than the limit, and nothing fails. (Each reload used to
+    switch lease managers under the load.)"""
 
     def reloaded(stack: Stack) -> float:
-        return scrape(stack).get(("llm_extproc_policy_reloads_total", (("result", "ok"),)), 0)
+        key = ("llm_extproc_policy_reloads_total", (("result", "error"),))
+        return scrape(stack).get(key, 0)
 
     async def main(g: Gateways) -> list[int | None]:
         stop = asyncio.Event()
@@ -463,14 +464,18 @@ def test_a_reload_of_a_shared_key_under_load_stays_within_the_limit(module_tmp: 
             )
             with Sampler(g.backend_url) as sampler:
                 await answered("the load runs")
+                replicas = [debug(st)["shared"]["replica"] for st in g.stacks]
                 text = POLICY.replace(f"lease: {LEASE_MS}ms", f"lease: {LEASE_MS + 500}ms")
                 g.policy_path.write_text(text.replace("{redis}", g.redis.url))
-                await until_seen(lambda: all(reloaded(st) == 1 for st in g.stacks), "reloaded")
-                await answered("the load runs on the new managers")
+                await until_seen(lambda: all(reloaded(st) == 1 for st in g.stacks), "refused")
+                await answered("the load runs on")
                 most = sampler.max
+                shared = [debug(st)["shared"] for st in g.stacks]
+                assert [d["replica"] for d in shared] == replicas  # the same lease managers
+                assert [d["lease_s"] for d in shared] == [LEASE_MS / 1000] * 2
             stop.set()
             await load
-        print(f"reload under load: most in flight at the backend {most} (limit {LIMIT})")
+        print(f"refused reload under load: most in flight at the backend {most} (limit {LIMIT})")
         assert most <= LIMIT, most
         return statuses
 

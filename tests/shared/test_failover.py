@@ -49,7 +49,7 @@ def test_a_failover_to_a_promoted_replica_is_followed(tmp_path: Path) -> None:
             (a, pa), (b, pb) = ms
             for m, _ in ms:
                 m.start()
-            await until(lambda: a.connected and b.connected, "both reached Redis")
+            await until(lambda: a.ledger.connected and b.ledger.connected, "both reached Redis")
             pa.arrive(0, 2)
             await until(lambda: pa.running == 2, "a runs 2")
             pb.arrive(0, 2)
@@ -74,7 +74,10 @@ def test_a_failover_to_a_promoted_replica_is_followed(tmp_path: Path) -> None:
 
             # Every call of theirs goes to the new primary from here: a renewal there (the
             # leases scored again on the new primary's clock) and the subscription there.
-            scores = {lease: await r_new.zscore(keys.leases, lease) for lease in [*a._ids, *b._ids]}
+            scores = {
+                lease: await r_new.zscore(keys.leases, lease)
+                for lease in [*a.ledger._ids, *b.ledger._ids]
+            }
 
             async def renewed_on_new() -> bool:
                 for lease, before in scores.items():
@@ -98,8 +101,8 @@ def test_a_failover_to_a_promoted_replica_is_followed(tmp_path: Path) -> None:
             await until(lambda: pa.running == 3, "the slot passed on")
             assert pa.running + pb.running == LIMIT
             assert await r_new.zcard(keys.leases) <= LIMIT
-            assert a.mode is Mode.SHARED and b.mode is Mode.SHARED
-            assert a.degraded_transitions == 0 and b.degraded_transitions == 0
+            assert a.ledger.mode is Mode.SHARED and b.ledger.mode is Mode.SHARED
+            assert a.ledger.degraded_transitions == 0 and b.ledger.degraded_transitions == 0
             print(f"failover: {len(errors) - base} failed call(s) on a, no degraded mode")
             for m, _ in ms:
                 await m.close()

@@ -56,7 +56,7 @@ def _newcomer_after_flushall(rig: Rig, load: Load) -> tuple[float, float]:
         flush.flushall()
         m.start()
         try:
-            await until(lambda: m.connected, "the newcomer renewed")
+            await until(lambda: m.ledger.connected, "the newcomer renewed")
             for proxy in rig.proxies:
                 proxy.delay(0)
             await asyncio.sleep(LEASE_S)  # (the subject: a live replica of the pool)

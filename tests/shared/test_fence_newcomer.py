@@ -35,29 +35,31 @@ def test_a_newcomers_first_renewal_after_a_flush_does_not_end_the_fence(
         c, pc = replica(url, "c", 4, lease_s=STEADY_LEASE_S, fresh=True)
         for m in (a, b):
             m.start()
-        await until(lambda: a.connected and b.connected, "a and b reached Redis")
+        await until(lambda: a.ledger.connected and b.ledger.connected, "a and b reached Redis")
         a._kick()  # each renews once more: each has seen the other live
         b._kick()
-        await until(lambda: a.roster == ["a", "b"] == b.roster, "a and b saw each other")
+        await until(
+            lambda: a.ledger.roster == ["a", "b"] == b.ledger.roster, "a and b saw each other"
+        )
         pa.arrive(0, 2)
         pb.arrive(0, 2)
         await until(lambda: pa.running == 2 and pb.running == 2, "a and b run 2 each")
         r = aioredis.Redis.from_url(url)
         await r.flushall()
         c.start()  # its first call: RENEW
-        await until(lambda: c.connected, "c renewed")
+        await until(lambda: c.ledger.connected, "c renewed")
         t = asyncio.get_running_loop().time()
         pc.arrive(0, 4)
         await until(lambda: asked_since(c, t), "c asked")
         in_flight = pa.running + pb.running + pc.running
-        assert (pc.running, in_flight, c.fenced) == (0, 4, True)  # (unfixed: 4, 8, False)
-        assert a.epoch != c.epoch  # (the old replicas have not called since the loss)
+        assert (pc.running, in_flight, c.ledger.fenced) == (0, 4, True)  # (unfixed: 4, 8, False)
+        assert a.ledger.epoch != c.ledger.epoch  # (the old replicas have not called since the loss)
         a._kick()  # their renewals, due within lease / 3 anyway
         b._kick()
-        await until(lambda: not (a.fenced or b.fenced), "a and b re-registered")
+        await until(lambda: not (a.ledger.fenced or b.ledger.fenced), "a and b re-registered")
         t = asyncio.get_running_loop().time()
-        await until(lambda: asked_since(c, t) and not c.fenced, "c asked again")
-        assert (pc.running, c.count) == (0, 4)  # full with what runs
+        await until(lambda: asked_since(c, t) and not c.ledger.fenced, "c asked again")
+        assert (pc.running, c.ledger.count) == (0, 4)  # full with what runs
         pa.finish()
         await until(lambda: pc.running == 1, "the slot a frees goes to c")
         assert pa.running + pb.running + pc.running == 4
@@ -77,14 +79,14 @@ def test_a_fence_only_fresh_replicas_joined_lapses_after_one_lease(
     async def main() -> None:
         c, pc = replica(redis_server.url, "c", 4, lease_s=LEASE_S, fresh=True)
         c.start()
-        await until(lambda: c.connected, "c renewed")
-        assert c.fenced and c.epoch is not None
+        await until(lambda: c.ledger.connected, "c renewed")
+        assert c.ledger.fenced and c.ledger.epoch is not None
         pc.arrive(0, 2)
         await until(lambda: pc.running == 2, "the fence lapsed")
         r = aioredis.Redis.from_url(redis_server.url)
         sec, usec = await r.time()
-        assert sec * 1000 + usec // 1000 >= c.epoch + LEASE_S * 1000  # not before
-        await until(lambda: not c.fresh, "c renewed outside a fence")  # within lease / 3
+        assert sec * 1000 + usec // 1000 >= c.ledger.epoch + LEASE_S * 1000  # not before
+        await until(lambda: not c.ledger.fresh, "c renewed outside a fence")  # within lease / 3
         await r.aclose()
         await c.close()
 

@@ -58,7 +58,7 @@ async def connected(
     ms = [manager(server, n, limit, lease=STEADY_LEASE_S) for n in names]
     for m, _ in ms:
         m.start()
-    await until(lambda: all(m.connected for m, _ in ms), "all reached Redis")
+    await until(lambda: all(m.ledger.connected for m, _ in ms), "all reached Redis")
     return ms
 
 
@@ -174,7 +174,7 @@ def test_managers_hold_the_limit_together(redis_server: RedisServer) -> None:
         # Those with waiters left ask again (every POLL_S) and get nothing more.
         waiting = [m for m, p in ((a, pa), (b, pb)) if any(p.waiting.values())]
         await until(lambda: all(asked_since(m, full) for m in waiting), "they asked again")
-        assert pa.running + pb.running == 5 and a.held + b.held == 5
+        assert pa.running + pb.running == 5 and a.ledger.held + b.ledger.held == 5
         assert await held_in_redis(redis_server) == 5
         for i in range(3):  # as they end, the waiters behind get the slots
             p = pa if (i % 2 == 0 and pa.running) or not pb.running else pb
@@ -190,7 +190,7 @@ def test_managers_hold_the_limit_together(redis_server: RedisServer) -> None:
             pb.finish()
         a._kick()
         b._kick()  # the next renewals return the spares
-        await until(lambda: a.held + b.held == 0, "spares returned")
+        await until(lambda: a.ledger.held + b.ledger.held == 0, "spares returned")
         await a.close()
         await b.close()
         assert await held_in_redis(redis_server) == 0
@@ -222,7 +222,9 @@ def test_one_band_is_shared_in_proportion_to_the_waiters(redis_server: RedisServ
             return sum(p.running for p in pools) == limit
 
         await until(full, "the pool is full")
-        await until(lambda: all(len(m.known().others) == 2 for m, _ in ms), "the others seen")
+        await until(
+            lambda: all(len(m.ledger.known().others) == 2 for m, _ in ms), "the others seen"
+        )
         rng = random.Random(3)
         for i in range(rounds):
             for p in pools:
@@ -244,7 +246,7 @@ def test_a_dead_replicas_leases_come_back_within_the_lease(redis_server: RedisSe
         (a, pa), (b, pb) = manager(redis_server, "a", 3), manager(redis_server, "b", 3)
         a.start()
         b.start()
-        await until(lambda: a.connected and b.connected, "both reached Redis")
+        await until(lambda: a.ledger.connected and b.ledger.connected, "both reached Redis")
         pa.arrive(0, 3)
         await until(lambda: pa.running == 3, "a holds the pool")
         asked = loop.time()
@@ -281,7 +283,9 @@ def test_a_more_urgent_band_elsewhere_goes_first(redis_server: RedisServer) -> N
         pb.arrive(10)
         await until(lambda: asked_since(b, asked), "b waits, and Redis has its demand")
         pa.arrive(0)
-        await until(lambda: "b" in a.known().others and "a" in h.known().others, "demand seen")
+        await until(
+            lambda: "b" in a.ledger.known().others and "a" in h.ledger.known().others, "demand seen"
+        )
         ph.finish()
         await until(lambda: pa.running == 1, "a admitted")
         admitted = loop.time()
@@ -309,12 +313,12 @@ def test_a_release_nobody_waits_for_costs_no_round_trip(redis_server: RedisServe
 
         a, pa = manager(redis_server, "a", 4, lease=30.0)  # renewals every 10 s
         a.start()
-        await until(lambda: a.connected, "a connected")
+        await until(lambda: a.ledger.connected, "a connected")
         pa.arrive(0)  # (the first call of each script after Redis started loads it)
         await until(lambda: pa.running == 1, "admitted")
         pa.finish()
         a._kick()
-        await until(lambda: a.held == 0, "the spare returned")
+        await until(lambda: a.ledger.held == 0, "the spare returned")
         base = await calls()
         pa.arrive(0)
         await until(lambda: pa.running == 1, "admitted again")
@@ -322,14 +326,14 @@ def test_a_release_nobody_waits_for_costs_no_round_trip(redis_server: RedisServe
         pa.finish()
         # The subject is a time without calls: two of the manager's polls with the spare held.
         await asyncio.sleep(2 * POLL_S)
-        assert await calls() - base == 1 and a.held == 1  # kept as a spare, no call
+        assert await calls() - base == 1 and a.ledger.held == 1  # kept as a spare, no call
         pa.arrive(0)  # the spare serves the next one: no call either
         assert pa.running == 1
         await asyncio.sleep(POLL_S)  # the same: a poll's time without a call
         assert await calls() - base == 1
         pa.finish()
         a._kick()
-        await until(lambda: a.held == 0, "spare returned by the renewal")
+        await until(lambda: a.ledger.held == 0, "spare returned by the renewal")
         assert await calls() - base == 2
         await a.close()
         await r.aclose()
@@ -355,7 +359,7 @@ def test_redis_gone_holds_the_leases_then_admits_nobody_and_rejoins_within_the_l
             pools = [p for _, p in ms]
             for m, _ in ms:
                 m.start()
-            await until(lambda: all(m.connected for m, _ in ms), "all reached Redis")
+            await until(lambda: all(m.ledger.connected for m, _ in ms), "all reached Redis")
             for p in pools:
                 p.arrive(0, 50)
             peak = 0
@@ -381,7 +385,7 @@ def test_redis_gone_holds_the_leases_then_admits_nobody_and_rejoins_within_the_l
             await served("the load runs")
             assert peak <= limit
             server.kill()
-            await until(lambda: all(m.mode is Mode.DEGRADED for m, _ in ms), "all degraded")
+            await until(lambda: all(m.ledger.mode is Mode.DEGRADED for m, _ in ms), "all degraded")
             await until(
                 lambda: all(m.debug()["phase"] == "expired" and p.held == 0 for m, p in ms),
                 "their leases expired: nobody admitted",
@@ -391,9 +395,9 @@ def test_redis_gone_holds_the_leases_then_admits_nobody_and_rejoins_within_the_l
             assert [len(p.admitted) for p in pools] == admitted
             assert peak <= limit, peak  # no slack with Redis gone for everyone
             server.start()
-            await until(lambda: all(m.mode is Mode.SHARED for m, _ in ms), "rejoined")
+            await until(lambda: all(m.ledger.mode is Mode.SHARED for m, _ in ms), "rejoined")
             await until(
-                lambda: all(m.known().grace.until <= loop.time() for m, _ in ms),
+                lambda: all(m.ledger.known().grace.until <= loop.time() for m, _ in ms),
                 "the rejoin grace over",
             )
             peak = 0
@@ -401,9 +405,9 @@ def test_redis_gone_holds_the_leases_then_admits_nobody_and_rejoins_within_the_l
             stop = True
             await task
             assert peak <= limit, peak
-            assert sum(m.held for m, _ in ms) <= limit
+            assert sum(m.ledger.held for m, _ in ms) <= limit
             assert await held_in_redis(server) <= limit
-            assert all(m.degraded_transitions == 1 for m, _ in ms)
+            assert all(m.ledger.degraded_transitions == 1 for m, _ in ms)
             for m, _ in ms:
                 await m.close()
 
@@ -418,12 +422,17 @@ def test_one_leader_publishes_the_limit_and_another_takes_over(
         a.start()
         b.start()
         await until(
-            lambda: a.connected and b.connected and a.leader == b.leader != "", "one leader"
+            lambda: (
+                a.ledger.connected
+                and b.ledger.connected
+                and a.ledger.leader == b.ledger.leader != ""
+            ),
+            "one leader",
         )
-        leader, follower = (a, b) if a.is_leader else (b, a)
-        assert not follower.is_leader
+        leader, follower = (a, b) if a.ledger.is_leader else (b, a)
+        assert not follower.ledger.is_leader
         leader.publish_limit(9)
-        await until(lambda: follower.limit == 9, "the follower reads the limit")
+        await until(lambda: follower.ledger.limit == 9, "the follower reads the limit")
         await leader.close(give_back=False)
         r = aioredis.Redis.from_url(redis_server.url)
         ttl_ms = await r.pttl(Keys.for_prefix(KEY_PREFIX).leader)
@@ -431,8 +440,8 @@ def test_one_leader_publishes_the_limit_and_another_takes_over(
         # The leadership ends within the lease, on Redis's clock (-2: gone already); how soon
         # the other takes it: bench.bounds, leader_takeover.
         assert ttl_ms != -1 and ttl_ms <= LEASE_S * 1000, ttl_ms
-        await until(lambda: follower.is_leader, "takeover")
-        assert follower.limit == 9  # carries on from the limit in force
+        await until(lambda: follower.ledger.is_leader, "takeover")
+        assert follower.ledger.limit == 9  # carries on from the limit in force
         await follower.close()
 
     run(main())
@@ -547,10 +556,12 @@ def test_managers_re_register_after_a_flush_and_the_limit_holds(
         flushed = loop.time()
         await until(lambda: asked_since(b, flushed), "b asked")
         assert pa.running + pb.running == 4  # (counting the empty set: 7)
-        await until(lambda: not b._renewing and b.known().valid_until > flushed, "b renewed")
-        assert pa.running + pb.running == 4 and b.fenced
+        await until(lambda: not b._renewing and b.ledger.known().valid_until > flushed, "b renewed")
+        assert pa.running + pb.running == 4 and b.ledger.fenced
         a._kick()  # a's renewal, due within lease / 3 anyway
-        await until(lambda: a.epoch == b.epoch and not a.fenced, "a re-registered")
+        await until(
+            lambda: a.ledger.epoch == b.ledger.epoch and not a.ledger.fenced, "a re-registered"
+        )
         assert await held_in_redis(redis_server) == 4
         assert pa.running + pb.running == 4
         pa.finish()
@@ -577,7 +588,7 @@ def test_a_degraded_replicas_doubtful_ids_stay_bounded() -> None:
         pool.running = 20  # admitted before: claims for them go with each probe
         m.start()
         await until(lambda: failed.count("renew") >= 20, "20 probes failed")
-        assert 0 < len(m._doubtful) <= 20 * 5, len(m._doubtful)
+        assert 0 < len(m.ledger._doubtful) <= 20 * 5, len(m.ledger._doubtful)
         await m.close()
 
     run(main())
@@ -626,29 +637,32 @@ def test_a_replica_that_wins_the_leadership_back_does_not_republish_its_old_limi
         a, _ = manager(redis_server, "a", 4, adaptive=True, lease=30.0)
         b, _ = manager(redis_server, "b", 4, adaptive=True, lease=30.0)
         for m in (a, b):
-            m.adaptive_bounds = (1, 500)
+            m.ledger.set_adaptive(True, (1, 500))
         a.start()
-        await until(lambda: a.is_leader, "a leads")
+        await until(lambda: a.ledger.is_leader, "a leads")
         b.start()
-        await until(lambda: b.connected, "b reached Redis")
+        await until(lambda: b.ledger.connected, "b reached Redis")
         a.publish_limit(200)
-        await until(lambda: not a._renewing and a.known().limit == 200, "200 published")
+        await until(lambda: not a._renewing and a.ledger.known().limit == 200, "200 published")
         b._kick()
-        await until(lambda: b.limit == 200, "b heard it")
+        await until(lambda: b.ledger.limit == 200, "b heard it")
         await r.delete(leader_key)  # a's leadership lapses (it was slow, say)
         b._kick()
-        await until(lambda: b.is_leader, "b leads")
+        await until(lambda: b.ledger.is_leader, "b leads")
         b.publish_limit(40)
-        await until(lambda: not b._renewing and b.known().limit == 40, "40 published")
+        await until(lambda: not b._renewing and b.ledger.known().limit == 40, "40 published")
         a._kick()
-        await until(lambda: a.limit == 40 and a.leader == "b", "a heard it")
+        await until(lambda: a.ledger.limit == 40 and a.ledger.leader == "b", "a heard it")
         await r.delete(leader_key)  # b's lapses, a wins it back with its next renewal
         a._kick()
-        await until(lambda: a.is_leader, "a leads again")
-        assert a.limit == 40
+        await until(lambda: a.ledger.is_leader, "a leads again")
+        assert a.ledger.limit == 40
         b._kick()
-        await until(lambda: b.leader == "a" and b.term == a.term, "b heard the new term")
-        assert b.limit == 40
+        await until(
+            lambda: b.ledger.leader == "a" and b.ledger.term == a.ledger.term,
+            "b heard the new term",
+        )
+        assert b.ledger.limit == 40
         await r.aclose()
         for m in (a, b):
             await m.close()
@@ -673,9 +687,9 @@ def test_two_policies_with_other_limits_on_one_key_prefix_are_warned_of(
         c, _ = replica(redis_server.url, "c", 4, lease_s=STEADY_LEASE_S)  # a's own policy
         for m in (a, b, c):
             m.start()
-        await until(lambda: all(m.connected for m in (a, b, c)), "all reached Redis")
+        await until(lambda: all(m.ledger.connected for m in (a, b, c)), "all reached Redis")
         a._kick()  # (b may have renewed after a's first renewal)
-        await until(lambda: a.other_policies == 1, "a heard of b's policy")
+        await until(lambda: a.ledger.other_policies == 1, "a heard of b's policy")
         assert a.debug()["other_policies"] == 1 and "policy" in counted
         for m in (a, b, c):
             await m.close()
@@ -695,14 +709,14 @@ def test_over_admission_drains_before_a_lease_is_handed_on(redis_server: RedisSe
     async def main() -> None:
         (a, pa), (b, pb) = await connected(redis_server, 4, "a", "b")
         pa.arrive(0, 4)
-        await until(lambda: pa.running == 4 and a.held == 4, "a holds the pool")
+        await until(lambda: pa.running == 4 and a.ledger.held == 4, "a holds the pool")
         pa.running += 2  # uncovered: running > held
         pb.arrive(0, 3)
-        await until(lambda: "b" in a.known().others, "a heard that b waits")
+        await until(lambda: "b" in a.ledger.known().others, "a heard that b waits")
         for running in (5, 4):
             pa.finish()
             await asyncio.sleep(0)  # (a loop turn: a hand-over would be on its way)
-            assert (pa.running, a.held, pb.running) == (running, 4, 0)
+            assert (pa.running, a.ledger.held, pb.running) == (running, 4, 0)
         pa.finish()  # within its leases now: the lease goes to b
         await until(lambda: pb.running == 1, "b admitted")
         assert pa.running + pb.running == 4

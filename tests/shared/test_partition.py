@@ -96,18 +96,22 @@ def test_a_cut_off_replica_never_grows_and_stops_once_its_leases_expire(
             a, pa = ms["a"]
             for m, _ in ms.values():
                 m.start()
-            await until(lambda: all(m.connected for m, _ in ms.values()), "all reached Redis")
+            await until(
+                lambda: all(m.ledger.connected for m, _ in ms.values()), "all reached Redis"
+            )
             load = Load({n: p for n, (_, p) in ms.items()})
             load.start()
             await load.served("the load runs")
             assert load.peak <= LIMIT
 
             if long_streams:  # the worst case: a holds a third of the pool or more
-                await until(lambda: a.held >= LIMIT // 3, "a holds its share")
+                await until(lambda: a.ledger.held >= LIMIT // 3, "a holds its share")
                 load.hold.add("a")
             proxy.cut()
-            await until(lambda: a.mode is Mode.DEGRADED, "a degraded")
-            held = a.held  # degraded, it holds no more (an answer relayed before the cut is in)
+            await until(lambda: a.ledger.mode is Mode.DEGRADED, "a degraded")
+            held = (
+                a.ledger.held
+            )  # degraded, it holds no more (an answer relayed before the cut is in)
             load.reset()
             await until(lambda: a.debug()["phase"] == "expired", "a's leases expired for a")
             stopped = load.admitted("a")
@@ -133,16 +137,16 @@ def test_a_cut_off_replica_never_grows_and_stops_once_its_leases_expire(
                 assert load.peak <= LIMIT, load.peak
 
             proxy.restore()
-            await until(lambda: a.mode is Mode.SHARED, "a rejoined")
+            await until(lambda: a.ledger.mode is Mode.SHARED, "a rejoined")
             await until(
-                lambda: a.known().grace.until <= asyncio.get_running_loop().time(),
+                lambda: a.ledger.known().grace.until <= asyncio.get_running_loop().time(),
                 "the rejoin grace over",
             )
             load.reset()
             await load.served("the load runs in plain shared mode")
             assert load.peak <= LIMIT, load.peak
             await load.stop()
-            assert sum(m.held for m, _ in ms.values()) <= LIMIT
+            assert sum(m.ledger.held for m, _ in ms.values()) <= LIMIT
             for m, _ in ms.values():
                 await m.close()
 

@@ -62,7 +62,7 @@ def heard(m: LeaseManager, fail_first: bool = False) -> Handled:
         if fail_first and len(calls) == 1:
             raise RuntimeError("handler broke")
         handle(data)
-        handled.append((data, m.known().others))
+        handled.append((data, m.ledger.known().others))
 
     m._on_message = recording  # type: ignore[method-assign]
     return handled
@@ -79,7 +79,7 @@ def test_hostile_messages_are_refused_counted_and_the_listener_goes_on(
         a, _ = replica(redis_server.url, "a", lease_s=LEASE_S, on_error=errors.append)
         handled = heard(a)
         a.start()
-        await until_async(lambda: a.connected, "a reached Redis")
+        await until_async(lambda: a.ledger.connected, "a reached Redis")
         await subscribers(redis_server.url)
         r = aioredis.Redis.from_url(redis_server.url)
         for hostile in (f"demand x 0:{HUGE}", b"demand x 0:\xff", "demand x " + "0:1," * 3000):
@@ -113,11 +113,11 @@ def test_a_hostile_demand_entry_counts_as_none_and_the_replica_stays_shared(
         await r.hset(KEYS.demand, mapping={"evil": f"0:{HUGE}", "odd": b"0:\xff", "b": "0:1"})
         a, pa = replica(redis_server.url, "a", lease_s=LEASE_S, on_error=errors.append)
         a.start()
-        await until_async(lambda: a.connected, "a reached Redis")
-        assert a.known().others == {"b": {0: 1}}
+        await until_async(lambda: a.ledger.connected, "a reached Redis")
+        assert a.ledger.known().others == {"b": {0: 1}}
         pa.arrive(0, 2)
         await until_async(lambda: pa.running == 2, "a admits on leases")
-        assert str(a.mode) == "shared" and a.degraded_transitions == 0
+        assert str(a.ledger.mode) == "shared" and a.ledger.degraded_transitions == 0
         assert set(errors) == {"demand"} and len(errors) >= 4  # two per reply
         await r.aclose()
         await a.close()
@@ -145,7 +145,7 @@ def test_a_static_pool_ignores_a_limit_published_in_redis(
         await until_async(lambda: pa.running == 4, "a runs its limit")
         asked = loop.time()
         await until_async(lambda: asked_since(a, asked), "a asked again for the rest")
-        assert pa.running == 4 and a.limit == 4 and str(a.mode) == "shared"
+        assert pa.running == 4 and a.ledger.limit == 4 and str(a.ledger.mode) == "shared"
         _, leases = await leases_in_redis(redis_server.url)
         assert len(leases) == 4
         await r.aclose()
@@ -169,7 +169,9 @@ def test_an_adaptive_pool_clamps_the_published_limit_to_its_bounds(
         a, pa = replica(redis_server.url, "a", 4, adaptive=True, bounds=(2, 6), lease_s=LEASE_S)
         a.start()
         pa.arrive(0, 10)
-        await until_async(lambda: pa.running == limit and a.limit == limit, f"a runs {limit}")
+        await until_async(
+            lambda: pa.running == limit and a.ledger.limit == limit, f"a runs {limit}"
+        )
         _, leases = await leases_in_redis(redis_server.url)
         assert len(leases) == limit
         await r.aclose()
@@ -216,7 +218,7 @@ def test_the_listener_subscribes_again_after_a_message_it_could_not_handle(
         a, _ = replica(redis_server.url, "a", lease_s=LEASE_S)
         handled = heard(a, fail_first=True)
         a.start()
-        await until_async(lambda: a.connected, "a reached Redis")
+        await until_async(lambda: a.ledger.connected, "a reached Redis")
         await subscribers(redis_server.url)
         r = aioredis.Redis.from_url(redis_server.url)
         await r.publish(KEYS.channel, "demand b 0:1")

@@ -43,12 +43,12 @@ async def started(server: RedisServer) -> tuple[LeaseManager, FakePool, list[str
         server.url, "a", LIMIT, lease_s=LEASE_S, timeout_s=TIMEOUT_S, on_error=errors.append
     )
     a.start()
-    await until(lambda: a.connected, "a reached Redis")
+    await until(lambda: a.ledger.connected, "a reached Redis")
     return a, pa, errors
 
 
 async def renewed_after(m: LeaseManager, t: float) -> None:
-    await until(lambda: m.known().valid_until > t, "a renewal answered")
+    await until(lambda: m.ledger.known().valid_until > t, "a renewal answered")
 
 
 def test_one_slow_acquire_fails_alone(redis_server: RedisServer) -> None:
@@ -57,15 +57,15 @@ def test_one_slow_acquire_fails_alone(redis_server: RedisServer) -> None:
         busy = pause(redis_server)
         pa.arrive(0, 2)  # its ACQUIRE waits for the sleep, past the timeout
         await until(lambda: errors == ["acquire"], "the acquire timed out")
-        assert a.mode is Mode.SHARED
+        assert a.ledger.mode is Mode.SHARED
         await until(lambda: pa.running == 2, "the next acquire admitted them")
         busy.close()
-        assert a.mode is Mode.SHARED and a.degraded_transitions == 0
+        assert a.ledger.mode is Mode.SHARED and a.ledger.degraded_transitions == 0
         assert a.debug()["rejoin_grace_s"] == 0  # nothing caps what it takes
 
         async def only_its_own() -> bool:  # the late grant went back with the renewal
             _, leases = await leases_in_redis(redis_server.url)
-            return sorted(leases) == sorted(a._ids)
+            return sorted(leases) == sorted(a.ledger._ids)
 
         await until_redis(only_its_own, "Redis holds exactly a's leases")
         pa.arrive(0, 2)
@@ -82,16 +82,16 @@ def test_one_slow_renewal_fails_alone_and_goes_again_a_poll_later(
         a, pa, errors = await started(redis_server)
         pa.arrive(0, 2)
         await until(lambda: pa.running == 2, "a runs 2")
-        before = a.known().valid_until
+        before = a.ledger.known().valid_until
         busy = pause(redis_server)
         a._kick()  # a renewal now, into the sleep
         await until(lambda: errors == ["renew"], "the renewal timed out")
-        assert a.mode is Mode.SHARED
+        assert a.ledger.mode is Mode.SHARED
         assert a._next_renew <= asyncio.get_running_loop().time() + POLL_S  # not an interval
         await renewed_after(a, before)  # a poll later, not an interval (3.3 s)
         busy.close()
         assert errors == ["renew"]
-        assert a.mode is Mode.SHARED and a.degraded_transitions == 0
+        assert a.ledger.mode is Mode.SHARED and a.ledger.degraded_transitions == 0
         assert a.debug()["local_limit"] == 2 and a.debug()["rejoin_grace_s"] == 0
         pa.arrive(0, 2)
         await until(lambda: pa.running == LIMIT, "the whole pool")

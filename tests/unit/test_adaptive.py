@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from extproc.backend.scrape import Signals
+from extproc.backend.scrape import Latency, Signals
 from extproc.config.policy import AdaptivePolicy
 from extproc.pool.adaptive import AdaptiveLimit, LimitState
 from extproc.pool.bandcut import BandLoad
@@ -45,28 +45,26 @@ def sig(
         waiting=waiting,
         running=10,
         kv_usage=kv,
-        ttft_s=ttft,
-        itl_s=itl,
-        ttft_count=ttft_n if ttft is not None else 0,
-        itl_count=itl_n if itl is not None else 0,
-        tpot_s=tpot,
-        tpot_count=tpot_n if tpot is not None else 0,
-        queue_time_s=queue,
-        queue_time_count=queue_n if queue is not None else 0,
+        latency={
+            name: Latency(q, n if q is not None else 0)
+            for name, q, n in (
+                ("ttft", ttft, ttft_n),
+                ("itl", itl, itl_n),
+                ("tpot", tpot, tpot_n),
+                ("queue_time", queue, queue_n),
+            )
+        },
         refused=refused,
     )
 
 
 def limiter(initial: int = 100, fallback_limit: int | None = None, **kw: object) -> AdaptiveLimit:
-    """An adaptive limit on a policy with these settings (``window_s`` is the cooldown)."""
-    settings: dict[str, object] = {
-        "min_limit": 4,
-        "max_limit": 400,
-        "initial": initial,
-        "ttft_slo_s": 1.0,
-        "itl_slo_s": 0.05,
-    }
-    settings.update(kw)
+    """An adaptive limit on a policy with these settings (``window_s`` is the cooldown); an
+    objective as ``<name>_slo_s`` (None: none), ttft's 1 s and itl's 50 ms by default."""
+    slo: dict[str, object] = {"ttft": 1.0, "itl": 0.05}
+    slo |= {k.removesuffix("_slo_s"): kw.pop(k) for k in list(kw) if k.endswith("_slo_s")}
+    settings: dict[str, object] = {"min_limit": 4, "max_limit": 400, "initial": initial}
+    settings |= kw | {"slo_s": {name: s for name, s in slo.items() if s is not None}}
     return AdaptiveLimit(AdaptivePolicy(**settings), fallback_limit=fallback_limit)  # type: ignore[arg-type]
 
 

@@ -134,10 +134,13 @@ PAGES = [
     ),
     (
         f'{TTFT}{{e="0",le="0.1"}} 1\n{TTFT}{{e="1",le="0.1"}} 2\n{TTFT}{{e="0",le="+Inf"}} 4\n',
-        EndpointSample(ttft={0.1: 3.0, INF: 4.0}),
+        EndpointSample(histograms={"ttft": {0.1: 3.0, INF: 4.0}}),
     ),
-    (f'{ITL_OLD}{{le="0.5"}} 2\n', EndpointSample(itl={0.5: 2.0})),
-    (f'{ITL_OLD}{{le="0.5"}} 2\n{ITL}{{le="0.5"}} 2\n', EndpointSample(itl={0.5: 2.0})),
+    (f'{ITL_OLD}{{le="0.5"}} 2\n', EndpointSample(histograms={"itl": {0.5: 2.0}})),
+    (
+        f'{ITL_OLD}{{le="0.5"}} 2\n{ITL}{{le="0.5"}} 2\n',
+        EndpointSample(histograms={"itl": {0.5: 2.0}}),
+    ),
     (  # a histogram's _count and _sum are not its buckets
         "vllm:time_to_first_token_seconds_count 9\nvllm:time_to_first_token_seconds_sum 1\n",
         EndpointSample(),
@@ -163,7 +166,9 @@ def test_series_are_told_apart_by_their_labels_without_le() -> None:
         f'{TTFT}{{e="0",le="0.1"}} 5\n{TTFT}{{e="0",le="+Inf"}} 5\n'
         f'{TTFT}{{le="1.0",e="1"}} 3\n{TTFT}{{e="1",le="+Inf"}} 3\n'
     )
-    assert parse_metrics(page) == EndpointSample(ttft={0.1: 5.0, 1.0: 3.0, INF: 8.0})
+    assert parse_metrics(page) == EndpointSample(
+        histograms={"ttft": {0.1: 5.0, 1.0: 3.0, INF: 8.0}}
+    )
 
 
 @pytest.mark.parametrize(

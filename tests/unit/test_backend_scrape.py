@@ -254,21 +254,22 @@ def test_parse_sums_label_sets_takes_kv_max_and_skips_other_families() -> None:
     )  # fmt: skip
     s = parse_metrics(page)
     assert (s.waiting, s.running, s.kv_usage) == (3.0, 9.0, 0.75)
-    assert s.ttft is not None and s.itl is not None
-    assert len(s.ttft) == len(TTFT_BOUNDS) + 1
-    assert (s.ttft[0.08], s.ttft[0.1], s.ttft[0.25], s.ttft[0.5], s.ttft[INF]) == (0, 5, 5, 6, 7)
-    assert s.itl[0.05] == 8 and s.itl[INF] == 8  # request_time_per_output_token not mixed in
-    assert s.tpot is not None  # each request's mean, a family of its own
-    assert (s.tpot[0.01], s.tpot[0.15], s.tpot[0.2], s.tpot[INF]) == (1000, 1000, 1005, 1005)
-    assert s.queue_time is not None and s.queue_time[INF] == 0  # exported, nothing observed
+    assert list(s.histograms) == ["ttft", "itl", "tpot", "queue_time"]  # the table's order
+    ttft, itl, tpot = s.histograms["ttft"], s.histograms["itl"], s.histograms["tpot"]
+    assert len(ttft) == len(TTFT_BOUNDS) + 1
+    assert (ttft[0.08], ttft[0.1], ttft[0.25], ttft[0.5], ttft[INF]) == (0, 5, 5, 6, 7)
+    assert itl[0.05] == 8 and itl[INF] == 8  # request_time_per_output_token not mixed in
+    # Each request's mean, a family of its own.
+    assert (tpot[0.01], tpot[0.15], tpot[0.2], tpot[INF]) == (1000, 1000, 1005, 1005)
+    assert s.histograms["queue_time"][INF] == 0  # exported, nothing observed
 
 
 def test_parse_older_vllm_names_and_one_itl_when_both_are_exposed() -> None:
     old = parse_metrics(vllm_page(Engine(kv=0.5, itl={0.1: 4}), old_names=True))
     assert old.kv_usage == 0.5
-    assert old.itl is not None and old.itl[INF] == 4
+    assert old.histograms["itl"][INF] == 4
     both = parse_metrics(vllm_page(Engine(itl={0.1: 4}), both_itl=True))
-    assert both.itl is not None and both.itl[INF] == 4  # not 8: the same observations
+    assert both.histograms["itl"][INF] == 4  # not 8: the same observations
 
 
 def test_parse_label_values_with_quotes_and_braces() -> None:
@@ -279,7 +280,7 @@ def test_parse_label_values_with_quotes_and_braces() -> None:
         "vllm:num_requests_waiting\t2\n"
     )
     s = parse_metrics(page)
-    assert s.ttft == {0.5: 3.0, INF: 4.0}
+    assert s.histograms == {"ttft": {0.5: 3.0, INF: 4.0}}
     assert s.waiting == 2.0
 
 
@@ -310,8 +311,8 @@ def test_parse_matches_what_prometheus_client_writes() -> None:
             ttft.labels(MODEL, engine).observe(v)
     s = parse_metrics(generate_latest(registry).decode())
     assert s.waiting == 6.0
-    assert s.ttft is not None
-    assert (s.ttft[0.001], s.ttft[0.005], s.ttft[0.06], s.ttft[0.25], s.ttft[40.0]) == (
+    got = s.histograms["ttft"]
+    assert (got[0.001], got[0.005], got[0.06], got[0.25], got[40.0]) == (
         0,
         2,
         4,
@@ -370,21 +371,21 @@ def test_urls_and_settings_are_checked() -> None:
     with pytest.raises(ValueError):
         make_scraper([])
     with pytest.raises(ValueError):
-        make_scraper(["http://a:1/m"], adaptive=AdaptivePolicy(ttft_quantile=1.0))
+        make_scraper(["http://a:1/m"], adaptive=AdaptivePolicy(quantiles={"ttft": 1.0}))
 
 
 def test_from_policy_takes_the_resolved_policy_settings() -> None:
     backend = BackendPolicy(metrics=("http://a:1/m", "http://b:2/m"), scrape_timeout_s=0.2)
-    adaptive = AdaptivePolicy(
-        window_s=7.0,
-        ttft_quantile=0.5,
-        itl_quantile=0.99,
-        tpot_quantile=0.8,
-        queue_time_quantile=0.7,
-    )
-    s = Scraper.from_policy(backend, adaptive)
-    assert (s.timeout_s, s.window_s, s.ttft_quantile, s.itl_quantile) == (0.2, 7.0, 0.5, 0.99)
-    assert (s.tpot_quantile, s.queue_time_quantile) == (0.8, 0.7)
+    quantiles = {"ttft": 0.5, "itl": 0.99, "tpot": 0.8, "queue_time": 0.7}
+    s = Scraper.from_policy(backend, AdaptivePolicy(window_s=7.0, quantiles=quantiles))
+    assert (s.timeout_s, s.window_s, s.quantiles) == (0.2, 7.0, quantiles)
+    # A quantile not given: its objective's default.
+    assert make_scraper(["http://a:1/m"], adaptive=AdaptivePolicy(quantiles={})).quantiles == {
+        "ttft": 0.9,
+        "itl": 0.9,
+        "tpot": 0.9,
+        "queue_time": 0.9,
+    }
     assert s.max_body_bytes == MAX_BODY_BYTES
     assert repr(s) == "<Scraper a:1, b:2, 0 endpoints known>"
 
@@ -447,12 +448,7 @@ def test_every_address_of_a_name_and_windowed_quantiles_over_all_of_them() -> No
                 30,
                 0.6,
             )
-            assert (first.ttft_s, first.ttft_count, first.itl_s, first.itl_count) == (
-                None,
-                0,
-                None,
-                0,
-            )
+            assert first.latency == dict.fromkeys(["ttft", "itl", "tpot", "queue_time"], (None, 0))
             # New observations: A 6 in (0.1, 0.25] and 2 in (0.25, 0.5]; B 2 in (0.25, 0.5].
             a.ttft = {0.1: 100, 0.25: 6, 0.5: 2}
             b.ttft = {0.1: 50, 0.5: 2}
@@ -464,17 +460,14 @@ def test_every_address_of_a_name_and_windowed_quantiles_over_all_of_them() -> No
             second = await scraper.scrape(101.0)
         # Window: (0.1, 0.25] 6, (0.25, 0.5] 4; 10 in all. p90: rank 9 is the 3rd of the 4 in
         # (0.25, 0.5]: 0.25 + 0.25 * 3/4. ITL: 10 in (0.05, 0.075], rank 9: 0.05 + 0.025 * 0.9.
-        assert second.ttft_count == 10
-        assert second.ttft_s == pytest.approx(0.25 + 0.25 * 3 / 4)
-        assert second.itl_count == 10
-        assert second.itl_s == pytest.approx(0.05 + 0.025 * 0.9)
+        latency = second.latency
+        assert latency["ttft"] == (pytest.approx(0.25 + 0.25 * 3 / 4), 10)
+        assert latency["itl"] == (pytest.approx(0.05 + 0.025 * 0.9), 10)
         # TPOT (B's 20 requests in (0.075, 0.1]), apart from the tokens' gaps.
-        assert (first.tpot_s, first.tpot_count, second.tpot_count) == (None, 0, 20)
-        assert second.tpot_s == pytest.approx(0.075 + 0.025 * 0.9)
+        assert latency["tpot"] == (pytest.approx(0.075 + 0.025 * 0.9), 20)
         # vLLM's queue time, both endpoints: 20 in [0, 0.3], 10 in (0.3, 0.5]; p90 is rank 27,
         # the 7th of the 10 in (0.3, 0.5].
-        assert (first.queue_time_s, second.queue_time_count) == (None, 30)
-        assert second.queue_time_s == pytest.approx(0.3 + 0.2 * 7 / 10)
+        assert latency["queue_time"] == (pytest.approx(0.3 + 0.2 * 7 / 10), 30)
 
     run(main())
 
@@ -622,7 +615,7 @@ def test_counter_reset_window_expiry_and_gap() -> None:
                 server.page = vllm_page(engine)
                 s = await scraper.scrape(now)
                 assert s.endpoints_ok == 1
-                return s.ttft_s, s.ttft_count
+                return s.latency["ttft"]
 
             assert await at(0.0, {0.1: 1000}) == (None, 0)  # baseline
             # +20 in (0.5, 0.75]: p90 rank 18 -> 0.5 + 0.25 * 18/20
@@ -693,8 +686,8 @@ def test_nonsense_buckets_fail_their_endpoint_and_leave_the_others_signals(
         assert len(s.errors) == 1
         assert s.errors[0].startswith(f"127.0.0.1:{hostile.port}: ")
         assert error in s.errors[0], s.errors
-        assert (s.waiting, s.ttft_count) == (1, 20)
-        assert s.ttft_s == pytest.approx(0.25 + 0.25 * 0.9)  # rank 18 of 20 in (0.25, 0.5]
+        assert s.waiting == 1
+        assert s.latency["ttft"] == (pytest.approx(0.25 + 0.25 * 0.9), 20)  # rank 18 in (.25, .5]
 
     run(main())
 

@@ -17,6 +17,7 @@ from extproc.pool.control import PoolControl
 from extproc.pool.core import Admission
 from extproc.pool.demand import limit_demand
 from extproc.pool.gate import Gate, Slot
+from extproc.pool.values import Entry
 from testing.clock import run_virtual
 from tests.unit.test_adaptive import limiter, sig
 
@@ -231,7 +232,7 @@ buckets:
 def test_band_load_is_the_least_urgent_bands_requests_floor_and_caps() -> None:
     async def main() -> None:
         gate = Gate(POLICY)
-        held = [gate.enter("batch", 9.0) for _ in range(12)]
+        held = [gate.enter(Entry(bucket="batch", timeout_s=9.0)) for _ in range(12)]
         b = band_load(20, POLICY.buckets, gate.statistics())
         assert b == BandLoad(running=10, waiting=2, floor=2, top=13)  # 2 + 0; 10 + min(10, 3)
         assert band_load(40, POLICY.buckets, gate.statistics()) == BandLoad(
@@ -255,10 +256,10 @@ def core(limit: int = 20) -> Admission:
 
 def test_the_core_keeps_the_guaranteed_share_in_requests_whatever_the_cuts() -> None:
     a = core()
-    a.enqueue("chat", 0.0, 1.0)  # a more urgent band runs: the cuts apply
+    a.enqueue(Entry(bucket="chat", timeout_s=1.0), 0.0)  # a more urgent band runs: the cuts apply
     a.set_cut(POOL, 0.0, 0.0, band=True)
     for _ in range(10):
-        a.enqueue("batch", 0.0, 60.0)
+        a.enqueue(Entry(bucket="batch", timeout_s=60.0), 0.0)
     assert a.statistics()["batch"].in_flight == 2  # floor(0.1 x 20), not 0
     a.set_cut(POOL, 0.0, 0.0)  # and the overload cut besides: still its share
     assert a.statistics()["batch"].in_flight == 2
@@ -266,16 +267,16 @@ def test_the_core_keeps_the_guaranteed_share_in_requests_whatever_the_cuts() -> 
 
 def test_the_lower_of_the_two_cuts_binds_and_only_while_a_more_urgent_band_runs() -> None:
     a = core()
-    ticket = a.enqueue("chat", 0.0, 1.0).ticket
+    ticket = a.enqueue(Entry(bucket="chat", timeout_s=1.0), 0.0).ticket
     for _ in range(12):
-        a.enqueue("batch", 0.0, 60.0)
+        a.enqueue(Entry(bucket="batch", timeout_s=60.0), 0.0)
     assert a.statistics()["batch"].in_flight == 12  # no cut: max_share 1.0, 19 free
     a = core()
-    ticket = a.enqueue("chat", 0.0, 1.0).ticket
+    ticket = a.enqueue(Entry(bucket="chat", timeout_s=1.0), 0.0).ticket
     a.set_cut(POOL, 0.8, 0.0)
     a.set_cut(POOL, 0.25, 0.0, band=True)
     for _ in range(12):
-        a.enqueue("batch", 0.0, 60.0)
+        a.enqueue(Entry(bucket="batch", timeout_s=60.0), 0.0)
     st = a.statistics()["batch"]
     assert (st.in_flight, st.capacity) == (5, 5)  # floor(0.25 x 20)
     admitted = a.release(ticket.id, 1.0)  # chat gone: work-conserving, batch may use it all
@@ -285,10 +286,10 @@ def test_the_lower_of_the_two_cuts_binds_and_only_while_a_more_urgent_band_runs(
 
 def test_waiters_held_by_the_band_cut_are_no_demand_for_a_higher_limit() -> None:
     a = core()
-    a.enqueue("chat", 0.0, 1.0)
+    a.enqueue(Entry(bucket="chat", timeout_s=1.0), 0.0)
     a.set_cut(POOL, 0.25, 0.0, band=True)
     for _ in range(12):
-        a.enqueue("batch", 0.0, 60.0)
+        a.enqueue(Entry(bucket="batch", timeout_s=60.0), 0.0)
     pool = a.pool_statistics(0.0)[POOL]
     assert limit_demand(pool, a.statistics(), POLICY.buckets[:2]) == (6, 0)
 
@@ -325,8 +326,8 @@ def test_the_controller_cuts_the_band_on_the_gate_and_lends_it_back() -> None:
         assert poller is not None
         scraper = FakeScraper()
         poller.scraper = scraper
-        chat = gate.enter("chat", 1.0)
-        batch = [gate.enter("batch", 60.0) for _ in range(30)]
+        chat = gate.enter(Entry(bucket="chat", timeout_s=1.0))
+        batch = [gate.enter(Entry(bucket="batch", timeout_s=60.0)) for _ in range(30)]
         assert isinstance(chat, Slot) and gate.statistics()["batch"].in_flight == 18
         scraper.itl = ITL_BREACH
         assert await poller.poll_once() == 20  # the limit holds ...

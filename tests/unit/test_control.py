@@ -1,7 +1,8 @@
 """PoolControl on a real Gate: the overload monitor reads the protected band, cuts the least
 urgent one, logs each transition once and shows it in the gauges; recovery in steps. On a
 virtual clock (``testing.clock``): the queue timeouts and the overload tick loop's seconds pass
-at once, and a tick comes at its exact loop time."""
+at once, and a tick comes at its exact loop time. A reload that changes ``pool.shared`` is
+refused; one that keeps it applies to the lease manager in place."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import logging
 
 import pytest
 
-from extproc.config.policy import Policy, policy_from_yaml
+from extproc.config.policy import Policy, PolicyError, policy_from_yaml
 from extproc.ops.metrics import Metrics
 from extproc.pool.control import OVERLOAD_TICK_S, PoolControl
-from extproc.pool.gate import POOL, Gate, Refused, Slot, Waiter
+from extproc.pool.gate import Gate, Refused, Slot, Waiter
 from extproc.pool.overload import Overload
+from extproc.pool.values import Entry
 from testing.clock import run_virtual
 
 POLICY = policy_from_yaml(
@@ -36,10 +38,11 @@ def test_overload_cuts_the_least_urgent_band_and_recovers_in_steps(
         gate = Gate(POLICY)
         control = PoolControl(gate, Metrics(gate.statistics, lambda: control.gauges()))
         control.apply(POLICY)
-        held = [gate.enter("batch", 1.0) for _ in range(4)]  # batch borrowed the whole pool
+        # Batch borrowed the whole pool
+        held = [gate.enter(Entry(bucket="batch", timeout_s=1.0)) for _ in range(4)]
         assert all(isinstance(s, Slot) for s in held)
         assert control.tick(0.0) is not None  # the first totals: nothing to compare yet
-        waiters = [gate.enter("chat", 0.01) for _ in range(25)]
+        waiters = [gate.enter(Entry(bucket="chat", timeout_s=0.01)) for _ in range(25)]
         for w in waiters:
             assert isinstance(w, Waiter)
             with pytest.raises(Refused):
@@ -48,15 +51,18 @@ def test_overload_cuts_the_least_urgent_band_and_recovers_in_steps(
         verdict = control.tick(1.0)
         assert verdict is not None and str(verdict.state) == "overloaded"
         assert control.gauges()["overload_state"] == 1 and control.gauges()["overload_factor"] == 0
-        busy = gate.enter("chat", 5.0)  # protected traffic waiting: the cut applies
+        # Protected traffic waiting: the cut applies
+        busy = gate.enter(Entry(bucket="chat", timeout_s=5.0))
         assert isinstance(busy, Waiter)
         assert gate.statistics()["batch"].capacity == 1  # its guaranteed quarter of 4
         for s in held:
             assert isinstance(s, Slot)
             s.release()
         slot = await busy.admitted()
-        assert gate.enter("batch", 1.0) is not None  # one batch request (its guarantee)
-        assert isinstance(gate.enter("batch", 0.5), Waiter)  # the cut holds the second
+        # One batch request (its guarantee)
+        assert gate.enter(Entry(bucket="batch", timeout_s=1.0)) is not None
+        # The cut holds the second
+        assert isinstance(gate.enter(Entry(bucket="batch", timeout_s=0.5)), Waiter)
         # Clear from here on: no more evictions. Steps after 10 s each.
         states = []
         for t in range(2, 50):
@@ -115,10 +121,11 @@ def test_the_tick_loop_looks_every_tick_on_the_loops_clock(
             return verdict
 
         control.tick = recording  # type: ignore[method-assign]
-        held = [gate.enter("batch", 1.0) for _ in range(4)]  # batch borrowed the whole pool
+        # Batch borrowed the whole pool
+        held = [gate.enter(Entry(bucket="batch", timeout_s=1.0)) for _ in range(4)]
         control.start()
         await asyncio.sleep(1.5)  # past the first tick (the first totals); virtual: at once
-        for w in [gate.enter("chat", 0.01) for _ in range(25)]:
+        for w in [gate.enter(Entry(bucket="chat", timeout_s=0.01)) for _ in range(25)]:
             assert isinstance(w, Waiter)
             with pytest.raises(Refused):
                 await w.admitted()  # evicted at 1.51
@@ -159,10 +166,11 @@ def test_client_deadlines_that_pass_do_not_trip_the_cut() -> None:
         gate = Gate(POLICY)
         control = PoolControl(gate, Metrics(gate.statistics, lambda: control.gauges()))
         control.apply(POLICY)
-        held = [gate.enter("batch", 1.0) for _ in range(4)]  # batch borrowed the whole pool
+        # Batch borrowed the whole pool
+        held = [gate.enter(Entry(bucket="batch", timeout_s=1.0)) for _ in range(4)]
         assert control.tick(0.0) is not None
         for _ in range(25):
-            w = gate.enter("chat", 0.01, client_deadline=True)
+            w = gate.enter(Entry(bucket="chat", timeout_s=0.01, client_deadline=True))
             assert isinstance(w, Waiter)
             with pytest.raises(Refused) as info:
                 await w.admitted()
@@ -216,9 +224,9 @@ def test_latency_objectives_apply_while_a_more_urgent_band_has_requests() -> Non
         control = PoolControl(gate, Metrics(gate.statistics))
         control.apply(POLICY)
         assert control._objectives_apply() is False  # nobody at all
-        held = [gate.enter("batch", 1.0) for _ in range(4)]
+        held = [gate.enter(Entry(bucket="batch", timeout_s=1.0)) for _ in range(4)]
         assert control._objectives_apply() is False  # batch alone
-        waiting = gate.enter("chat", 5.0)
+        waiting = gate.enter(Entry(bucket="chat", timeout_s=5.0))
         assert isinstance(waiting, Waiter)
         assert control._objectives_apply() is True  # chat waits
         for s in held:
@@ -260,10 +268,11 @@ buckets:
         gate = Gate(policy)
         control = PoolControl(gate, Metrics(gate.statistics))
         control.apply(policy)
-        entered = [gate.enter("batch", 5.0) for _ in range(5)]
+        entered = [gate.enter(Entry(bucket="batch", timeout_s=5.0)) for _ in range(5)]
         assert [isinstance(e, Slot) for e in entered] == [True, True, False, False, False]
         assert control._demand() == demand
-        full = [gate.enter("chat", 1.0) for _ in range(2)]  # the pool is full: all waiters count
+        # The pool is full: all waiters count
+        full = [gate.enter(Entry(bucket="chat", timeout_s=1.0)) for _ in range(2)]
         assert all(isinstance(e, Slot) for e in full)
         assert control._demand() == (4, 3)
         full.pop().release()  # room again; chat still runs, so a cut applies to batch
@@ -279,15 +288,16 @@ buckets:
     run_virtual(main())
 
 
-def adaptive_policy(shared: bool) -> Policy:
-    """An adaptive pool of two bands (a band cut applies), in shared mode or not. Nothing
-    answers at the Redis URL or the metrics URL: the test looks at what a reload does."""
+def adaptive_policy(shared: str = "", most: int = 16) -> Policy:
+    """An adaptive pool of two bands (a band cut applies), with ``shared`` as its
+    ``pool.shared`` keys when given. Nothing answers at the Redis URL or the metrics URL: the
+    test looks at what a reload does."""
     return policy_from_yaml(
         f"""
 pool:
   max_concurrency: 4
-  adaptive: {{min: 1, max: 16, initial: 8}}
-  {'shared: {redis: "redis://127.0.0.1:1/0", lease: 1s}' if shared else ""}
+  adaptive: {{min: 1, max: {most}, initial: 8}}
+  {f"shared: {{{shared}}}" if shared else ""}
 backend: {{metrics: ["http://127.0.0.1:1/metrics"]}}
 buckets:
   - {{name: chat, match: {{headers: {{x: y}}}}, priority: 0, queue_timeout: 1s, max_queue: 9}}
@@ -296,28 +306,76 @@ buckets:
     )
 
 
-def test_a_reload_into_shared_mode_lifts_the_band_cut_and_stops_a_poller_that_does_not_lead() -> (
-    None
-):
-    """A reload that turns ``pool.shared`` on: the band cut in force goes (a shared pool has
-    none: its leader sees only its own replica's bands) and, while another replica may lead
-    (this one is not the leader yet), no poller runs here; back out of shared mode, this
-    replica computes its limit again."""
+SHARED = 'redis: "redis://127.0.0.1:1/0", lease: 1s'
+RESTART = "; restart the sidecar (a rolling restart) to apply it"
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "why"),
+    [
+        ("", SHARED, "pool.shared added: a reload cannot turn shared mode on"),
+        (SHARED, "", "pool.shared removed: a reload cannot turn shared mode off"),
+        (
+            SHARED,
+            'redis: "redis://127.0.0.1:1/1", lease: 1s',
+            "pool.shared.redis changed: a reload cannot move a running pool to another Redis",
+        ),
+        (
+            SHARED,
+            f"{SHARED}, key_prefix: other",
+            "pool.shared.key_prefix changed: a reload cannot move a running pool to another "
+            "pool on its Redis",
+        ),
+        (
+            SHARED,
+            'redis: "redis://127.0.0.1:1/0", lease: 2s, timeout: 200ms',
+            "pool.shared.lease and pool.shared.timeout changed: a reload cannot change a running "
+            "pool's lease manager",
+        ),
+        (
+            SHARED,
+            f"{SHARED}, replicas: 3",
+            "pool.shared.replicas changed: a reload cannot change a running pool's lease manager",
+        ),
+    ],
+)
+def test_a_reload_that_changes_pool_shared_is_refused_and_changes_nothing(
+    before: str, after: str, why: str
+) -> None:
+    """Into or out of shared mode, or to another ``pool.shared``: ``prepare`` refuses it (the
+    sidecar's reload keeps the policy in force); a restart applies it."""
 
     async def main() -> None:
-        local, shared = adaptive_policy(False), adaptive_policy(True)
-        gate = Gate(local)
+        old = adaptive_policy(before)
+        gate = Gate(old)
         control = PoolControl(gate, Metrics(gate.statistics))
-        control.apply(local)
-        assert control._poller is not None
-        gate.set_cut(0.5, band=True)  # a band cut in force
-        gate.reconfigure(shared)
-        control.apply(shared)
-        assert control._shared is not None and not control._shared.is_leader
-        assert (control._poller, gate.pool_statistics()[POOL].band_cut) == (None, 1.0)
-        gate.reconfigure(local)
-        control.apply(local)
-        assert control._poller is not None
+        control.apply(old)
+        manager, poller = control._shared, control._poller
+        assert (manager is None) is (before == "") and (poller is None) is (before != "")
+        with pytest.raises(PolicyError) as refused:
+            control.prepare(adaptive_policy(after))
+        assert str(refused.value) == why + RESTART
+        assert (control._policy, control._shared, control._poller) == (old, manager, poller)
+        await control.stop()
+        await control.close()
+
+    asyncio.run(main())
+
+
+def test_a_reload_that_keeps_pool_shared_applies_to_its_lease_manager_in_place() -> None:
+    """A new adaptive ``max`` (or limit) with ``pool.shared`` as it was: the same manager, on
+    the new bounds."""
+
+    async def main() -> None:
+        old, new = adaptive_policy(SHARED), adaptive_policy(SHARED, most=12)
+        gate = Gate(old)
+        control = PoolControl(gate, Metrics(gate.statistics))
+        control.apply(old)
+        manager = control._shared
+        assert manager is not None and manager.ledger.bounds == (1, 16)
+        gate.reconfigure(new)
+        control.apply(control.prepare(new))
+        assert control._shared is manager and manager.ledger.bounds == (1, 12)
         await control.stop()
         await control.close()
 

@@ -15,6 +15,7 @@ import pytest
 from extproc.config.policy import policy_from_mapping
 from extproc.outcome import Outcome
 from extproc.pool.gate import Gate, Refused, Slot, Waiter, retry_after_s
+from extproc.pool.values import Entry
 from testing.clock import run_virtual
 
 POLICY = policy_from_mapping(
@@ -45,9 +46,9 @@ def test_eviction_fires_at_the_deadline_while_the_slot_stays_busy() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         gate = Gate(POLICY)
-        holder = gate.enter("b", 0.2)
+        holder = gate.enter(Entry(bucket="b", timeout_s=0.2))
         assert isinstance(holder, Slot)
-        waiter = gate.enter("b", 0.2)
+        waiter = gate.enter(Entry(bucket="b", timeout_s=0.2))
         assert isinstance(waiter, Waiter)
         t0 = loop.time()
         with pytest.raises(Refused) as info:
@@ -67,9 +68,9 @@ def test_eviction_fires_at_the_deadline_while_the_slot_stays_busy() -> None:
 def test_a_waiter_at_its_clients_own_deadline_expires_rather_than_being_evicted() -> None:
     async def main() -> None:
         gate = Gate(POLICY)
-        holder = gate.enter("b", 0.2)
+        holder = gate.enter(Entry(bucket="b", timeout_s=0.2))
         assert isinstance(holder, Slot)
-        own = gate.enter("b", 0.05, client_deadline=True)
+        own = gate.enter(Entry(bucket="b", timeout_s=0.05, client_deadline=True))
         assert isinstance(own, Waiter)
         with pytest.raises(Refused) as info:
             await own.admitted()
@@ -86,11 +87,11 @@ def test_a_waiter_at_its_clients_own_deadline_expires_rather_than_being_evicted(
 def test_queue_full_is_refused_at_once() -> None:
     async def main() -> None:
         gate = Gate(POLICY)
-        gate.enter("b", 5)
-        gate.enter("b", 5)
-        gate.enter("b", 5)
+        gate.enter(Entry(bucket="b", timeout_s=5))
+        gate.enter(Entry(bucket="b", timeout_s=5))
+        gate.enter(Entry(bucket="b", timeout_s=5))
         with pytest.raises(Refused) as info:
-            gate.enter("b", 5)
+            gate.enter(Entry(bucket="b", timeout_s=5))
         assert info.value.outcome is Outcome.REJECTED_QUEUE_FULL
         assert info.value.queued == 2
 
@@ -100,9 +101,12 @@ def test_queue_full_is_refused_at_once() -> None:
 def test_release_hands_slot_to_head_waiter() -> None:
     async def main() -> None:
         gate = Gate(POLICY)
-        holder = gate.enter("b", 5)
+        holder = gate.enter(Entry(bucket="b", timeout_s=5))
         assert isinstance(holder, Slot)
-        w1, w2 = gate.enter("b", 5), gate.enter("b", 5)
+        w1, w2 = (
+            gate.enter(Entry(bucket="b", timeout_s=5)),
+            gate.enter(Entry(bucket="b", timeout_s=5)),
+        )
         assert isinstance(w1, Waiter) and isinstance(w2, Waiter)
         holder.release()
         slot = await w1.admitted()
@@ -118,9 +122,9 @@ def test_release_hands_slot_to_head_waiter() -> None:
 def test_cancelled_waiter_leaves_the_queue_at_once() -> None:
     async def main() -> None:
         gate = Gate(POLICY)
-        holder = gate.enter("b", 5)
+        holder = gate.enter(Entry(bucket="b", timeout_s=5))
         assert isinstance(holder, Slot)
-        waiter = gate.enter("b", 5)
+        waiter = gate.enter(Entry(bucket="b", timeout_s=5))
         assert isinstance(waiter, Waiter)
         task = asyncio.ensure_future(waiter.admitted())
         await asyncio.sleep(0)  # one loop turn: the task now awaits its future
@@ -139,9 +143,12 @@ def test_cancel_after_wake_passes_the_slot_on() -> None:
 
     async def main() -> None:
         gate = Gate(POLICY)
-        holder = gate.enter("b", 5)
+        holder = gate.enter(Entry(bucket="b", timeout_s=5))
         assert isinstance(holder, Slot)
-        woken, nxt = gate.enter("b", 5), gate.enter("b", 5)
+        woken, nxt = (
+            gate.enter(Entry(bucket="b", timeout_s=5)),
+            gate.enter(Entry(bucket="b", timeout_s=5)),
+        )
         assert isinstance(woken, Waiter) and isinstance(nxt, Waiter)
         task = asyncio.ensure_future(woken.admitted())
         await asyncio.sleep(0)  # one loop turn: the task now awaits its future
@@ -160,9 +167,9 @@ def test_cancel_after_wake_passes_the_slot_on() -> None:
 def test_cancel_before_awaiting() -> None:
     async def main() -> None:
         gate = Gate(POLICY)
-        holder = gate.enter("b", 5)
+        holder = gate.enter(Entry(bucket="b", timeout_s=5))
         assert isinstance(holder, Slot)
-        w = gate.enter("b", 5)
+        w = gate.enter(Entry(bucket="b", timeout_s=5))
         assert isinstance(w, Waiter)
         w.cancel()
         assert stats(gate) == (1, 0)
@@ -183,8 +190,8 @@ def test_many_waiters_evicted_together_by_one_timer() -> None:
             }
         )
         gate = Gate(policy)
-        holder = gate.enter("b", 0.1)
-        waiters = [gate.enter("b", 0.1) for _ in range(500)]
+        holder = gate.enter(Entry(bucket="b", timeout_s=0.1))
+        waiters = [gate.enter(Entry(bucket="b", timeout_s=0.1)) for _ in range(500)]
         results = await asyncio.gather(
             *(w.admitted() for w in waiters if isinstance(w, Waiter)), return_exceptions=True
         )
@@ -201,8 +208,8 @@ def test_many_waiters_evicted_together_by_one_timer() -> None:
 def test_close_refuses_waiters_and_newcomers_but_keeps_running_slots() -> None:
     async def main() -> None:
         gate = Gate(POLICY)
-        holder = gate.enter("b", 5)
-        waiter = gate.enter("b", 5)
+        holder = gate.enter(Entry(bucket="b", timeout_s=5))
+        waiter = gate.enter(Entry(bucket="b", timeout_s=5))
         assert isinstance(holder, Slot) and isinstance(waiter, Waiter)
         gate.close()
         with pytest.raises(Refused) as info:
@@ -210,7 +217,7 @@ def test_close_refuses_waiters_and_newcomers_but_keeps_running_slots() -> None:
         assert info.value.outcome is Outcome.REJECTED_SHUTTING_DOWN
         assert info.value.code == "shutting_down" and info.value.retry_after_s == 1.0
         with pytest.raises(Refused):
-            gate.enter("b", 5)
+            gate.enter(Entry(bucket="b", timeout_s=5))
         assert stats(gate) == (1, 0)
         holder.release()
         assert stats(gate) == (0, 0)
@@ -225,8 +232,8 @@ def test_close_keeps_a_slot_handed_over_but_not_yet_taken() -> None:
 
     async def main() -> None:
         gate = Gate(POLICY)
-        holder = gate.enter("b", 5)
-        waiter = gate.enter("b", 5)
+        holder = gate.enter(Entry(bucket="b", timeout_s=5))
+        waiter = gate.enter(Entry(bucket="b", timeout_s=5))
         assert isinstance(holder, Slot) and isinstance(waiter, Waiter)
         holder.release()  # hands the slot to the waiter; its future is done, not yet awaited
         gate.close()
@@ -254,10 +261,10 @@ def test_retry_after_is_capped_at_the_queue_timeout() -> None:
             }
         )
         gate = Gate(policy)
-        holder = gate.enter("b", 3)
-        waiters = [gate.enter("b", 3) for _ in range(100)]
+        holder = gate.enter(Entry(bucket="b", timeout_s=3))
+        waiters = [gate.enter(Entry(bucket="b", timeout_s=3)) for _ in range(100)]
         with pytest.raises(Refused) as info:
-            gate.enter("b", 3)
+            gate.enter(Entry(bucket="b", timeout_s=3))
         # Uncapped: (100 + 1) x 3 s / 1 slot = 303 s, clamped to 60 s.
         assert info.value.retry_after_s == 3.0
         for w in waiters:
@@ -273,8 +280,8 @@ def test_admitted_unless_leaves_the_queue_when_the_stream_ends_first() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         gate = Gate(POLICY)
-        holder = gate.enter("b", 5.0)
-        waiter = gate.enter("b", 5.0)
+        holder = gate.enter(Entry(bucket="b", timeout_s=5.0))
+        waiter = gate.enter(Entry(bucket="b", timeout_s=5.0))
         assert isinstance(holder, Slot) and isinstance(waiter, Waiter)
         gone: asyncio.Future[None] = loop.create_future()
         loop.call_later(0.01, gone.set_result, None)
@@ -291,8 +298,8 @@ def test_admitted_unless_returns_the_slot_and_keeps_the_stream_future() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         gate = Gate(POLICY)
-        holder = gate.enter("b", 5.0)
-        waiter = gate.enter("b", 5.0)
+        holder = gate.enter(Entry(bucket="b", timeout_s=5.0))
+        waiter = gate.enter(Entry(bucket="b", timeout_s=5.0))
         assert isinstance(holder, Slot) and isinstance(waiter, Waiter)
         gone: asyncio.Future[None] = loop.create_future()
         loop.call_later(0.01, holder.release)
@@ -310,8 +317,8 @@ def test_admitted_unless_returns_the_slot_and_keeps_the_stream_future() -> None:
 def test_admitted_unless_is_evicted_like_admitted() -> None:
     async def main() -> None:
         gate = Gate(POLICY)
-        holder = gate.enter("b", 0.05)
-        waiter = gate.enter("b", 0.05)
+        holder = gate.enter(Entry(bucket="b", timeout_s=0.05))
+        waiter = gate.enter(Entry(bucket="b", timeout_s=0.05))
         assert isinstance(holder, Slot) and isinstance(waiter, Waiter)
         gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         with pytest.raises(Refused) as info:

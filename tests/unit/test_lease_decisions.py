@@ -194,7 +194,8 @@ _HEARD = {"published": {0: 3}}  # the pool knows of our 3 waiters
         ),
         ({"held": 4, "running": 4, "demand": {0: 3}, "grace": Grace(until=101, cap=4)}, True, None),
         # ... counting the running requests that hold no lease yet (the next RENEW claims
-        # them): a move to an empty pool with 5 running and a cap of 5 acquires nothing more.
+        # them): a rejoin that lost every lease, with 5 running and a cap of 5, acquires
+        # nothing more.
         (
             {"held": 0, "running": 5, "demand": {0: 24}, "grace": Grace(until=101, cap=5)},
             True,
@@ -315,13 +316,6 @@ def test_local_shares_add_up_to_the_limit(limit: int, replicas: int, shares: lis
             Phase.LOCAL_SHARE,
             1,
         ),
-        # A reload's new manager, on the Redis its predecessor had reached, whose first call
-        # failed: the leases it holds (none yet), never a share on top of the predecessor's.
-        (
-            {"mode": Mode.DEGRADED, "connected": False, "reached_before": True, "now": 200.0},
-            Phase.HOLDING,
-            0,
-        ),
     ],
 )
 def test_local_limit(kw: dict[str, Any], phase: Phase | None, limit: int) -> None:
@@ -341,16 +335,3 @@ def test_after_a_rejoin_acquire_up_to_the_share_for_one_lease(
 ) -> None:
     assert decide.rejoin(50.0, 2.0, held, share) == Grace(until=52.0, cap=cap)
     assert decide.NO_GRACE.until == -math.inf
-
-
-def test_a_move_to_another_pool_caps_acquisition_even_after_a_view_was_made() -> None:
-    """``Ledger.moved_from`` after the manager's build had read its view: the grace is in the
-    next view (it used to stay out, and a replica moved to an empty pool took up to its whole
-    share at once: 17 on 12 in the fault suite's reload_another_pool)."""
-    from extproc.config.policy import SharedPolicy
-    from extproc.pool.shared.ledger import Ledger
-
-    ledger = Ledger(SharedPolicy(redis="redis://x"), "a", limit=12, adaptive=False)
-    assert ledger.known().grace == decide.NO_GRACE  # the view the build made
-    ledger.moved_from(100.0, held_before=5)
-    assert ledger.known().grace == decide.Grace(until=100.0 + 10.0, cap=5)

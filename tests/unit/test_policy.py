@@ -88,7 +88,7 @@ def test_embedded_default_matches_the_documented_example() -> None:
     ]
     off = policy_from_yaml(off_block, "docs/policy.md")
     assert off.pool is not None and off.pool.max_tokens_in_flight is not None
-    assert off.pool.adaptive == AdaptivePolicy(ttft_slo_s=2.0, itl_slo_s=0.1)
+    assert off.pool.adaptive == AdaptivePolicy(slo_s={"ttft": 2.0, "itl": 0.1})
     assert off.backend.scrape_timeout_s == BackendPolicy().scrape_timeout_s
     assert off.bucket("all").vllm_priority == 0
     tenant = off.bucket("all").tenant

@@ -54,9 +54,8 @@ backend: {metrics: ["http://vllm-headless.llm.svc:8000/metrics"]}
     assert p.pool is not None and p.pool.adaptive is not None
     a = p.pool.adaptive
     assert (a.min_limit, a.max_limit, a.initial) == (2, 100, 10)
-    assert (a.ttft_slo_s, a.itl_slo_s, a.ttft_quantile) == (1.5, 0.05, 0.9)
-    assert (a.tpot_slo_s, a.tpot_quantile) == (0.04, 0.9)
-    assert (a.queue_time_slo_s, a.queue_time_quantile) == (0.5, 0.8)
+    assert a.slo_s == {"ttft": 1.5, "itl": 0.05, "tpot": 0.04, "queue_time": 0.5}
+    assert a.quantiles == {"ttft": 0.9, "itl": 0.9, "tpot": 0.9, "queue_time": 0.8}
     assert p.pool.max_concurrency == 10  # the fallback: the initial limit unless stated
     assert p.to_dict()["pool"]["adaptive"]["slo"] == {
         "ttft": "1.5s",

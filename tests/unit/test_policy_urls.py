@@ -46,7 +46,7 @@ def test_a_metrics_url_loads_exactly_when_the_scraper_takes_it(url: str) -> None
         assert policy.pool is not None and policy.pool.adaptive is not None
         Scraper.from_policy(policy.backend, policy.pool.adaptive)
     try:
-        Scraper([url], timeout_s=0.5, window_s=10.0, ttft_quantile=0.9, itl_quantile=0.9)
+        Scraper([url], timeout_s=0.5, window_s=10.0)
     except ValueError:
         assert not loads, f"{url} loads, and then the scraper refuses it"
     else:

@@ -11,7 +11,7 @@ from extproc.config.policy import Order, TenantPolicy
 from extproc.pool.core import Admission
 from extproc.pool.order import FairOrder
 from extproc.pool.relegate import Relegation
-from extproc.pool.values import Ticket, Verdict
+from extproc.pool.values import Entry, Ticket, Verdict
 
 POOL = "p"
 
@@ -30,7 +30,7 @@ def bucket(a: Admission, name: str, **kw: object) -> None:
 def admit(
     a: Admission, name: str, now: float = 0.0, cost: int = 0, timeout: float = 10.0
 ) -> Ticket:
-    d = a.enqueue(name, now, timeout, cost=cost)
+    d = a.enqueue(Entry(bucket=name, timeout_s=timeout, cost=cost), now)
     assert d.verdict is Verdict.ADMITTED, d
     return d.ticket
 
@@ -38,7 +38,7 @@ def admit(
 def queue(
     a: Admission, name: str, now: float = 0.0, cost: int = 0, timeout: float = 10.0
 ) -> Ticket:
-    d = a.enqueue(name, now, timeout, cost=cost)
+    d = a.enqueue(Entry(bucket=name, timeout_s=timeout, cost=cost), now)
     assert d.verdict is Verdict.QUEUED, d
     return d.ticket
 
@@ -213,11 +213,11 @@ def test_fail_fast_refuses_at_once_when_the_wait_cannot_fit() -> None:
     admit(a, "b", now)
     for _ in range(5):
         queue(a, "b", now, timeout=10.0)  # the 5th needs about 3 s
-    d = a.enqueue("b", now, 1.0)  # 6 ahead + itself at 2/s: ~3.5 s > 1 s
+    d = a.enqueue(Entry(bucket="b", timeout_s=1.0), now)  # 6 ahead + itself at 2/s: ~3.5 s > 1 s
     assert d.verdict is Verdict.WAIT_TOO_LONG
     assert 2.5 < d.predicted_wait_s < 4.5
     assert a.statistics()["b"].queued == 5  # nothing held
-    assert a.enqueue("b", now, 10.0).verdict is Verdict.QUEUED
+    assert a.enqueue(Entry(bucket="b", timeout_s=10.0), now).verdict is Verdict.QUEUED
 
 
 @pytest.mark.parametrize(("order", "cheap"), [(Order.COST, Verdict.QUEUED), (Order.FIFO, None)])
@@ -239,7 +239,7 @@ def test_a_predicted_wait_counts_only_what_the_cost_order_puts_ahead(
     holder = admit(a, "b", t, cost=100)  # runs
     for _ in range(20):
         queue(a, "b", t, cost=1000, timeout=60.0)
-    d = a.enqueue("b", t, 5.0, cost=10)
+    d = a.enqueue(Entry(bucket="b", timeout_s=5.0, cost=10), t)
     assert d.verdict is (cheap or Verdict.WAIT_TOO_LONG)
     if cheap is not None:  # and the order serves it first, as predicted
         assert a.release(holder.id, t + 1.0) == [d.ticket]
@@ -260,7 +260,7 @@ def test_a_cost_ordered_queue_past_the_scan_bound_counts_every_waiter() -> None:
     admit(a, "b", t, cost=100)
     for _ in range(AHEAD_SCAN):
         queue(a, "b", t, cost=1000, timeout=1000.0)
-    assert a.enqueue("b", t, 5.0, cost=10).verdict is Verdict.WAIT_TOO_LONG
+    assert a.enqueue(Entry(bucket="b", timeout_s=5.0, cost=10), t).verdict is Verdict.WAIT_TOO_LONG
 
 
 def test_no_prediction_before_the_rate_is_known() -> None:
@@ -333,7 +333,13 @@ def test_random_operations_keep_the_invariants(relegate: bool) -> None:
         admitted: list[Ticket] = []
         if op < 0.45:
             d = a.enqueue(
-                rng.choice(names), now, rng.random() * 3, rng.randrange(400), rng.randrange(1200)
+                Entry(
+                    bucket=rng.choice(names),
+                    timeout_s=rng.random() * 3,
+                    held_bytes=rng.randrange(400),
+                    cost=rng.randrange(1200),
+                ),
+                now,
             )
             if d.verdict is Verdict.ADMITTED:
                 running.add(d.ticket.id)
@@ -421,7 +427,7 @@ def test_refused_and_expired_requests_leave_no_entries_behind_at_limit_zero(orde
     bucket(a, "b", max_queue=10, order=order, tenant=tenant)
     for i in range(20_000):
         now = i * 0.01
-        d = a.enqueue("b", now, 1.0, cost=i % 500, tenant=f"t{i % 7}")
+        d = a.enqueue(Entry(bucket="b", timeout_s=1.0, cost=i % 500, tenant=f"t{i % 7}"), now)
         assert d.verdict in (Verdict.QUEUED, Verdict.QUEUE_FULL)
         if i % 50 == 0:
             a.expire(now)  # the waiters past their deadline leave

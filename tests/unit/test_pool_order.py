@@ -18,7 +18,7 @@ from extproc.pool.order import (
     QueueOrder,
 )
 from extproc.pool.state import BucketState, PoolState
-from extproc.pool.values import Ticket, Verdict
+from extproc.pool.values import Entry, Ticket, Verdict
 
 
 def ticket(at: float = 0.0, cost: int = 0, tid: int = 1) -> Ticket:
@@ -101,9 +101,9 @@ def test_a_new_choice_is_a_class_the_core_takes() -> None:
         a.set_pool("p", 1, 0.0, choice=choice)
         a.set_bucket("hi", 0.0, pool="p", max_queue=5, priority=0)
         a.set_bucket("lo", 0.0, pool="p", max_queue=5, priority=10)
-        holder = a.enqueue("hi", 0.0, 10.0).ticket
-        lo = a.enqueue("lo", 1.0, 10.0).ticket
-        hi = a.enqueue("hi", 2.0, 10.0).ticket
+        holder = a.enqueue(Entry(bucket="hi", timeout_s=10.0), 0.0).ticket
+        lo = a.enqueue(Entry(bucket="lo", timeout_s=10.0), 1.0).ticket
+        hi = a.enqueue(Entry(bucket="hi", timeout_s=10.0), 2.0).ticket
         assert a.release(holder.id, 3.0) == [hi if first == "hi" else lo]
 
 
@@ -121,8 +121,8 @@ def test_an_observing_order_hears_its_admissions_and_releases() -> None:
 
     a = Admission({"b": (1, 5)})
     a._buckets["b"].configure(max_queue=5, order=Observed)
-    first = a.enqueue("b", 0.0, 10.0)
-    second = a.enqueue("b", 1.0, 10.0)
+    first = a.enqueue(Entry(bucket="b", timeout_s=10.0), 0.0)
+    second = a.enqueue(Entry(bucket="b", timeout_s=10.0), 1.0)
     assert (first.verdict, second.verdict) == (Verdict.ADMITTED, Verdict.QUEUED)
     a.release(first.ticket.id, 2.0)
     assert heard == [

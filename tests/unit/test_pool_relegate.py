@@ -14,7 +14,7 @@ from extproc.pool.core import Admission
 from extproc.pool.demand import lease_demand
 from extproc.pool.gate import Gate, Refused, Slot, Waiter
 from extproc.pool.relegate import Relegation
-from extproc.pool.values import Ticket, Verdict
+from extproc.pool.values import Entry, Ticket, Verdict
 from testing.clock import run_virtual
 
 POOL = "p"
@@ -47,7 +47,7 @@ def pool(
 
 def enqueue(a: Admission, bucket: str, now: float, verdict: Verdict, **kw: object) -> Ticket:
     kw.setdefault("timeout_s", 1.0)
-    d = a.enqueue(bucket, now, **kw)  # type: ignore[arg-type]
+    d = a.enqueue(Entry(bucket=bucket, **kw), now)  # type: ignore[arg-type]
     assert d.verdict is verdict, d
     return d.ticket
 
@@ -107,19 +107,17 @@ def test_a_relegated_waiter_is_admitted_at_once_when_its_new_bucket_has_room() -
 
 
 @pytest.mark.parametrize(
-    ("own", "expired_as"),
-    [((1.5, True), "client_expired_total"), ((1.5, False), "evicted_total")],
+    ("stated", "expired_as"),
+    [(True, "client_expired_total"), (False, "evicted_total")],
 )
-def test_the_requests_own_deadline_bounds_the_relegation(
-    own: tuple[float, bool], expired_as: str
-) -> None:
+def test_the_requests_own_deadline_bounds_the_relegation(stated: bool, expired_as: str) -> None:
     a = pool()
     enqueue(a, "hi", 0.0, Verdict.ADMITTED)
-    t = enqueue(a, "hi", 0.0, Verdict.QUEUED, own_deadline=own)
+    t = enqueue(a, "hi", 0.0, Verdict.QUEUED, own_deadline=1.5, own_stated=stated)
     assert a.expire(1.0) == []
     moved = a.ticket(t.id)
     assert moved is not None
-    assert (moved.deadline, moved.client_deadline) == (1.5, own[1])  # not 1 + 2 s
+    assert (moved.deadline, moved.client_deadline) == (1.5, stated)  # not 1 + 2 s
     assert a.expire(1.5) == [moved]
     assert getattr(a.statistics()["lo"], expired_as) == 1
 
@@ -128,7 +126,7 @@ def test_no_relegation_past_the_requests_own_deadline_or_at_its_clients() -> Non
     a = pool()
     enqueue(a, "hi", 0.0, Verdict.ADMITTED)
     # Its own deadline is now: nothing is left to wait for.
-    at_own = enqueue(a, "hi", 0.0, Verdict.QUEUED, own_deadline=(1.0, False))
+    at_own = enqueue(a, "hi", 0.0, Verdict.QUEUED, own_deadline=1.0)
     # Its queue deadline is its client's own: the client is out of time.
     clients = enqueue(a, "hi", 0.0, Verdict.QUEUED, client_deadline=True)
     assert a.expire(1.0) == [at_own, clients]
@@ -204,9 +202,12 @@ def test_the_gate_hands_a_relegated_waiter_its_slot_or_its_refusal() -> None:
         loop = asyncio.get_running_loop()
         gate = Gate(GATE_POLICY)
         t0 = loop.time()
-        holder = gate.enter("hi", 1.0)
+        holder = gate.enter(Entry(bucket="hi", timeout_s=1.0))
         assert isinstance(holder, Slot)
-        served, refused = gate.enter("hi", 1.0), gate.enter("hi", 1.0)
+        served, refused = (
+            gate.enter(Entry(bucket="hi", timeout_s=1.0)),
+            gate.enter(Entry(bucket="hi", timeout_s=1.0)),
+        )
         assert isinstance(served, Waiter) and isinstance(refused, Waiter)
         loop.call_at(t0 + 1.5, holder.release)  # after the relegation, before its deadline
         slot = await served.admitted()
@@ -241,7 +242,7 @@ def test_fail_fast_refuses_only_a_wait_past_the_relegations_deadline_too() -> No
     enqueue(a, "hi", now, Verdict.QUEUED)
     # Its own deadline leaves no time for the relegation, or its queue deadline is its
     # client's: refused as before.
-    enqueue(a, "hi", now, Verdict.WAIT_TOO_LONG, own_deadline=(now + 1.0, True))
+    enqueue(a, "hi", now, Verdict.WAIT_TOO_LONG, own_deadline=now + 1.0, own_stated=True)
     enqueue(a, "hi", now, Verdict.WAIT_TOO_LONG, client_deadline=True)
-    d = a.enqueue("hi", now, 1.0, own_deadline=(now + 2.0, True))
+    d = a.enqueue(Entry(bucket="hi", timeout_s=1.0, own_deadline=now + 2.0, own_stated=True), now)
     assert d.verdict is Verdict.WAIT_TOO_LONG and 3 < d.predicted_wait_s < 6

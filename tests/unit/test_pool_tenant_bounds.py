@@ -14,6 +14,7 @@ from extproc.config.policy import policy_from_yaml
 from extproc.outcome import Outcome
 from extproc.pool.gate import Gate, Refused, Slot, Waiter
 from extproc.pool.lease_adapter import LeaseAdapter
+from extproc.pool.values import Entry
 
 SHARED = policy_from_yaml(
     """
@@ -49,7 +50,7 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
 
 def verdict(gate: Gate, tenant: str) -> str:
     try:
-        entry = gate.enter("chat", 5.0, tenant=tenant)
+        entry = gate.enter(Entry(bucket="chat", timeout_s=5.0, tenant=tenant))
     except Refused as r:
         return str(r.outcome)
     return "admitted" if isinstance(entry, Slot) else "queued"
@@ -81,11 +82,14 @@ def test_the_waiter_a_lighter_tenant_takes_the_place_of_is_refused_queue_full() 
         gate = Gate(LOCAL)
         # A cost, as every request has one: served, it moves its tenant's finish tag (at 0
         # every tag stays at V, and the tie goes to the tenant whose turn came first).
-        holder = gate.enter("chat", 5.0, cost=100, tenant="heavy")
+        holder = gate.enter(Entry(bucket="chat", timeout_s=5.0, cost=100, tenant="heavy"))
         assert isinstance(holder, Slot)
-        heavy = [gate.enter("chat", 5.0, cost=100, tenant="heavy") for _ in range(3)]
+        heavy = [
+            gate.enter(Entry(bucket="chat", timeout_s=5.0, cost=100, tenant="heavy"))
+            for _ in range(3)
+        ]
         assert all(isinstance(w, Waiter) for w in heavy)
-        light = gate.enter("chat", 5.0, cost=100, tenant="light")
+        light = gate.enter(Entry(bucket="chat", timeout_s=5.0, cost=100, tenant="light"))
         assert isinstance(light, Waiter)
         last = heavy[-1]
         assert isinstance(last, Waiter)

@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from extproc.backend.scrape import Signals
+from extproc.backend.scrape import Latency, Signals
 from extproc.config.policy import policy_from_yaml
 from extproc.ops.metrics import POOL_GAUGES, Metrics
 from extproc.pool.control import PoolControl
@@ -146,10 +146,6 @@ buckets: [{name: a, queue_timeout: 1s, max_queue: 5}]
             waiting=0,
             running=0,
             kv_usage=0.0,
-            ttft_s=None,
-            itl_s=None,
-            ttft_count=0,
-            itl_count=0,
             errors=("refused",),
         )
         control._on_limit(4, down)
@@ -163,12 +159,12 @@ buckets: [{name: a, queue_timeout: 1s, max_queue: 5}]
             waiting=3,
             running=5,
             kv_usage=0.5,
-            ttft_s=0.2,
-            ttft_count=20,
-            tpot_s=0.05,
-            tpot_count=12,
-            queue_time_s=0.4,
-            queue_time_count=12,
+            latency={
+                "ttft": Latency(0.2, 20),
+                "itl": Latency(),
+                "tpot": Latency(0.05, 12),
+                "queue_time": Latency(0.4, 12),
+            },
             errors=(),
         )
         control._on_limit(4, up)

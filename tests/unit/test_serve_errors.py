@@ -4,22 +4,29 @@ cause, exit status 2, no traceback, through the real CLI (a process each)."""
 from __future__ import annotations
 
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from testing.grpc_aio import TRANSPORTS, serve_argv
 from testing.harness import make_certs
-from testing.stack import cli, free_port
+from testing.stack import REPO, cli, free_port
 
 pytestmark = pytest.mark.slow  # a CLI process per test
 
 PREFIX = "llm-extproc serve: error: "
 
 
-def serve_refuses(*flags: str) -> str:
-    """The one line ``serve`` writes for ``flags``, without its prefix."""
-    out = cli("serve", *flags, timeout=30)
+def serve_refuses(*flags: str, transport: str = "h2") -> str:
+    """The one line ``serve`` writes for ``flags``, without its prefix: the product's CLI, or
+    with ``transport="grpc"`` the tests' grpc.aio sidecar (``python -m testing.grpc_sidecar``)."""
+    if transport == "h2":
+        out = cli("serve", *flags, timeout=30)
+    else:
+        argv = [*serve_argv(transport), *flags]
+        out = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=30)
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
     assert out.stdout == ""
@@ -41,11 +48,10 @@ def busy_port() -> Iterator[int]:
         yield port
 
 
-@pytest.mark.parametrize("transport", ["h2", "grpc"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_busy_listen_port(busy_port: int, transport: str) -> None:
-    line = serve_refuses(
-        "--transport", transport, "--listen", f"127.0.0.1:{busy_port}", "--metrics", "127.0.0.1:0"
-    )
+    flags = ("--listen", f"127.0.0.1:{busy_port}", "--metrics", "127.0.0.1:0")
+    line = serve_refuses(*flags, transport=transport)
     assert line == f"--listen: cannot listen on 127.0.0.1:{busy_port}: Address already in use"
 
 

@@ -25,6 +25,7 @@ from extproc.pool.tenants import (
     watch_header,
 )
 from extproc.pool.tenants import TenantBounds as Bounds
+from extproc.pool.values import Entry
 from testing.clock import run_virtual
 
 W, N = HEADER_WINDOW_S, HEADER_MIN_REQUESTS
@@ -133,7 +134,7 @@ def test_only_anonymous_requests_raise_the_gauge_and_a_keyed_one_clears_it(
         gate = Gate(policy)
 
         def request(tenant: str | None) -> None:
-            slot = gate.enter("chat", 2.0, tenant=tenant)
+            slot = gate.enter(Entry(bucket="chat", timeout_s=2.0, tenant=tenant))
             assert isinstance(slot, Slot)
             slot.release()
 

@@ -9,8 +9,9 @@ buckets[1].queue_timeout: bad duration '5x' ...``). Route metadata from Envoy is
 Three modules, data flowing one way:
 
 - ``model``: the resolved policy, frozen dataclasses with each default written once, in their
-  fields (the embedded ``default_policy.yaml`` states only its pool, buckets and trusted
-  headers). The request path reads only the resolved ``Policy``; it never touches protobuf.
+  fields or a latency objective's row (``extproc.objectives``; the embedded
+  ``default_policy.yaml`` states only its pool, buckets and trusted headers). The request path
+  reads only the resolved ``Policy``; it never touches protobuf.
 - ``resolve``: the message -> the model, one function per section, every default filled in
   from the model and every cross-field rule checked (bucket names unique, a catch-all bucket
   last, ...).

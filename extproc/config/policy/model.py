@@ -1,4 +1,5 @@
-"""The resolved policy: frozen dataclasses with every default written once, here.
+"""The resolved policy: frozen dataclasses with every default written once, here (a latency
+objective's quantile: its row of ``extproc.objectives``).
 
 ``extproc.config.policy.resolve`` builds these from a policy file or route metadata and reads
 every default it fills in from the fields below; the controllers and the request path take the
@@ -16,8 +17,10 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Final
 
+from extproc.config.policy.dump import policy_to_dict
 from extproc.config.urls import redact
 from extproc.contract import APIS
+from extproc.objectives import OBJECTIVES
 
 __all__ = [
     "RETRY_COUNT_HEADER",
@@ -192,16 +195,12 @@ class AdaptivePolicy:
     min_limit: int = 4
     max_limit: int = 512
     initial: int = 32
-    ttft_slo_s: float | None = None
-    ttft_quantile: float = 0.9
-    itl_slo_s: float | None = None
-    itl_quantile: float = 0.9
-    tpot_slo_s: float | None = None
-    tpot_quantile: float = 0.9
-    # vLLM's own queue time (vllm:request_queue_time_seconds): what the backend adds to the
-    # time to first token beyond the prompt's own prefill.
-    queue_time_slo_s: float | None = None
-    queue_time_quantile: float = 0.9
+    # By latency objective (``extproc.objectives``): what its windowed quantile may be
+    # (absent: no objective on that latency), and the quantile.
+    slo_s: Mapping[str, float] = field(default_factory=dict)
+    quantiles: Mapping[str, float] = field(
+        default_factory=lambda: {o.name: o.quantile for o in OBJECTIVES}
+    )
     # The most slot time, as a share of that of the requests that ended in the window, that
     # may go to answers that end at or after their deadline (their client had given up): None,
     # no such objective.
@@ -341,6 +340,4 @@ class Policy:
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved policy in the file's own shape (what `llm-extproc check` prints)."""
-        from extproc.config.policy.dump import policy_to_dict
-
         return policy_to_dict(self)

@@ -66,6 +66,7 @@ from extproc.config.policy.tenant import tenant_policy
 from extproc.config.schema import PolicyError, fill
 from extproc.config.urls import UrlError, check_redis_url, http_url
 from extproc.contract import APIS
+from extproc.objectives import OBJECTIVES
 
 __all__ = [
     "load_policy",
@@ -345,14 +346,8 @@ def _adaptive(msg: policy_pb2.Adaptive, backend: BackendPolicy) -> AdaptivePolic
         min_limit=min_limit,
         max_limit=max_limit,
         initial=_set_or(msg, "initial", min(max(d.initial, min_limit), max_limit)),
-        ttft_slo_s=_duration_or(slo, "ttft", d.ttft_slo_s),
-        ttft_quantile=_set_or(slo, "ttft_quantile", d.ttft_quantile),
-        itl_slo_s=_duration_or(slo, "inter_token", d.itl_slo_s),
-        itl_quantile=_set_or(slo, "inter_token_quantile", d.itl_quantile),
-        tpot_slo_s=_duration_or(slo, "tpot", d.tpot_slo_s),
-        tpot_quantile=_set_or(slo, "tpot_quantile", d.tpot_quantile),
-        queue_time_slo_s=_duration_or(slo, "queue_time", d.queue_time_slo_s),
-        queue_time_quantile=_set_or(slo, "queue_time_quantile", d.queue_time_quantile),
+        slo_s={o.name: _duration_or(slo, o.key, 0.0) for o in OBJECTIVES if slo.HasField(o.key)},
+        quantiles={o.name: _set_or(slo, o.quantile_key, o.quantile) for o in OBJECTIVES},
         abandoned_max=_set_or(slo, "abandoned", d.abandoned_max),
         interval_s=interval,
         window_s=_duration_or(msg, "window", max(d.window_s, interval)),
@@ -368,24 +363,10 @@ def _adaptive(msg: policy_pb2.Adaptive, backend: BackendPolicy) -> AdaptivePolic
         raise _conflict(msg, where, "initial", str(initial), "below", "min", str(low))
     if initial > high:
         raise _conflict(msg, where, "initial", str(initial), "above", "max", str(high))
-    objectives = (
-        adaptive.ttft_slo_s,
-        adaptive.itl_slo_s,
-        adaptive.tpot_slo_s,
-        adaptive.queue_time_slo_s,
-    )
-    quantiles = (
-        adaptive.ttft_quantile,
-        adaptive.itl_quantile,
-        adaptive.tpot_quantile,
-        adaptive.queue_time_quantile,
-    )
-    for objective in objectives:
-        if objective is not None and objective <= 0:
-            raise PolicyError("pool.adaptive.slo: an objective must be above 0")
-    for quantile in quantiles:
-        if not 0 < quantile < 1:
-            raise PolicyError("pool.adaptive.slo: quantiles must be between 0 and 1")
+    if any(objective <= 0 for objective in adaptive.slo_s.values()):
+        raise PolicyError("pool.adaptive.slo: an objective must be above 0")
+    if any(not 0 < quantile < 1 for quantile in adaptive.quantiles.values()):
+        raise PolicyError("pool.adaptive.slo: quantiles must be between 0 and 1")
     if adaptive.abandoned_max is not None and not 0 < adaptive.abandoned_max < 1:
         raise PolicyError("pool.adaptive.slo.abandoned: must be a share between 0 and 1")
     if not 0 < adaptive.max_kv_usage <= 1:

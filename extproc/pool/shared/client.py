@@ -20,8 +20,9 @@ node ran none of its writes). A timeout drops nothing: a slow call fails alone.
 
 A URL redis-py cannot use (a port that is not a number or out of range, a malformed address:
 what policy validation should have refused) does not stop the client from being made: it is
-``unusable`` (the reason), and every call and subscription fails at once with
-that reason, as if Redis could not be reached.
+``unusable`` (the reason, logged once), and every call and subscription fails at once with
+that reason, as if Redis could not be reached: the replica runs degraded until it is
+restarted with a URL that can be used.
 
 Pub/sub has a connection of its own, without a socket timeout (it waits for messages as
 long as it likes); ``listen`` returns when a refresh drops it.
@@ -97,8 +98,14 @@ class PoolClient:
         try:
             self._redis = aioredis.Redis.from_url(policy.redis, socket_timeout=t, **common)
             self._sub = aioredis.Redis.from_url(policy.redis, **common)
-        except ValueError as e:  # redis-py's own check of the URL (``unusable``: logged, or
-            self.unusable = e  # a reload refused for it, by ``extproc.pool.lease_switch``)
+        except ValueError as e:  # redis-py's own check of the URL
+            self.unusable = e
+            log.error(
+                "shared pool: pool.shared.redis %s cannot be used (%s): degraded on a local "
+                "share until the sidecar is restarted with one that can be",
+                policy.redis_display,
+                e,
+            )
             # Never used (every call and subscription fails first); were it, no server there.
             self._redis = self._sub = aioredis.Redis(unix_socket_path=_NOWHERE)
         self._acquire = self._redis.register_script(ACQUIRE)

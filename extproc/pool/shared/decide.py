@@ -61,10 +61,7 @@ Rules (each a function here, each with its table in ``tests/unit/test_lease_deci
    expires it no earlier, clock rates within 2% and a step of Redis's clock within ``timeout``.
    ``EXPIRED`` holds in shared mode too: leases not renewed in time count for nothing. A
    replica that has not reached Redis since it started runs on its local share (phase
-   ``LOCAL_SHARE``, rule 8): it holds nothing to go by. A manager that a reload put in place
-   of one that had reached the same Redis (``reached_before``) has: the replica is as
-   connected as before the reload, so degraded it runs on the leases it holds (none at first),
-   not on a share that would come on top of the leases its predecessor keeps.
+   ``LOCAL_SHARE``, rule 8): it holds nothing to go by.
 8. **Local share** (``share``, ``local_share``): ``limit // live`` plus one for the first
    ``limit % live`` live replicas by id, so the shares add up to the limit; a replica that
    never reached Redis takes ``limit // pool.shared.replicas``, at least 1, and with
@@ -198,8 +195,6 @@ class View:
     acquiring: bool = False  # an ACQUIRE is in flight
     updating: bool = False  # a demand-only RETURN is in flight
     last_acquire: float = float("-inf")
-    # The manager a reload replaced had reached the same Redis (rule 7): never a local share.
-    reached_before: bool = False
     theirs: Demand = field(init=False)  # ``merge(others)``
 
     def __post_init__(self) -> None:
@@ -419,7 +414,7 @@ def phase(v: View, now: float) -> Phase | None:
         return Phase.EXPIRED
     if v.mode is Mode.SHARED:
         return None
-    return Phase.HOLDING if v.connected or v.reached_before else Phase.LOCAL_SHARE
+    return Phase.HOLDING if v.connected else Phase.LOCAL_SHARE
 
 
 def local_limit(v: View, *, now: float, held: int) -> int:

@@ -1,10 +1,10 @@
 """The lease manager: the asyncio shell that does what one replica's lease decisions say.
 
 The theory of operation and the decisions are in ``decide`` (``extproc.pool.shared.decide``);
-what the replica knows (its ids, the pool as last heard, its mode) in ``ledger``, which
-``LeaseManager`` extends; the calls in ``client`` (replies decoded by ``replies``; keys and
-scripts in ``scripts``). This module owns what waits: the clock, the calls in flight, pub/sub,
-the changes of mode, the tasks.
+what the replica knows (its ids, the pool as last heard, its mode) in a ``Ledger``, which
+``LeaseManager`` owns (``ledger``, changed only through its methods); the calls in ``client``
+(replies decoded by ``replies``; keys and scripts in ``scripts``). This module owns what waits:
+the clock, the calls in flight, pub/sub, the changes of mode, the tasks.
 
 When it decides
 ---------------
@@ -36,7 +36,7 @@ as probes (rule 10's pace); the first that succeeds rejoins (rules 5 and 9).
 Untrusted input (``extproc.pool.shared.replies``): what is refused is logged and counted
 (``on_error("events")``, ``on_error("demand")``), a message dropped, a table taken as none.
 
-Tasks: the ticker and the listener run under guards (``extproc.ops.loops``: a failed round
+Tasks: the ticker and the listener run under guards (``extproc.loops``: a failed round
 is logged and counted, ``on_loop_error``, and the loop goes on) and are cancelled by
 ``close``; every call runs in a task kept until it ends (an error other than a failed call
 is logged then). ``close`` waits for the calls up to the timeout, cancels what is left, then
@@ -56,7 +56,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from extproc.config.policy import SharedPolicy
-from extproc.ops.loops import Guard
+from extproc.loops import Guard
 from extproc.pool.shared import decide, replies
 from extproc.pool.shared.client import CallFailed, PoolClient
 from extproc.pool.shared.decide import POLL_S, Acquire, GiveBack, Mode, PublishDemand
@@ -79,7 +79,7 @@ class _Unreachable(Exception):
     """A Redis call failed; the manager has counted it (and is degraded, if rule 10 says)."""
 
 
-class LeaseManager(Ledger):
+class LeaseManager:
     def __init__(
         self,
         pool: LocalPool,
@@ -99,14 +99,14 @@ class LeaseManager(Ledger):
         leader's limit is used while one publishes). ``adaptive``: this replica would lead;
         ``bounds``: then its policy's ``min`` and ``max``. Made on the event loop it runs on."""
         me = replica or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        super().__init__(policy, me, limit=limit, adaptive=adaptive, bounds=bounds)
+        self.ledger = ledger = Ledger(policy, me, limit=limit, adaptive=adaptive, bounds=bounds)
         self._loop = asyncio.get_running_loop()
         self._client = PoolClient(policy, me)  # (logs a URL it cannot use)
-        self.keys, self.unusable = self._client.keys, self._client.unusable
+        self.keys = self._client.keys
         self._pool = pool
         self._rand = rand
         self._on_error = on_error
-        self._outage = Outage(self, self._apply, log, on_mode=on_mode, on_error=on_error)
+        self._outage = Outage(ledger, self._apply, log, on_mode=on_mode, on_error=on_error)
         self._on_leader = on_leader
         self._guards = (
             Guard("shared-pool", log, on_loop_error),
@@ -115,7 +115,7 @@ class LeaseManager(Ledger):
         self._refused = replies.Refusals(log, on_error)
         self._leader_limit: int | None = None  # what we publish while we lead
         self._applied: tuple[int, int] | None = None  # (local limit, pool limit) as set
-        # The calls in flight (acquiring and updating are the ledger's) and the clocks.
+        # The calls in flight (an ACQUIRE's and a demand update's: the ledger's), the clocks.
         self._rewake = False  # a lease was freed while we were acquiring: ask again after
         self._renewing = False
         self._next_renew = 0.0
@@ -124,18 +124,13 @@ class LeaseManager(Ledger):
         self._runner: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
         self._closed = False
-        self.retiring = False  # a reload replaced it: lead no more (``pool.lease_switch``)
-        # A reload moved the replica to another pool: until then every lease held is kept
-        # (none given back or handed on), so that the replicas not moved yet cannot take them
-        # while this one runs on as many in the new pool (``Ledger.moved_from``).
-        self.keeps_until = float("-inf")
 
     # --- life --------------------------------------------------------------------------------
 
     @property
     def interval_s(self) -> float:
         """Between renewals (and, at most, probes while degraded: ``decide.retry_after``)."""
-        return self.policy.lease_s / 3
+        return self.ledger.policy.lease_s / 3
 
     def start(self) -> None:
         self._apply()
@@ -157,23 +152,25 @@ class LeaseManager(Ledger):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         if self._tasks:
-            _, late = await asyncio.wait(self._tasks, timeout=self.policy.timeout_s)
+            _, late = await asyncio.wait(self._tasks, timeout=self.ledger.policy.timeout_s)
             for task in late:
                 task.cancel()
             if late:
                 await asyncio.wait(late)
-        ids = self.take_all()
+        ids = self.ledger.take_all()
         if give_back:
             # Past a shutdown's grace, requests may still run (Envoy goes on relaying a
             # stream): their leases are left to expire, the others go back.
             running, _ = self._pool.shared_view()
             with contextlib.suppress(_Unreachable):
-                await self._call(self._client.leave(ids[running:], limit=self.limit_arg))
+                await self._call(self._client.leave(ids[running:], limit=self.ledger.limit_arg))
         await self._client.aclose()
 
-    def set_static_limit(self, limit: int) -> None:
-        """The policy's limit changed (a reload)."""
-        super().set_static_limit(limit)
+    def set_limits(self, limit: int, *, adaptive: bool, bounds: tuple[int, int]) -> None:
+        """A reload's pool, ``pool.shared`` as it was: its limit (a static pool's, or the one
+        to fall back to), whether it is adaptive, its bounds; a renewal says so now."""
+        self.ledger.set_adaptive(adaptive, bounds)
+        self.ledger.set_static_limit(limit)
         self._kick()
 
     def publish_limit(self, limit: int) -> None:
@@ -181,10 +178,11 @@ class LeaseManager(Ledger):
         which goes out now. Degraded, it is the limit the local share is of, and goes out
         with the next probe (every interval)."""
         self._leader_limit = limit
-        if self.mode is Mode.SHARED:
+        ledger = self.ledger
+        if ledger.mode is Mode.SHARED:
             self._kick()
-        elif self.clamped(limit) != self.limit:
-            self.computed_limit(limit)
+        elif ledger.clamped(limit) != ledger.limit:
+            ledger.computed_limit(limit)
             self._apply()
 
     # --- what the gate tells us (synchronous, no I/O) -----------------------------------------
@@ -197,10 +195,11 @@ class LeaseManager(Ledger):
     def on_release(self) -> None:
         """A local slot is about to be freed: keep its lease for a local waiter, or give it
         back now because someone elsewhere is more urgent (or the pool is above its limit)."""
-        if self.mode is not Mode.SHARED or not self._ids or self._keeps_all():
+        ledger = self.ledger
+        if ledger.mode is not Mode.SHARED or not ledger.held:
             return  # nothing to decide: no view to take
         running, demand = self._pool.shared_view()
-        known, held = self.known(), len(self._ids)
+        known, held = ledger.known(), ledger.held
         give = decide.on_release(
             known,
             held=held,
@@ -219,36 +218,32 @@ class LeaseManager(Ledger):
         Degraded, this replica's running requests and waiters stand for each live replica's
         (they run their shares too): the pool's count as last heard is out of date."""
         running, mine = self._pool.shared_view()
-        if self.mode is Mode.DEGRADED:
-            n = max(1, len(self.replicas)) if self.connected else self.policy.replicas or 1
+        ledger = self.ledger
+        if ledger.mode is Mode.DEGRADED:
+            n = max(1, len(ledger.replicas)) if ledger.connected else ledger.policy.replicas or 1
             return running * n, sum(mine.values()) * n
-        return self.count, sum(mine.values()) + sum(self.known().theirs.values())
-
-    def local_share(self) -> int:
-        return decide.share(self.known())
+        return ledger.count, sum(mine.values()) + sum(ledger.known().theirs.values())
 
     def local_limit(self) -> int:
         """What the local pool may run now."""
-        return decide.local_limit(self.known(), now=self._loop.time(), held=len(self._ids))
+        return decide.local_limit(self.ledger.known(), now=self._loop.time(), held=self.ledger.held)
 
     def debug(self) -> dict[str, Any]:
         running, demand = self._pool.shared_view()
-        return self.debug_view(self._loop.time(), running, demand)
+        return self.ledger.debug_view(self._loop.time(), running, demand)
 
     def __repr__(self) -> str:
-        return f"<LeaseManager {self.replica} {self.mode} {self.held}/{self.limit}>"
+        m = self.ledger
+        return f"<LeaseManager {m.replica} {m.mode} {m.held}/{m.limit}>"
 
     # --- internals: doing what the decisions say ---------------------------------------------
 
     def _apply(self) -> None:
         """Give the local pool its limit when it changed."""
-        wanted = (self.local_limit(), self.limit)
+        wanted = (self.local_limit(), self.ledger.limit)
         if wanted != self._applied:
             self._applied = wanted
             self._pool.set_leases(*wanted)
-
-    def _keeps_all(self) -> bool:
-        return self._loop.time() < self.keeps_until
 
     def _kick(self) -> None:
         self._next_renew = 0.0
@@ -256,15 +251,15 @@ class LeaseManager(Ledger):
     def _pump(self, force: bool = False) -> None:
         """Take a step for the demand: acquire, give spares back, correct stale demand."""
         self._pump_handle = None
-        if self._closed or self.mode is not Mode.SHARED or self._keeps_all():
+        ledger = self.ledger
+        if self._closed or ledger.mode is not Mode.SHARED:
             return
-        if force and self._acquiring:
+        known = ledger.known()
+        if force and known.acquiring:
             self._rewake = True
         running, demand = self._pool.shared_view()
-        held, now = len(self._ids), self._loop.time()
-        match decide.step(
-            self.known(), now=now, held=held, running=running, demand=demand, force=force
-        ):
+        held, now = ledger.held, self._loop.time()
+        match decide.step(known, now=now, held=held, running=running, demand=demand, force=force):
             case GiveBack(n=n, to=to):
                 self._give_back(n, to)
             case Acquire(ask=ask):
@@ -276,10 +271,10 @@ class LeaseManager(Ledger):
 
     def _give_back(self, n: int, to: str | None) -> None:
         """Give ``n`` leases back now, for replica ``to`` (None: for anyone)."""
-        ids = self.pop_ids(n)
+        ids = self.ledger.pop_ids(n)
         if not ids:
             return
-        self.gave_back(ids, to)
+        self.ledger.gave_back(ids, to)
         self._apply()
         self._spawn(self._return(ids, to or ""), "return")
 
@@ -308,18 +303,17 @@ class LeaseManager(Ledger):
         return reply
 
     async def _acquire(self, ask: Mapping[int, int]) -> None:
-        self._acquiring, self._last_acquire = True, self._loop.time()
-        self.changed()
-        ids = self.new_ids(sum(ask.values()))
+        ledger = self.ledger
+        ledger.set_acquiring(True, self._loop.time())
+        ids = ledger.new_ids(sum(ask.values()))
         try:
-            reply = await self._call(self._client.acquire(ask, ids, limit=self.limit_arg))
+            reply = await self._call(self._client.acquire(ask, ids, limit=ledger.limit_arg))
         except _Unreachable:
-            self.doubt(ids, self._loop.time())
+            ledger.doubt(ids, self._loop.time())
             return
         finally:
-            self._acquiring = False
-            self.changed()
-        self._heard(reset=self.acquired(ids, ask, reply))
+            ledger.set_acquiring(False)
+        self._heard(reset=ledger.acquired(ids, ask, reply))
         self._refused("demand", reply.refused)
         self._apply()
         rewake, self._rewake = self._rewake, False
@@ -327,84 +321,83 @@ class LeaseManager(Ledger):
 
     async def _return(self, ids: list[str], to: str) -> None:
         hold_ms = int(HANDOFF_S * 1000)
+        ledger = self.ledger
         try:
             reply = await self._call(
-                self._client.give_back(ids, to=to, hold_ms=hold_ms, limit=self.limit_arg)
+                self._client.give_back(ids, to=to, hold_ms=hold_ms, limit=ledger.limit_arg)
             )
         except _Unreachable:
-            self.doubt(ids, self._loop.time())
+            ledger.doubt(ids, self._loop.time())
             return
-        self._heard(reset=self.returned(reply))
+        self._heard(reset=ledger.returned(reply))
 
     async def _update_demand(self) -> None:
-        self._updating = True
-        self.changed()
+        ledger = self.ledger
+        ledger.set_updating(True)
         try:
             running, demand = self._pool.shared_view()
-            unmet = decide.unmet(held=len(self._ids), running=running, demand=demand)
-            await self._call(self._client.write_demand(unmet, limit=self.limit_arg))
-            self.wrote_demand(unmet)
+            unmet = decide.unmet(held=ledger.held, running=running, demand=demand)
+            await self._call(self._client.write_demand(unmet, limit=ledger.limit_arg))
+            ledger.wrote_demand(unmet)
         except _Unreachable:
             pass
         finally:
-            self._updating = False
-            self.changed()
+            ledger.set_updating(False)
 
     async def _renew(self) -> None:
         self._renewing = True
-        sent = self._loop.time()
+        ledger, sent = self.ledger, self._loop.time()
         running, demand = self._pool.shared_view()
-        if self._keeps_all():
-            running, demand = max(running, len(self._ids)), {}
-        plan = decide.renewal(self.known(), held=len(self._ids), running=running, demand=demand)
-        back = self.pop_ids(plan.back)
+        plan = decide.renewal(ledger.known(), held=ledger.held, running=running, demand=demand)
+        back = ledger.pop_ids(plan.back)
         if back:
             self._apply()
-        claim = self.new_ids(plan.claim)
-        doubtful = self.doubtful(sent)
+        claim = ledger.new_ids(plan.claim)
+        doubtful = ledger.doubtful(sent)
         call = self._client.renew(
             demand=plan.unmet,
-            volunteer=self.adaptive and not self.retiring,
+            volunteer=ledger.adaptive,
             publish=self._leader_limit,
-            term=self.term,
-            renew=list(self._ids),
+            term=ledger.term,
+            renew=ledger.ids,
             back=[*back, *doubtful],
             claim=claim,
-            known=self.named,
-            fresh=self.fresh,
-            limit=self.limit_arg,
+            known=ledger.named,
+            fresh=ledger.fresh,
+            limit=ledger.limit_arg,
         )
         try:
             reply = await self._call(call)
         except _Unreachable:
-            self.doubt([*back, *claim], sent)
+            ledger.doubt([*back, *claim], sent)
             self._next_renew = self._outage.renewal_failed(self.interval_s)
             return
         finally:
             self._renewing = False
-        share = self.local_share()  # from the replicas seen before: a restarted Redis knows
-        # only those that rejoined already
-        self.cleared(doubtful)
-        after = self.renewed(sent, claim, plan.unmet, reply)
+        # The share from the replicas seen before: a restarted Redis knows only those that
+        # rejoined already.
+        share = decide.share(ledger.known())
+        ledger.cleared(doubtful)
+        after = ledger.renewed(sent, claim, plan.unmet, reply)
         self._heard(renewed=True)
         self._refused("demand", reply.refused)
-        if self.mode is Mode.DEGRADED:
+        if ledger.mode is Mode.DEGRADED:
             self._outage.rejoin(running, after.uncovered, share)
         self._outage.renewed()
         self._apply()
         if after.leader_changed:  # a new term starts from the limit in force
             self._leader_limit = None
             if self._on_leader is not None:
-                self._on_leader(self.is_leader)
+                self._on_leader(ledger.is_leader)
         self._pump(force=after.raised)
 
     def _heard(self, *, reset: bool = False, renewed: bool = False) -> None:
         """A reply applied: log the ledger's notices; a new epoch: re-register at once."""
-        for text in self.take_notices():
+        for text in self.ledger.take_notices():
             log.warning("shared pool: %s", text)
         if reset:
             self._kick()
-        if renewed and self.other_policies and self._on_error is not None:
+        if renewed and self.ledger.other_policies and self._on_error is not None:
             self._on_error("policy")
 
     # --- internals: the clock and the events -------------------------------------------------
@@ -415,9 +408,10 @@ class LeaseManager(Ledger):
         if not self._renewing and now >= self._next_renew:
             self._next_renew = now + self.interval_s
             self._spawn(self._renew(), "renew")
-        if self.mode is Mode.DEGRADED:
+        known = self.ledger.known()
+        if known.mode is Mode.DEGRADED:
             self._apply()  # (the expiry has its timer; a local share follows the limit)
-        elif not self._acquiring and now - self._last_acquire >= POLL_S:
+        elif not known.acquiring and now - known.last_acquire >= POLL_S:
             self._pump()
 
     async def _listen(self) -> float | None:
@@ -436,11 +430,12 @@ class LeaseManager(Ledger):
         if isinstance(event, replies.Refused):
             self._refused("events", (event.why,))
             return
-        if event is None or event.replica == self.replica or self.mode is not Mode.SHARED:
+        me = self.ledger.replica
+        if event is None or event.replica == me or self.ledger.mode is not Mode.SHARED:
             return
         if isinstance(event, replies.Freed):
-            if decide.wakes(event.to, self.replica):
+            if decide.wakes(event.to, me):
                 self._pump(force=True)
         else:
-            self.heard_demand(event.replica, event.demand)
+            self.ledger.heard_demand(event.replica, event.demand)
             self.on_change()

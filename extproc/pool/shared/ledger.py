@@ -28,10 +28,11 @@ A ``Ledger`` holds
 Its methods apply one decoded reply (``extproc.pool.shared.replies``) or one change of mode, with
 the time passed in, and say what the caller must act on. ``known`` is what the decisions
 read (``extproc.pool.shared.decide.View``): made again after each change (every method that
-changes a field of it, and the shell after it changes its calls in flight, call
-``changed``), and the same object until then. The asyncio shell,
-``extproc.pool.shared.leases.LeaseManager``, is a ``Ledger`` that also does the calls, so the
-state a gauge or a test reads (``limit``, ``held``, ``mode``...) is the ledger's.
+changes a field of it calls ``changed``), and the same object until then. The asyncio shell,
+``extproc.pool.shared.leases.LeaseManager``, owns one (its ``ledger``) and does the calls; it
+changes the ledger only through these methods (its calls in flight too: ``set_acquiring``,
+``set_updating``), so the state a gauge or a test reads (``ledger.limit``, ``ledger.held``,
+``ledger.mode``...) is written here alone.
 """
 
 from __future__ import annotations
@@ -109,9 +110,6 @@ class Ledger:
         self._seq = itertools.count(1)
         self.mode = Mode.SHARED
         self.connected = False  # a renewal succeeded since the start
-        # A reload put this manager in place of one that had reached the same Redis
-        # (``pool.lease_switch``): degraded, it runs on its leases, never on a share (rule 7).
-        self.reached_before = False
         self.degraded_since: float | None = None
         self.degraded_transitions = 0
         self.last_error: str | None = None
@@ -125,7 +123,7 @@ class Ledger:
         self.roster: list[str] | None = None
         self.other_policies = 0  # other limits live on our key_prefix (a mistake)
         self._notices: list[str] = []  # for the shell to log, in order
-        # The calls in flight, which the shell sets (then calls ``changed``).
+        # The calls in flight, which the shell sets (``set_acquiring``, ``set_updating``).
         self._acquiring = False
         self._updating = False
         self._last_acquire = -math.inf
@@ -201,10 +199,30 @@ class Ledger:
             acquiring=self._acquiring,
             updating=self._updating,
             last_acquire=self._last_acquire,
-            reached_before=self.reached_before,
         )
 
+    def set_acquiring(self, on: bool, now: float | None = None) -> None:
+        """An ``ACQUIRE`` went out (``on``, at ``now``) or was answered."""
+        self._acquiring = on
+        if now is not None:
+            self._last_acquire = now
+        self.changed()
+
+    def set_updating(self, on: bool) -> None:
+        """A demand-only ``RETURN`` went out (``on``) or was answered."""
+        self._updating = on
+        self.changed()
+
     # --- ids -----------------------------------------------------------------------------------
+
+    @property
+    def ids(self) -> list[str]:
+        """The lease ids held, the oldest first."""
+        return list(self._ids)
+
+    def set_adaptive(self, adaptive: bool, bounds: tuple[int, int]) -> None:
+        """A reload: whether the pool is adaptive, and its bounds (no field of ``known``)."""
+        self.adaptive, self.adaptive_bounds = adaptive, bounds
 
     def set_static_limit(self, limit: int) -> None:
         """The policy's limit changed (a reload); a static pool's limit is that."""
@@ -212,6 +230,10 @@ class Ledger:
         if not self.adaptive:
             self.limit = limit
             self.changed()
+
+    def set_error(self, error: str) -> None:
+        """A call failed with ``error`` (``last_error``)."""
+        self.last_error = error
 
     def new_ids(self, n: int) -> list[str]:
         return [f"{self.replica}:{next(self._seq)}" for _ in range(n)]
@@ -378,18 +400,9 @@ class Ledger:
         self.changed()
         return now - since
 
-    def moved_from(self, now: float, held_before: int) -> None:
-        """A reload moved this replica here from another pool (another Redis or
-        ``key_prefix``) in which it held ``held_before`` leases: for one lease it acquires no
-        more than that (the rejoin's grace, ``decide`` rule 9), while replicas that have not
-        reloaded yet still run on their leases in the old pool. A rollout that reaches every
-        replica within the lease keeps the backend within the limit."""
-        self._grace = decide.Grace(until=now + self.policy.lease_s, cap=held_before)
-        self.changed()  # a view made before (at the manager's build) would not cap it
-
     def outage_plan(self, now: float) -> str:
         """What the replica runs on, degraded at ``now`` (for the log)."""
-        if not self.connected and not self.reached_before:
+        if not self.connected:
             return (
                 f"Redis never reached: a local share of {decide.share(self.known())} of the "
                 f"limit {self.limit} until Redis answers"

@@ -56,7 +56,7 @@ class Outage:
         """A call failed: counted, and degraded if rule 10 says so. True when it failed
         alone (the replica stays shared: the ids it carried should go back soon)."""
         ledger = self._ledger
-        ledger.last_error = str(failure)
+        ledger.set_error(str(failure))
         self.failures += 1
         if self._on_error is not None:
             self._on_error(failure.call)
