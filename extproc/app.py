@@ -26,7 +26,7 @@ from extproc.config.policy import Policy, load_policy, policy_from_yaml
 from extproc.contract import EXT_PROC_SERVICE
 from extproc.loops import Guard
 from extproc.ops.metrics import Metrics, serve_metrics
-from extproc.pool.control import PoolControl
+from extproc.pool.control.wiring import PoolControl
 from extproc.pool.gate import Gate
 from extproc.service import ExtProcService
 from extproc.transport import Serving, TlsFiles, Transport, split_host_port

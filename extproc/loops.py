@@ -6,8 +6,9 @@ bottom layer of tests/unit/test_imports.py), each counting its errors through ``
 The sidecar's long-running loops, by the name each is logged and counted under (``LOOPS``):
 the lease manager's ticker ``shared-pool`` and its events listener ``shared-pool-events``
 (``extproc.pool.shared.leases``), the adaptive limit's ``backend-poller``
-(``extproc.pool.poller``), the ``overload`` tick (``extproc.pool.control``) and the policy
-file's ``policy-watch`` (``extproc.app``). Each runs its rounds through one ``Guard``:
+(``extproc.pool.control.poller``), the ``overload`` tick (``extproc.pool.control.wiring``)
+and the policy file's ``policy-watch`` (``extproc.app``). Each runs its rounds through one
+``Guard``:
 
 - A round that raises (anything but a cancellation) is logged with its traceback, counted
   (``on_error(name)``: ``llm_extproc_loop_errors_total{loop}``), and the loop goes on.

@@ -12,9 +12,9 @@ everything printed):
   ``family`` is absent; ``extproc.backend.vllm``), windowed: ``Signals.latency``
   (``extproc.backend.scrape``);
 - the law: a quantile above its objective cuts the limit (reason ``name``), or first the least
-  urgent band (``band_<name>``; ``extproc.pool.adaptive``);
+  urgent band (``band_<name>``; ``extproc.pool.control.adaptive``);
 - the gauge ``llm_extproc_backend_<name>_seconds``, "Windowed quantile of ``what``", and
-  ``<name>_s`` in /debug/queues (``extproc.pool.poller.BackendSnapshot``).
+  ``<name>_s`` in /debug/queues (``extproc.pool.control.poller.BackendSnapshot``).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class Outcome(StrEnum):
     REJECTED_SHUTTING_DOWN = "rejected_shutting_down"  # 503: the sidecar is stopping
     REJECTED_BUSY = "rejected_busy"  # 429: too many large bodies being parsed
     # 429 at once: the request's tenant has its bucket's per-tenant max_queue waiting, or its
-    # max_share of the bucket waiting and running (extproc.pool.tenants)
+    # max_share of the bucket waiting and running (extproc.pool.core.tenants)
     REJECTED_TENANT_QUEUE_FULL = "rejected_tenant_queue_full"
     REJECTED_TENANT_OVER_SHARE = "rejected_tenant_over_share"
     # The stream ended before an answer: the client left.

@@ -50,9 +50,9 @@ from extproc.contract import MESSAGE_TIMEOUT_MARGIN_S
 from extproc.ops.logs import log_finished
 from extproc.ops.metrics import Metrics
 from extproc.outcome import Outcome, Rejection, RequestError, queue_rejection
+from extproc.pool.core.values import Entry
 from extproc.pool.gate import Gate, Refused, Slot, Waiter
 from extproc.pool.shares import Share, Shares
-from extproc.pool.values import Entry
 from extproc.record import NO_BUCKET, RequestRecord
 from extproc.request import respond
 from extproc.request.classify import Classification, TokenCounter, token_counter

@@ -1,7 +1,7 @@
 """Admission cost against queue length, in process: ``python -m bench.micro.admission_cost
 [--ops 2000]``.
 
-``extproc.pool.gate.Gate`` (the asyncio shell) and ``extproc.pool.core.Admission``
+``extproc.pool.gate.Gate`` (the asyncio shell) and ``extproc.pool.core.admission.Admission``
 (the pure core) with 10, 1,000 and 10,000 waiters behind one slot: enter (join the tail),
 admit (release + hand-over), cancel and evict, each timed with ``perf_counter_ns`` around the
 one call; p50 / p99 / max per operation (``bench.common.stats.percentile``). None of them may
@@ -20,7 +20,7 @@ from typing import Any
 from bench.common.stats import percentile_scaled
 from bench.common.table import format_table
 from bench.overhead.ways import held_policy
-from extproc.pool.values import Entry
+from extproc.pool.core.values import Entry
 
 __all__ = ["LEVELS", "QUEUE_LENGTHS", "admission_costs", "core_costs", "format_costs", "gate_costs"]
 
@@ -28,7 +28,7 @@ QUEUE_LENGTHS = (10, 1000, 10000)
 # The two levels measured, as they are reported.
 LEVELS = {
     "gate": "extproc.pool.gate.Gate (asyncio)",
-    "core": "extproc.pool.core.Admission (pure)",
+    "core": "extproc.pool.core.admission.Admission (pure)",
 }
 
 
@@ -121,8 +121,8 @@ def _remove_middle(waiters: deque[Any], item: Any) -> None:
 
 def core_costs(n: int, ops: int) -> dict[str, dict[str, float]]:
     """The same four operations on the pure core, ``Admission``."""
-    from extproc.pool.core import Admission
-    from extproc.pool.values import Verdict
+    from extproc.pool.core.admission import Admission
+    from extproc.pool.core.values import Verdict
 
     clock = time.perf_counter_ns
     core = Admission({"held": (1, n + 10)})

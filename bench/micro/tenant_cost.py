@@ -30,7 +30,7 @@ from typing import Final
 from bench.common.policy import policy_yaml
 from bench.common.stats import percentile_scaled
 from bench.common.table import format_table
-from extproc.pool.values import Entry
+from extproc.pool.core.values import Entry
 
 __all__ = ["POPULATIONS", "TRACKED", "fair_policy", "format_tenant_costs", "tenant_costs"]
 
@@ -81,8 +81,8 @@ def population_costs(population: str, ops: int) -> dict[str, dict[str, float]]:
     ``tracked``: how many tenants the fair order held at the end (read from the core, the
     check that the population is what it says)."""
     from extproc.config.policy import policy_from_yaml
+    from extproc.pool.core.order import FairOrder
     from extproc.pool.gate import Gate, Waiter
-    from extproc.pool.order import FairOrder
 
     policy = policy_from_yaml(fair_policy(), "<bench>")
     tenant_of, untimed = _tenants(population)

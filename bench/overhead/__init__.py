@@ -55,7 +55,7 @@ Measured, one module each (the in-process one in :mod:`bench.micro`):
   the time to drain the queue once the slot is freed. The same N sent at once (what a burst
   gets);
 - ``bench.micro.admission_cost`` (also runnable alone): **admission cost vs queue length**:
-  ``extproc.pool.gate.Gate`` and ``extproc.pool.core.Admission`` in process, at 10,
+  ``extproc.pool.gate.Gate`` and ``extproc.pool.core.admission.Admission`` in process, at 10,
   1,000 and 10,000 waiters: enqueue, admit (release + hand-over), cancel, evict (a real timer)
   must not grow with the queue;
 - ``profile``: ``--profile`` adds a py-spy profile of the sidecar under closed-loop load (needs

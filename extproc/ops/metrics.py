@@ -46,12 +46,12 @@ from extproc import version
 from extproc.config.policy import BucketPolicy
 from extproc.loops import LOOPS
 from extproc.outcome import OUTCOMES, Outcome
-from extproc.pool.adaptive import AdaptiveSnapshot
-from extproc.pool.lease_adapter import SharedSnapshot
-from extproc.pool.overload import OverloadSnapshot
-from extproc.pool.poller import BackendSnapshot
-from extproc.pool.tenants import HEADER_MIN_REQUESTS, HEADER_WINDOW_S
-from extproc.pool.values import BucketStats, PoolStats
+from extproc.pool.control.adaptive import AdaptiveSnapshot
+from extproc.pool.control.overload import OverloadSnapshot
+from extproc.pool.control.poller import BackendSnapshot
+from extproc.pool.core.tenants import HEADER_MIN_REQUESTS, HEADER_WINDOW_S
+from extproc.pool.core.values import BucketStats, PoolStats
+from extproc.pool.shared.adapter import SharedSnapshot
 from extproc.pool.view import gauges_of
 from extproc.record import NO_BUCKET, RequestRecord
 
@@ -130,8 +130,8 @@ class _QueueCollector(Collector):
 
 
 # The pool's gauges: name -> help, from the fields of the snapshots the pool controller renders
-# at scrape time (``extproc.pool.control.PoolControl.gauges``; ``extproc.pool.view``). A name it
-# does not report is left out.
+# at scrape time (``extproc.pool.control.wiring.PoolControl.gauges``; ``extproc.pool.view``).
+# A name it does not report is left out.
 POOL_GAUGES: dict[str, str] = {
     g.name: g.help
     for snapshot in (
@@ -234,7 +234,7 @@ class Metrics:
         )
         for loop in LOOPS:
             self.loop_errors.labels(loop)
-        # Set by the pool's controller on its tick (extproc.pool.control), one series per
+        # Set by the pool's controller on its tick (extproc.pool.control.wiring), one series per
         # bucket whose tenant is a trusted header's value (none for the others).
         self.tenant_header_missing = Gauge(
             "llm_extproc_tenant_header_missing",

@@ -1,22 +1,18 @@
 """The pool: the buckets' slots, who gets a freed one, and the controllers of its limit and cut.
 
-Data plane (per request):
+Floors, lowest first (``tests/unit/test_imports.py`` keeps a floor from importing one above):
 
-- ``values``: the core's value types (``Entry``, ``Ticket``, ``Decision``, ``Verdict``,
-  ``BucketStats``, ``PoolStats``); ``state``: its mutable state; ``core``: ``Admission``, the
-  pure state machine (``now`` passed in); ``order``: its named decisions (in a bucket, across
-  buckets); ``demand``: the bands and demand questions, each answered once.
-- ``gate``: the asyncio shell (futures, one eviction timer, ``Slot.release()``); ``shares``:
-  route shares, buckets of a second gate.
-
-Control plane (on the event loop, off the request path):
-
-- ``adaptive``: the adaptive limit (``AdaptiveLimit``, pure); ``poller``: its ``Poller``,
-  which scrapes the backend (``extproc.backend.scrape``) on an interval; ``overload``: staged
-  recovery (``OverloadMonitor``, pure); ``lease_adapter``: the local pool as the lease manager
-  of a shared pool (``extproc.pool.shared``) sees it; ``control``: ``PoolControl``, which wires the
-  three controllers (adaptive limit, staged recovery, shared leases) to the gate.
-- ``view``: gauges and /debug/queues rendered from the controllers' ``snapshot()``.
+- ``view``: a gauge is a snapshot field's metadata; gauges and /debug/queues rendered from
+  ``snapshot()``s (pure);
+- ``core/``: admission, pure and synchronous (``now`` passed in): values, state, the orders,
+  tenants, relegation, deadlines, bands and demand;
+- the asyncio shell, here: ``gate`` (futures, one eviction timer, ``Slot.release()``),
+  ``shares`` (route shares: buckets of a second gate), ``refused`` and ``ends`` (what a
+  refusal and an end tell the controllers);
+- ``shared/``: the pool shared by several replicas through Redis: the leases, and
+  ``adapter``, the local pool as the lease manager sees it;
+- ``control/``: the adaptive limit, the band cut, staged recovery, the poller, and
+  ``wiring`` (``PoolControl``).
 
 Nothing is imported here, so that each module can be imported alone.
 """

@@ -10,7 +10,7 @@ ends at or after it (less the margin, the tolerance) was answered for nobody (th
 up, or Envoy cut the answer at the route's timeout), and the backend's work on it was wasted.
 The servicer records each admitted request's end here (``Gate.ends``), with how long it held
 its slot; the adaptive limit's ``slo.abandoned`` compares the abandoned share of the slot time
-of the requests that ended in its window with its objective (``extproc.pool.adaptive``).
+of the requests that ended in its window with its objective (``extproc.pool.control.adaptive``).
 Weighed by time, not counted: an answer abandoned after 30 s of decoding wasted ten times the
 work of a 3 s one, and the backend's wasted work, not the number of unhappy clients, is what
 the objective bounds (the benchmark's "wasted work" is the share of generated tokens).

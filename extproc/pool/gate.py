@@ -21,7 +21,7 @@ when it would have reached the head of its queue.
 
 The pool's limit: the policy's (``max_concurrency``, or where the adaptive limit starts and what
 it found since: ``set_pool_limit``), unless a ``LimitOwner`` holds it (``own_limit``: the
-leases of a pool shared by several replicas, ``extproc.pool.lease_adapter``). An owner sets the
+leases of a pool shared by several replicas, ``extproc.pool.shared.adapter``). An owner sets the
 limit itself (``set_pool_limit``), gives each bucket's ``max_share`` and cap (``refresh_caps``
 when they change), hears of every release before the slot is handed on (``before_release``: it
 may lower the limit first, so the slot is not reused here) and of every change of waiters or
@@ -44,12 +44,12 @@ from typing import Any, Protocol
 
 from extproc.config.policy import BucketPolicy, Policy
 from extproc.outcome import Outcome
-from extproc.pool.core import Admission
+from extproc.pool.core.admission import Admission
+from extproc.pool.core.relegate import relegation
+from extproc.pool.core.tenants import TenantSeen
+from extproc.pool.core.values import BucketStats, Entry, PoolStats, Ticket, Verdict
 from extproc.pool.ends import Ends
 from extproc.pool.refused import EXPIRED, REFUSED, Refused, retry_after_s
-from extproc.pool.relegate import relegation
-from extproc.pool.tenants import TenantSeen
-from extproc.pool.values import BucketStats, Entry, PoolStats, Ticket, Verdict
 
 __all__ = ["POOL", "Gate", "LimitOwner", "Refused", "Slot", "Waiter", "retry_after_s"]
 

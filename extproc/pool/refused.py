@@ -8,7 +8,7 @@ its ``Outcome``; ``extproc.outcome`` says what each answers (429 or 503, the cod
 from __future__ import annotations
 
 from extproc.outcome import OUTCOMES, Outcome
-from extproc.pool.values import Verdict
+from extproc.pool.core.values import Verdict
 
 __all__ = ["EXPIRED", "REFUSED", "Refused", "retry_after_s"]
 

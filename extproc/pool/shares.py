@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from extproc.config.policy import Policy
+from extproc.pool.core.values import Entry
 from extproc.pool.gate import Gate, Slot, Waiter
-from extproc.pool.values import Entry
 
 __all__ = ["Share", "Shares"]
 

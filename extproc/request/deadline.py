@@ -28,7 +28,7 @@ Rules (``tests/unit/test_deadline.py`` pins each):
    behalf), not the route's, which the operator set. A request that waits until a stated
    deadline sooner than its queue timeout leaves as ``expired_client_deadline``, not as an
    eviction, so short deadlines of a client's choosing do not look like overload
-   (``extproc.pool.core``, ``extproc.pool.overload``).
+   (``extproc.pool.core.admission``, ``extproc.pool.control.overload``).
 
 6. An admitted request whose stream ends at or after ``at`` (the deadline less the margin)
    was answered for nobody, or nearly (``abandoned``): its client gave up, or Envoy cut the
@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from extproc.config.policy import ClientDeadlinePolicy, Policy
-from extproc.pool.values import Entry
+from extproc.pool.core.values import Entry
 from extproc.request.classify import Classification
 from extproc.request.tenant import Tenant
 

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from extproc.config.policy import OverloadPolicy
-from extproc.pool.overload import OverloadMonitor
+from extproc.pool.control.overload import OverloadMonitor
 from testing.stack import REPO
 from tests.deploy.test_observability import (
     assert_label_values,

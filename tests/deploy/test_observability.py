@@ -26,9 +26,9 @@ from extproc.app import Sidecar
 from extproc.config.policy import AdaptivePolicy, OverloadPolicy, policy_from_yaml
 from extproc.ops.metrics import POOL_GAUGES
 from extproc.outcome import Outcome
+from extproc.pool.control.overload import OverloadMonitor, OverloadState
+from extproc.pool.core.values import Entry
 from extproc.pool.gate import Slot
-from extproc.pool.overload import OverloadMonitor, OverloadState
-from extproc.pool.values import Entry
 from testing.stack import REPO
 from testing.tools import optional_tool
 
@@ -189,7 +189,7 @@ LABEL_VALUES = {
     "action": {"defaulted", "clamped"},
     "result": {"ok", "error"},
     "state": {str(s) for s in OverloadState},
-    # AdaptiveLimit.reason (extproc/pool/adaptive.py).
+    # AdaptiveLimit.reason (extproc/pool/control/adaptive.py).
     "reason": {
         "initial",
         "increase",
@@ -243,7 +243,7 @@ def test_rules_use_exported_metrics_and_real_label_values(exported: set[str]) ->
         alert_threshold("LLMExtprocEvictionsHigh"),
         alert_threshold("LLMExtprocEvictionsCritical"),
     ) == (0.05, 0.20)
-    # The sidecar's own needs_capacity flag (extproc/pool/overload.py) is at 20% too.
+    # The sidecar's own needs_capacity flag (extproc/pool/control/overload.py) is at 20% too.
     assert (
         alert_threshold("LLMExtprocBackendNeedsCapacity")
         == OverloadMonitor(OverloadPolicy()).capacity_rate

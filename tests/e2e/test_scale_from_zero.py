@@ -7,7 +7,7 @@ lists no pod to scrape. Here Envoy's `backend` cluster reads its endpoints from 
 the replica that became ready. The adaptive pool's metrics URL has nobody listening.
 
 What the first test pins, by default: the sidecar does not know that there is no backend (a failed
-scrape is no data, and the limit never drops to 0: extproc/pool/adaptive.py), so it admits
+scrape is no data, and the limit never drops to 0: extproc/pool/control/adaptive.py), so it admits
 every request at once, and Envoy answers each with 503 `backend_unavailable`
 (`no_healthy_upstream`), with no Retry-After; nothing is ever queued, so a queue-based
 activation cannot see the demand, while `llm_extproc_requests_total` does. Once the endpoint

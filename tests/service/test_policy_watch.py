@@ -1,4 +1,4 @@
-"""Tier 2: the policy file's watcher outlives a look that raised (``extproc.ops.loops``): the
+"""Tier 2: the policy file's watcher outlives a look that raised (``extproc.loops``): the
 next change of the file is still reloaded, and the failure is logged and counted."""
 
 from __future__ import annotations

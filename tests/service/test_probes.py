@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import version
 from extproc.config.policy import policy_from_yaml
+from extproc.pool.core.values import Entry
 from extproc.pool.gate import Slot
-from extproc.pool.values import Entry
 from testing.grpc_aio import TRANSPORTS, sidecar_on
 from testing.wait import until_async
 

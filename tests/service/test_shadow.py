@@ -20,8 +20,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc import stream
 from extproc.config.policy import policy_from_yaml
 from extproc.ops.metrics import Metrics
+from extproc.pool.core.values import Entry
 from extproc.pool.gate import Gate, Slot
-from extproc.pool.values import Entry
 from extproc.service import ExtProcService
 from testing.wait import until_async
 

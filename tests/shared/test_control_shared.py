@@ -15,10 +15,10 @@ import pytest
 
 from extproc.config.policy import Policy, PolicyError, policy_from_yaml
 from extproc.ops.metrics import Metrics
-from extproc.pool.control import PoolControl
+from extproc.pool.control.wiring import PoolControl
+from extproc.pool.core.values import Entry
 from extproc.pool.gate import POOL, Gate, Waiter
 from extproc.pool.shared import LeaseManager
-from extproc.pool.values import Entry
 from testing.leases import with_redis
 from testing.redis import RedisServer
 from testing.stack import free_port

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from extproc.config.policy import policy_from_yaml
+from extproc.pool.core.values import Entry
 from extproc.pool.gate import POOL, Gate, Slot, Waiter
-from extproc.pool.lease_adapter import LeaseAdapter
-from extproc.pool.values import Entry
+from extproc.pool.shared.adapter import LeaseAdapter
 
 POLICY = policy_from_yaml(
     """

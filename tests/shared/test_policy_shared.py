@@ -9,7 +9,7 @@ import pytest
 
 from extproc.config.policy import Policy, PolicyError, policy_from_yaml
 from extproc.ops.metrics import Metrics
-from extproc.pool.control import PoolControl
+from extproc.pool.control.wiring import PoolControl
 from extproc.pool.gate import Gate
 
 BUCKETS = "\nbuckets: [{name: a, queue_timeout: 1s}]\n"

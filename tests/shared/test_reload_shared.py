@@ -22,9 +22,9 @@ import pytest
 from extproc import app
 from extproc.app import Sidecar
 from extproc.config.policy import load_policy
+from extproc.pool.core.values import Entry
 from extproc.pool.gate import POOL, Gate, Waiter
 from extproc.pool.shared import LeaseManager
-from extproc.pool.values import Entry
 from testing.leases import leases_in_redis, with_redis
 from testing.redis import RedisServer
 from testing.wait import until_async

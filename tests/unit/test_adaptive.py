@@ -12,9 +12,9 @@ import pytest
 
 from extproc.backend.scrape import Latency, Signals
 from extproc.config.policy import AdaptivePolicy
-from extproc.pool.adaptive import AdaptiveLimit, LimitState
-from extproc.pool.bandcut import BandLoad
-from extproc.pool.poller import Poller
+from extproc.pool.control.adaptive import AdaptiveLimit, LimitState
+from extproc.pool.control.bandcut import BandLoad
+from extproc.pool.control.poller import Poller
 from testing.clock import run_virtual
 
 
@@ -429,7 +429,7 @@ def test_poller_goes_on_after_a_round_that_raised_outside_its_callbacks(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The adaptive limit's own update raising (not one of the callbacks the round guards one
-    by one) ended the poller's task; under its guard (``extproc.ops.loops``) it is logged with
+    by one) ended the poller's task; under its guard (``extproc.loops``) it is logged with
     its traceback and the next round comes an interval later."""
 
     class Steady:

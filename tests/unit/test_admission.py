@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from extproc.pool.core import Admission
-from extproc.pool.values import Entry, Verdict
+from extproc.pool.core.admission import Admission
+from extproc.pool.core.values import Entry, Verdict
 
 
 def core(capacity: int = 1, max_queue: int = 10) -> Admission:

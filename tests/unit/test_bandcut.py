@@ -1,4 +1,4 @@
-"""The band cut (``extproc.pool.bandcut``): a latency breach shrinks the least urgent band
+"""The band cut (``extproc.pool.control.bandcut``): a latency breach shrinks the least urgent band
 before the shared limit. Each rule of the module docstring with plain numbers and a fake clock
 (``now`` passed in), then the core applying it and the controller wiring it to the gate."""
 
@@ -11,13 +11,13 @@ import pytest
 from extproc.backend.scrape import Signals
 from extproc.config.policy import policy_from_yaml
 from extproc.ops.metrics import Metrics
-from extproc.pool.adaptive import AdaptiveLimit
-from extproc.pool.bandcut import BandCut, BandLoad, band_load
-from extproc.pool.control import PoolControl
-from extproc.pool.core import Admission
-from extproc.pool.demand import limit_demand
+from extproc.pool.control.adaptive import AdaptiveLimit
+from extproc.pool.control.bandcut import BandCut, BandLoad, band_load
+from extproc.pool.control.wiring import PoolControl
+from extproc.pool.core.admission import Admission
+from extproc.pool.core.demand import limit_demand
+from extproc.pool.core.values import Entry
 from extproc.pool.gate import Gate, Slot
-from extproc.pool.values import Entry
 from testing.clock import run_virtual
 from tests.unit.test_adaptive import limiter, sig
 

@@ -13,10 +13,10 @@ import pytest
 
 from extproc.config.policy import Policy, PolicyError, policy_from_yaml
 from extproc.ops.metrics import Metrics
-from extproc.pool.control import OVERLOAD_TICK_S, PoolControl
+from extproc.pool.control.overload import Overload
+from extproc.pool.control.wiring import OVERLOAD_TICK_S, PoolControl
+from extproc.pool.core.values import Entry
 from extproc.pool.gate import Gate, Refused, Slot, Waiter
-from extproc.pool.overload import Overload
-from extproc.pool.values import Entry
 from testing.clock import run_virtual
 
 POLICY = policy_from_yaml(

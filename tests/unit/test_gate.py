@@ -14,8 +14,8 @@ import pytest
 
 from extproc.config.policy import policy_from_mapping
 from extproc.outcome import Outcome
+from extproc.pool.core.values import Entry
 from extproc.pool.gate import Gate, Refused, Slot, Waiter, retry_after_s
-from extproc.pool.values import Entry
 from testing.clock import run_virtual
 
 POLICY = policy_from_mapping(

@@ -9,8 +9,9 @@ them.
 
 ``LAYERS`` is the order, lowest first: a module may import only from its own layer or lower
 ones. A module's layer is that of the longest prefix in the table that names it
-(``pool.shared.leases`` -> ``pool``), so a sub-floor is one more row above or below its
-package's. A new top-level module or package needs its row: the test says which.
+(``pool.shared.leases`` -> ``pool.shared``, ``pool.gate`` -> ``pool``), so a sub-floor is one more
+row above or below its package's. A new top-level module or package needs its row: the test says
+which.
 """
 
 from __future__ import annotations
@@ -33,9 +34,16 @@ LAYERS: Final[tuple[tuple[str, ...], ...]] = (
     ("config",),
     # The backend's own view of its load, read from its metrics.
     ("backend",),
-    # (The pool's floors, core/ control/ shared/, will be rows of their own here.)
-    # The pool: admission, its controllers, the shared pool.
+    # The pool, in floors: a gauge as a snapshot field's metadata, and their rendering (pure).
+    ("pool.view",),
+    # The pool's core: admission, pure and synchronous, ``now`` passed in.
+    ("pool.core",),
+    # The pool's asyncio shell: the gate, route shares, what refusals and ends tell.
     ("pool",),
+    # The pool shared through Redis: the leases, and the local pool as they see it.
+    ("pool.shared",),
+    # The pool's controllers: the adaptive law, the band cut, staged recovery, their wiring.
+    ("pool.control",),
     # One request's path: parse, classify, route, deadline, tenant, the answers to Envoy.
     ("request",),
     # What one request went through (RequestRecord), decided once.
@@ -187,7 +195,9 @@ def upward(g: Graph, layers: Sequence[Sequence[str]] = LAYERS) -> list[str]:
 
 def test_no_cycles_and_no_upward_imports() -> None:
     g = graph()
-    assert len(g) > 50 and "extproc.pool.state" in g["extproc.pool.core"]  # it did read them
+    assert (
+        len(g) > 50 and "extproc.pool.core.state" in g["extproc.pool.core.admission"]
+    )  # it did read them
     found = [
         f"{' -> '.join(_around(g, min(t), t))} (in the circle: {', '.join(sorted(t))})"
         for t in tangles(g)
@@ -243,5 +253,8 @@ def late():
         "extproc.low (low) imports extproc.high.x (high)",
         "extproc.new is in no layer: give it a row in LAYERS",
     ]
-    assert layer_of("extproc.pool.shared.leases") == layer_of("extproc.pool")
+    assert layer_of("extproc.pool.gate") == layer_of("extproc.pool")
+    assert (
+        layer_of("extproc.pool.core") < layer_of("extproc.pool") < layer_of("extproc.pool.shared")
+    )
     assert layer_of("extproc") == 0 and layer_of("extproc.cli") == len(LAYERS) - 1

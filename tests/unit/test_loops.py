@@ -1,4 +1,4 @@
-"""Tier 1: the background loops' guard (``extproc.ops.loops``), on a virtual clock
+"""Tier 1: the background loops' guard (``extproc.loops``), on a virtual clock
 (``testing.clock``): a round that raises is logged with its traceback and counted, the next one
 comes (after a backoff while they keep failing), and a loop that ends anyway is logged. Each
 loop under its guard: the lease manager's, tests/shared/test_redis_input.py; the poller's,
@@ -12,7 +12,7 @@ import logging
 
 import pytest
 
-from extproc.ops.loops import MAX_BACKOFF_S, Guard
+from extproc.loops import MAX_BACKOFF_S, Guard
 from testing.clock import run_virtual
 
 log = logging.getLogger("test.loops")

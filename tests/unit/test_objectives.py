@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from extproc.objectives import OBJECTIVES
-from extproc.pool.adaptive import LimitReason
+from extproc.pool.control.adaptive import LimitReason
 
 TOY = r'''
 import sys, types
@@ -64,9 +64,9 @@ import yaml
 from extproc.backend.scrape import Latency, Scraper, Signals, parse_metrics
 from extproc.config.policy import policy_from_yaml
 from extproc.ops.metrics import POOL_GAUGES
-from extproc.pool.adaptive import AdaptiveLimit, LimitReason
-from extproc.pool.bandcut import BandLoad
-from extproc.pool.poller import BackendSnapshot
+from extproc.pool.control.adaptive import AdaptiveLimit, LimitReason
+from extproc.pool.control.bandcut import BandLoad
+from extproc.pool.control.poller import BackendSnapshot
 from extproc.pool.view import render_debug, render_gauges
 
 # The policy: its keys, its default quantile, the dump, which loads again.

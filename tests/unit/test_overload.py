@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.config.policy import OverloadPolicy
-from extproc.pool.overload import Overload, OverloadMonitor, OverloadState
+from extproc.pool.control.overload import Overload, OverloadMonitor, OverloadState
 
 NORMAL, OVERLOADED, RECOVERING = (
     OverloadState.NORMAL,

@@ -8,10 +8,10 @@ import random
 import pytest
 
 from extproc.config.policy import Order, TenantPolicy
-from extproc.pool.core import Admission
-from extproc.pool.order import FairOrder
-from extproc.pool.relegate import Relegation
-from extproc.pool.values import Entry, Ticket, Verdict
+from extproc.pool.core.admission import Admission
+from extproc.pool.core.order import FairOrder
+from extproc.pool.core.relegate import Relegation
+from extproc.pool.core.values import Entry, Ticket, Verdict
 
 POOL = "p"
 
@@ -248,7 +248,7 @@ def test_a_predicted_wait_counts_only_what_the_cost_order_puts_ahead(
 def test_a_cost_ordered_queue_past_the_scan_bound_counts_every_waiter() -> None:
     """Past ``AHEAD_SCAN`` heap entries the count would cost more than the call: every
     waiter counts, as in fifo (the prediction errs towards refusing, within its bound)."""
-    from extproc.pool.order import AHEAD_SCAN
+    from extproc.pool.core.order import AHEAD_SCAN
 
     a = pool(1, fail_fast=True)
     bucket(a, "b", order=Order.COST, max_queue=AHEAD_SCAN + 10)
@@ -307,7 +307,8 @@ def test_raising_the_pool_limit_admits_at_once_lowering_takes_nothing_away() -> 
 def test_random_operations_keep_the_invariants(relegate: bool) -> None:
     """No slot lost or given twice, the limit and caps hold, the token bound holds (bar one
     running alone), and nobody waits while the rules would admit them; with ``relegate``, the
-    most urgent bucket's waiters relegated once at their deadline (``extproc.pool.relegate``)."""
+    most urgent bucket's waiters relegated once at their deadline
+    (``extproc.pool.core.relegate``)."""
     rng = random.Random(7)
     a = Admission({}, max_queued_bytes=5000)
     a.set_pool(POOL, 6, 0.0, max_tokens=3000, fail_fast=True)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from extproc.pool import demand
-from extproc.pool.values import BucketStats, PoolStats
+from extproc.pool.core import demand
+from extproc.pool.core.values import BucketStats, PoolStats
 
 
 @dataclass(frozen=True)

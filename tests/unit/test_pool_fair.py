@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from extproc.config.policy import Order, TenantPolicy
-from extproc.pool.core import Admission
-from extproc.pool.order import OUTPUT_WEIGHT, FairOrder
-from extproc.pool.values import Entry, Ticket, Verdict
+from extproc.pool.core.admission import Admission
+from extproc.pool.core.order import OUTPUT_WEIGHT, FairOrder
+from extproc.pool.core.values import Entry, Ticket, Verdict
 
 
 def ticket(tenant: str | None, at: float = 0.0, cost: int = 100, **kw: object) -> Ticket:

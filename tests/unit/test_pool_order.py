@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from extproc.config.policy import Order
-from extproc.pool.core import Admission
-from extproc.pool.order import (
+from extproc.pool.core.admission import Admission
+from extproc.pool.core.order import (
     COST_EWMA_ALPHA,
     QUEUE_ORDERS,
     BucketChoice,
@@ -17,8 +17,8 @@ from extproc.pool.order import (
     GuaranteeBandHead,
     QueueOrder,
 )
-from extproc.pool.state import BucketState, PoolState
-from extproc.pool.values import Entry, Ticket, Verdict
+from extproc.pool.core.state import BucketState, PoolState
+from extproc.pool.core.values import Entry, Ticket, Verdict
 
 
 def ticket(at: float = 0.0, cost: int = 0, tid: int = 1) -> Ticket:

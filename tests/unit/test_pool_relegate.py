@@ -1,4 +1,4 @@
-"""Selective relegation in the admission core (``extproc.pool.relegate``): a waiter at its
+"""Selective relegation in the admission core (``extproc.pool.core.relegate``): a waiter at its
 bucket's deadline moves once into the bucket it relegates to, keeps its place in time, and is
 evicted at the second deadline. Pure: plain numbers for time."""
 
@@ -10,11 +10,11 @@ import pytest
 
 from extproc.config.policy import Order, TenantPolicy, policy_from_mapping
 from extproc.outcome import Outcome
-from extproc.pool.core import Admission
-from extproc.pool.demand import lease_demand
+from extproc.pool.core.admission import Admission
+from extproc.pool.core.demand import lease_demand
+from extproc.pool.core.relegate import Relegation
+from extproc.pool.core.values import Entry, Ticket, Verdict
 from extproc.pool.gate import Gate, Refused, Slot, Waiter
-from extproc.pool.relegate import Relegation
-from extproc.pool.values import Entry, Ticket, Verdict
 from testing.clock import run_virtual
 
 POOL = "p"

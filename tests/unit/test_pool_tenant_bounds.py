@@ -12,9 +12,9 @@ import pytest
 
 from extproc.config.policy import policy_from_yaml
 from extproc.outcome import Outcome
+from extproc.pool.core.values import Entry
 from extproc.pool.gate import Gate, Refused, Slot, Waiter
-from extproc.pool.lease_adapter import LeaseAdapter
-from extproc.pool.values import Entry
+from extproc.pool.shared.adapter import LeaseAdapter
 
 SHARED = policy_from_yaml(
     """

@@ -10,7 +10,7 @@ from enum import StrEnum
 from extproc.backend.scrape import Latency, Signals
 from extproc.config.policy import policy_from_yaml
 from extproc.ops.metrics import POOL_GAUGES, Metrics
-from extproc.pool.control import PoolControl
+from extproc.pool.control.wiring import PoolControl
 from extproc.pool.gate import Gate
 from extproc.pool.view import HIDDEN, Gauge, gauge, gauges_of, render_debug, render_gauges
 

@@ -1,4 +1,4 @@
-"""A tenant header that vanishes is noticed (``extproc.pool.tenants.watch_header``): a bucket
+"""A tenant header that vanishes is noticed (``extproc.pool.core.tenants.watch_header``): a bucket
 whose tenant is a trusted header's value and that sees only requests without it, under load,
 is found missing; a keyed request clears it. The decision pure, with plain numbers; then
 through a real Gate and PoolControl on a virtual clock (``testing.clock``), with the tick loop
@@ -14,9 +14,8 @@ import pytest
 
 from extproc.config.policy import policy_from_yaml
 from extproc.ops.metrics import Metrics
-from extproc.pool.control import PoolControl
-from extproc.pool.gate import Gate, Slot
-from extproc.pool.tenants import (
+from extproc.pool.control.wiring import PoolControl
+from extproc.pool.core.tenants import (
     HEADER_MIN_REQUESTS,
     HEADER_WINDOW_S,
     HeaderWatch,
@@ -24,8 +23,9 @@ from extproc.pool.tenants import (
     TenantSeen,
     watch_header,
 )
-from extproc.pool.tenants import TenantBounds as Bounds
-from extproc.pool.values import Entry
+from extproc.pool.core.tenants import TenantBounds as Bounds
+from extproc.pool.core.values import Entry
+from extproc.pool.gate import Gate, Slot
 from testing.clock import run_virtual
 
 W, N = HEADER_WINDOW_S, HEADER_MIN_REQUESTS

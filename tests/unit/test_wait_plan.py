@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.config.policy import policy_from_yaml
-from extproc.pool.values import Entry
+from extproc.pool.core.values import Entry
 from extproc.request.classify import Classification, MaxTokensAction
 from extproc.request.deadline import NO_DEADLINE, Deadline, WaitPlan, plan
 from extproc.request.tenant import NO_TENANT, Tenant

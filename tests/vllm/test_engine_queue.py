@@ -42,7 +42,7 @@ def chat(max_tokens: int, **fields: Any) -> dict[str, Any]:
 
 def rejections(vllm: VllmServer) -> float:
     """vLLM's refusals, as the sidecar's scraper reads them (its adaptive limit cuts on their
-    increase: ``vllm_refused``, extproc/pool/adaptive.py)."""
+    increase: ``vllm_refused``, extproc/pool/control/adaptive.py)."""
     refused = parse_metrics(vllm.metrics()).refused
     assert refused is not None, "vllm:admission_rejections_total is not on the page"
     return refused

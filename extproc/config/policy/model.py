@@ -146,8 +146,8 @@ class MatchRule:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TenantPolicy:
     """Who a request is for within its bucket (``extproc.request.tenant``), how many tenants
-    the fair order remembers (``extproc.pool.order.FairOrder``) and each one's bounds
-    (``extproc.pool.tenants``)."""
+    the fair order remembers (``extproc.pool.core.order.FairOrder``) and each one's bounds
+    (``extproc.pool.core.tenants``)."""
 
     # The trusted header naming the tenant; None: the Authorization header, hashed.
     header: str | None = None
@@ -174,7 +174,7 @@ class BucketPolicy:
     queue_timeout_s: float
     max_queue: int
     trusted: bool = False
-    # With a pool (extproc.pool.core): band, guaranteed and largest share, queue order.
+    # With a pool (extproc.pool.core.admission): band, guaranteed and largest share, queue order.
     priority: int = 0
     min_share: float = 0.0
     max_share: float = 1.0
@@ -184,13 +184,13 @@ class BucketPolicy:
     # Who each request is for (None: all one tenant).
     tenant: TenantPolicy | None = None
     # With a pool: the bucket a waiter moves into at its queue deadline instead of being
-    # evicted (extproc.pool.relegate); None: evicted there.
+    # evicted (extproc.pool.core.relegate); None: evicted there.
     relegate_to: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdaptivePolicy:
-    """The pool's limit from the backend's metrics (extproc.pool.adaptive)."""
+    """The pool's limit from the backend's metrics (extproc.pool.control.adaptive)."""
 
     min_limit: int = 4
     max_limit: int = 512
@@ -216,7 +216,7 @@ class AdaptivePolicy:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OverloadPolicy:
-    """Staged recovery after overload (extproc.pool.overload)."""
+    """Staged recovery after overload (extproc.pool.control.overload)."""
 
     enabled: bool = True
     tighten_eviction_rate: float = 0.05

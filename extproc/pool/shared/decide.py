@@ -69,7 +69,7 @@ Rules (each a function here, each with its table in ``tests/unit/test_lease_deci
    within its share for any number up to the limit (the whole limit, as a default of 1
    gave, made N replicas that never reached Redis run N x the limit). ``limit`` is the
    pool's as last heard; degraded, an adaptive pool's is what the replica's own controller
-   finds (``extproc.pool.control``). Only a replica that never reached Redis runs on it.
+   finds (``extproc.pool.control.wiring``). Only a replica that never reached Redis runs on it.
 9. **Rejoin** (``rejoin``): the first successful renewal while degraded ends degraded mode.
    For one lease after it, the replica acquires no more than ``max(held, share)``, counting
    its running requests that hold no lease (the next renewal claims them), the share

@@ -60,7 +60,7 @@ UNBOUNDED = (1, 2**31 - 1)
 
 class LocalPool(Protocol):
     """The local side that the lease manager drives
-    (``extproc.pool.lease_adapter.LeaseAdapter``)."""
+    (``extproc.pool.shared.adapter.LeaseAdapter``)."""
 
     def shared_view(self) -> tuple[int, dict[int, int]]:
         """(requests holding a slot, {band: waiters that one more lease each would let in})."""

@@ -1,8 +1,9 @@
 """Stage 3, the pure core: buckets drawing slots from pools, with deadlines.
 
-The value types are in ``extproc.pool.values``, the mutable state in ``extproc.pool.state``,
-the named decisions (the order within a bucket, the choice across buckets) in
-``extproc.pool.order``, and the band the overload cut applies to in ``extproc.pool.demand``.
+The value types are in ``extproc.pool.core.values``, the mutable state in
+``extproc.pool.core.state``, the named decisions (the order within a bucket, the choice across
+buckets) in ``extproc.pool.core.order``, and the band the overload cut applies to in
+``extproc.pool.core.demand``.
 
 Theory of operation
 -------------------
@@ -54,14 +55,14 @@ Rules (the invariants tests check):
    its deadline has passed, whatever its place in the queue), or cancelled. One at a deadline of
    its client's own (``client_deadline``) is counted apart: ``client_expired_total``. A waiter
    of a bucket that relegates moves at its deadline, at most once, into its target's queue
-   (``extproc.pool.relegate``: ``relegated_total``), and leaves from there in one of the ways.
+   (``extproc.pool.core.relegate``: ``relegated_total``), and leaves from there in one of the ways.
 4. ``running <= limit`` for every pool, except after the limit is lowered, when running
    requests finish and no one new is admitted until ``running`` drops below it. A pool's limit
    may be 0 (``set_pool_limit``: a replica of a shared pool that holds no lease,
-   ``extproc.pool.lease_adapter``): then it admits nobody.
+   ``extproc.pool.shared.adapter``): then it admits nobody.
 5. ``queued_bytes`` is the sum of ``held_bytes`` over waiting tickets, never more than
    ``max_queued_bytes``.
-6. A bucket with tenant bounds (``extproc.pool.tenants``) refuses a tenant's request before
+6. A bucket with tenant bounds (``extproc.pool.core.tenants``) refuses a tenant's request before
    it joins when the tenant has ``max_queue`` waiting, or ``max_share`` of the bucket's
    largest number of slots waiting and running (TENANT_QUEUE_FULL, TENANT_OVER_SHARE);
    nothing is held, and the bucket's ``refused_total`` does not count it. The requests
@@ -78,7 +79,7 @@ Every call takes ``now`` from the caller and returns what changed; nothing here 
 clock or knows about asyncio (the asyncio shell is ``extproc.pool.gate``). Tests drive it
 with plain numbers. Costs: enqueue, hand-over and cancel are O(log n + buckets in the pool);
 eviction is O(log n) through one heap of deadlines across buckets, with lazy deletion and
-compaction (``extproc.pool.deadlines``) after every way out of a queue, refusals and
+compaction (``extproc.pool.core.deadlines``) after every way out of a queue, refusals and
 evictions included (at limit 0 nobody is admitted); a tenant's bounds and the room a full
 fair bucket keeps are O(1).
 """
@@ -88,13 +89,20 @@ from __future__ import annotations
 import itertools
 
 from extproc.config.policy import Order, TenantPolicy
-from extproc.pool.deadlines import Deadlines
-from extproc.pool.demand import cut_band
-from extproc.pool.order import QUEUE_ORDERS, BucketChoice
-from extproc.pool.relegate import Relegation, longest_wait, relegate
-from extproc.pool.state import BucketState, PoolState, ewma
-from extproc.pool.tenants import TenantSeen
-from extproc.pool.values import BucketStats, Decision, Entry, PoolStats, Ticket, Verdict
+from extproc.pool.core.deadlines import Deadlines
+from extproc.pool.core.demand import cut_band
+from extproc.pool.core.order import QUEUE_ORDERS, BucketChoice
+from extproc.pool.core.relegate import Relegation, longest_wait, relegate
+from extproc.pool.core.state import BucketState, PoolState, ewma
+from extproc.pool.core.tenants import TenantSeen
+from extproc.pool.core.values import (
+    BucketStats,
+    Decision,
+    Entry,
+    PoolStats,
+    Ticket,
+    Verdict,
+)
 
 __all__ = ["Admission"]
 
@@ -200,7 +208,7 @@ class Admission:
 
     def expire(self, now: float) -> list[Ticket]:
         """Evict every waiter whose deadline is at or before ``now``, earliest first, or
-        relegate it (``extproc.pool.relegate``)."""
+        relegate it (``extproc.pool.core.relegate``)."""
         evicted: list[Ticket] = []
         pools: set[PoolState] = set()
         left: set[BucketState] = set()
@@ -270,7 +278,7 @@ class Admission:
     ) -> list[Ticket]:
         """Create a shared pool or change it; returns waiters admitted by a raised limit
         (``limit`` 0: nobody is admitted, see ``set_pool_limit``). ``choice``: the rule
-        across its buckets (``extproc.pool.order``; None: as it is, at first the default);
+        across its buckets (``extproc.pool.core.order``; None: as it is, at first the default);
         ``whole``: the whole pool's limit when ``limit`` is a replica's part of it
         (``set_whole_limit``)."""
         if limit < 0 or (max_tokens is not None and max_tokens < 1):
@@ -322,7 +330,7 @@ class Admission:
     ) -> list[Ticket]:
         """Create a bucket in a shared pool (``set_pool`` first), or change it; a bucket that
         had slots of its own, or another pool, moves with its running and waiting requests.
-        ``relegate_to``: where its waiters go at their deadline (``extproc.pool.relegate``)."""
+        ``relegate_to``: where its waiters go at their deadline (``extproc.pool.core.relegate``)."""
         if max_queue < 0 or not 0 <= min_share <= max_share <= 1 or max_share <= 0:
             raise ValueError(f"bucket {bucket!r}: bad max_queue or shares")
         target = self._pools[pool]

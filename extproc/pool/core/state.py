@@ -1,9 +1,9 @@
 """The admission core's mutable state: one ``PoolState`` per pool, one ``BucketState`` per bucket.
 
-Only ``extproc.pool.core.Admission`` changes them (a bucket's own side of an admission, a
+Only ``extproc.pool.core.admission.Admission`` changes them (a bucket's own side of an admission, a
 release or a waiter leaving unserved through ``BucketState.admitted`` / ``released`` /
-``left``, which it calls); each bucket's queue is kept by its order (``extproc.pool.order``),
-and the choice across buckets and the band questions (``extproc.pool.demand``) read them.
+``left``, which it calls); each bucket's queue is kept by its order (``extproc.pool.core.order``),
+and the choice across buckets and the band questions (``extproc.pool.core.demand``) read them.
 Counts are kept, not recomputed: ``PoolState.running`` and ``tokens`` are the sums over its
 buckets' running tickets.
 """
@@ -14,10 +14,10 @@ from collections import deque
 from typing import Final
 
 from extproc.config.policy import TenantPolicy
-from extproc.pool.order import BucketChoice, FifoOrder, GuaranteeBandHead, QueueOrder
-from extproc.pool.relegate import Relegation
-from extproc.pool.tenants import TenantBounds, TenantCounts
-from extproc.pool.values import BucketStats, PoolStats, Ticket, Verdict, slots
+from extproc.pool.core.order import BucketChoice, FifoOrder, GuaranteeBandHead, QueueOrder
+from extproc.pool.core.relegate import Relegation
+from extproc.pool.core.tenants import TenantBounds, TenantCounts
+from extproc.pool.core.values import BucketStats, PoolStats, Ticket, Verdict, slots
 
 __all__ = [
     "HOLD_EWMA_ALPHA",
@@ -73,7 +73,7 @@ class PoolState:
         self.max_tokens: int | None = None
         self.fail_fast = False
         self.cut = 1.0  # the overload factor for the least urgent band
-        self.band_cut = 1.0  # the adaptive limit's band cut for it (extproc.pool.bandcut)
+        self.band_cut = 1.0  # the adaptive limit's band cut for it (extproc.pool.control.bandcut)
         self.running = 0
         self.tokens = 0
         self.buckets: list[BucketState] = []  # sorted by priority
@@ -267,7 +267,7 @@ class BucketState:
     def tenant_refusal(self, tenant: str | None) -> Verdict | None:
         """Why the bucket's tenant bounds refuse a new request of ``tenant`` (None: the
         anonymous tenant, bounded as any other), or None; the share is of the bucket's largest
-        number of slots at the pool's capacity (``extproc.pool.tenants``)."""
+        number of slots at the pool's capacity (``extproc.pool.core.tenants``)."""
         if self.tenants is None:
             return None
         return self.tenants.refusal(tenant, self.max_slots(self.pool.capacity, None))

@@ -1,4 +1,5 @@
-"""The admission core's value types: what goes in and what comes out (``extproc.pool.core``).
+"""The admission core's value types: what goes in and what comes out
+(``extproc.pool.core.admission``).
 
 All frozen, slotted and keyword-only, so tests compare whole objects. ``PoolStats`` is also the
 pool's snapshot for the gauges and /debug/queues (``extproc.pool.view``): its fields name them.
@@ -41,7 +42,7 @@ class Entry:
     weight: float = 1.0
     output: int = 0
     # The request's own deadline (its client's or its route's; None: none) and whether it is
-    # the client's (stated): a relegation never waits past it (``extproc.pool.relegate``).
+    # the client's (stated): a relegation never waits past it (``extproc.pool.core.relegate``).
     own_deadline: float | None = None
     own_stated: bool = False
 

@@ -53,8 +53,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from extproc.pool.demand import least_urgent, protected
-from extproc.pool.values import BucketStats, slots
+from extproc.pool.core.demand import least_urgent, protected
+from extproc.pool.core.values import BucketStats, slots
 
 __all__ = ["BandCut", "BandLoad", "band_load"]
 

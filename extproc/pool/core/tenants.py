@@ -52,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from extproc.pool.values import Verdict, slots
+from extproc.pool.core.values import Verdict, slots
 
 __all__ = [
     "HEADER_MIN_REQUESTS",

@@ -34,9 +34,9 @@ it may wait, relegation included (``longest_wait``).
 
 ``relegate`` changes both buckets' side (their queues, orders, tenants, bytes and counts),
 through ``Relegating``, what it reads and changes of a bucket
-(``extproc.pool.state.BucketState`` is one: the state imports this module, not back); the core
-(``extproc.pool.core.Admission.expire``) moves the ticket's entry and its deadline, and fills
-the pool afterwards, since the target may have room the source had not (rule 2).
+(``extproc.pool.core.state.BucketState`` is one: the state imports this module, not back); the core
+(``extproc.pool.core.admission.Admission.expire``) moves the ticket's entry and its deadline,
+and fills the pool afterwards, since the target may have room the source had not (rule 2).
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
 from extproc.config.policy import BucketPolicy, Policy
-from extproc.pool.order import QueueOrder
-from extproc.pool.tenants import TenantCounts
-from extproc.pool.values import Ticket, Verdict
+from extproc.pool.core.order import QueueOrder
+from extproc.pool.core.tenants import TenantCounts
+from extproc.pool.core.values import Ticket, Verdict
 
 __all__ = ["Relegating", "Relegation", "longest_wait", "relegate", "relegation"]
 

@@ -4,14 +4,14 @@ With ``pool.shared``, several replicas draw the pool's slots from Redis as lease
 (``extproc.pool.shared.LeaseManager``). The manager talks to the local pool through this adapter,
 which implements its ``LocalPool`` protocol over the gate; the gate knows only that a
 ``LimitOwner`` holds its limit (``Gate.own_limit``), not that leases or Redis exist. The
-control (``extproc.pool.control``) attaches it once, at the start, and a reload never changes
+control (``extproc.pool.control.wiring``) attaches it once, at the start, and a reload never changes
 which Redis or ``key_prefix`` the pool's leases are of: a restart does.
 
 - ``attach(manager, pool_limit)``: the local pool admits only on leases, none held yet.
 - ``set_leases(held, pool_limit)``: admit at most ``held`` at once (possibly 0; a raised one
   admits at once), with ``max_share`` and caps of ``pool_limit``, the whole pool's.
 - ``shared_view()``: (requests holding a slot, {band: waiters one more lease each would let
-  in}), the manager's demand (``extproc.pool.demand.lease_demand``).
+  in}), the manager's demand (``extproc.pool.core.demand.lease_demand``).
 - The gate's hooks go to the manager: ``before_release`` -> ``on_release`` (a slot is about
   to be freed: the manager may lower the limit first and give the lease to a more urgent
   replica instead of reusing it here), ``changed`` -> ``on_change``.
@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from extproc.config.policy import BucketPolicy, PoolPolicy
-from extproc.pool.demand import lease_demand
+from extproc.pool.core.demand import lease_demand
+from extproc.pool.core.values import slots
 from extproc.pool.gate import POOL, Gate
 from extproc.pool.shared import LeaseManager, Mode
-from extproc.pool.values import slots
 from extproc.pool.view import gauge
 
 __all__ = ["LeaseAdapter", "LeaseHooks", "SharedSnapshot", "limit_bounds", "starting_limit"]

@@ -21,8 +21,8 @@ from typing import Protocol
 from extproc.backend.scrape import Signals
 from extproc.loops import Guard
 from extproc.objectives import OBJECTIVES
-from extproc.pool.adaptive import AdaptiveLimit, LimitState
-from extproc.pool.bandcut import BandLoad
+from extproc.pool.control.adaptive import AdaptiveLimit, LimitState
+from extproc.pool.control.bandcut import BandLoad
 from extproc.pool.view import each, gauge
 
 __all__ = ["BackendSnapshot", "Poller", "SignalSource"]

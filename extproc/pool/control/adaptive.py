@@ -51,10 +51,10 @@ A breach does not cut again until the last cut has landed:
 
 One breach therefore costs at most one cut per cooldown, never a collapse to ``min_limit``.
 
-The least urgent band first (``extproc.pool.bandcut``, with ``band`` passed): a latency breach
-while that band holds more than its guaranteed share cuts what the band may hold, by the same
-factor, and leaves the limit; the limit is cut once the band is down to its share. A band cut
-counts as a decrease for the cooldown, and while the band runs more than its cut a latency
+The least urgent band first (``extproc.pool.control.bandcut``, with ``band`` passed): a
+latency breach while that band holds more than its guaranteed share cuts what the band may hold, by
+the same factor, and leaves the limit; the limit is cut once the band is down to its share. A band
+cut counts as a decrease for the cooldown, and while the band runs more than its cut a latency
 breach cuts nothing. In a round where the limit could grow, a band held by its cut is lent one
 step back instead (``lend``).
 
@@ -64,7 +64,7 @@ the latency objectives out of both the decrease and the increase: only vLLM's qu
 bound the limit. The least urgent band (batch, typically long prompts) would otherwise break
 an interactive TTFT objective with its own TTFTs and hold the limit far below what the backend
 can run while it is alone. vLLM's histograms have no class label, so the objectives cannot be
-read per band (``extproc.pool.demand.objectives_apply``).
+read per band (``extproc.pool.core.demand.objectives_apply``).
 
 Increase, ``L := L + max(1, floor(0.05 * L))``, when all of these hold (and no band cut is
 eased in the same round):
@@ -105,8 +105,8 @@ is no data, as above, and never stops traffic.
 The settings are the policy's ``AdaptivePolicy``; the law's constants are named below.
 
 Pure: ``update`` takes ``now`` from the caller; no clock, no I/O. ``snapshot()`` is what the
-gauges and /debug/queues show. ``extproc.pool.poller.Poller`` is the asyncio shell that scrapes
-every ``interval`` and feeds ``update``.
+gauges and /debug/queues show. ``extproc.pool.control.poller.Poller`` is the asyncio shell that
+scrapes every ``interval`` and feeds ``update``.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ from typing import Final
 from extproc.backend.scrape import Latency, Signals
 from extproc.config.policy import AdaptivePolicy
 from extproc.objectives import OBJECTIVES
-from extproc.pool.bandcut import BandCut, BandLoad
+from extproc.pool.control.bandcut import BandCut, BandLoad
 from extproc.pool.view import HIDDEN, gauge
 
 __all__ = ["AdaptiveLimit", "AdaptiveSnapshot", "LimitReason", "LimitState"]

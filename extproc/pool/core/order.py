@@ -65,7 +65,7 @@ Who gets a freed slot is decided in two steps, each a small class:
 
 A new order (EDF, say) is a new class here and its test; the core's ``_fill`` does not
 change. The choice reads a bucket through ``Contender``, what it needs of one
-(``extproc.pool.state.BucketState`` is one): the state imports the orders, not back.
+(``extproc.pool.core.state.BucketState`` is one): the state imports the orders, not back.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ from collections.abc import Mapping, Sequence, Sized
 from typing import ClassVar, Final, Protocol, TypeVar
 
 from extproc.config.policy import Order, TenantPolicy
-from extproc.pool.values import Ticket
+from extproc.pool.core.values import Ticket
 
 __all__ = [
     "COST_EWMA_ALPHA",

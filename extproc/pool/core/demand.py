@@ -15,10 +15,10 @@ Who asks what:
   capacity it reports. It passes every bucket of the pool, those a reload dropped from the
   policy included: they still hold slots until they drain.
 - ``protected``, ``objectives_apply``, ``limit_demand``: the pool's controller
-  (``extproc.pool.control``), from the policy's buckets: the overload monitor reads their
+  (``extproc.pool.control.wiring``), from the policy's buckets: the overload monitor reads their
   deadlines, which live in the policy. (The gate holds every policy bucket, so the two sets
   differ only by buckets still draining after a reload.)
-- ``lease_demand``: the lease adapter (``extproc.pool.lease_adapter``), for the lease manager.
+- ``lease_demand``: the lease adapter (``extproc.pool.shared.adapter``), for the lease manager.
 - ``shared_limit_demand``: the controller of a shared adaptive pool's leader.
 """
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
-from extproc.pool.values import BucketStats, PoolStats
+from extproc.pool.core.values import BucketStats, PoolStats
 
 __all__ = [
     "Banded",

@@ -1,21 +1,22 @@
 """The shared pool's three controllers, wired to the gate on the sidecar's event loop.
 
-- The adaptive limit (``pool.adaptive``): ``extproc.pool.poller.Poller`` scrapes the
+- The adaptive limit (``pool.adaptive``): ``extproc.pool.control.poller.Poller`` scrapes the
   backend's metrics (``backend.metrics``) every ``interval``, runs
-  ``extproc.pool.adaptive.AdaptiveLimit`` on them and gives the limit it finds to
-  ``Gate.set_pool_limit``, on the demand ``extproc.pool.demand.limit_demand`` counts and with
+  ``extproc.pool.control.adaptive.AdaptiveLimit`` on them and gives the limit it finds to
+  ``Gate.set_pool_limit``, on the demand ``extproc.pool.core.demand.limit_demand`` counts and with
   the latency objectives while ``objectives_apply``; the band cut it finds for the least urgent
-  band (``extproc.pool.bandcut``: cut before the limit) goes to ``Gate.set_cut(..., band=True)``.
-- Staged recovery (``pool.overload``): once a second, ``extproc.pool.overload.OverloadMonitor``
-  reads the counts of the protected traffic (``demand.protected``: every band but the least
-  urgent) from the gate (admitted, evicted or relegated, refused, the p95 of recent waits, the
-  queue; not the requests whose client's own deadline passed: ``client_expired_total``) and,
-  when its state or factor changes, gives the factor to ``Gate.set_cut``: while overloaded, the
-  least urgent band holds no more than its guaranteed share; when it clears, its cap comes back
-  50% -> 80% -> 100%, each step held ``step_hold``. A policy whose buckets share one priority
-  has nothing to protect and no cut.
+  band (``extproc.pool.control.bandcut``: cut before the limit) goes to
+  ``Gate.set_cut(..., band=True)``.
+- Staged recovery (``pool.overload``): once a second,
+  ``extproc.pool.control.overload.OverloadMonitor`` reads the counts of the protected traffic
+  (``demand.protected``: every band but the least urgent) from the gate (admitted, evicted or
+  relegated, refused, the p95 of recent waits, the queue; not the requests whose client's own
+  deadline passed: ``client_expired_total``) and, when its state or factor changes, gives the factor
+  to ``Gate.set_cut``: while overloaded, the least urgent band holds no more than its guaranteed
+  share; when it clears, its cap comes back 50% -> 80% -> 100%, each step held ``step_hold``. A
+  policy whose buckets share one priority has nothing to protect and no cut.
 - Shared leases (``pool.shared``): ``extproc.pool.shared.LeaseManager``, through
-  ``extproc.pool.lease_adapter.LeaseAdapter``, sets the gate's limit to the leases this replica
+  ``extproc.pool.shared.adapter.LeaseAdapter``, sets the gate's limit to the leases this replica
   holds. With an adaptive pool, only the replica that holds the leadership (elected in Redis)
   runs the poller, on the whole pool's demand (``demand.shared_limit_demand``), and publishes
   the limit through the manager; the others read it from Redis. A replica that gains the
@@ -27,7 +28,7 @@
   (``limit_bounds``).
 
 - Tenant headers: on the same tick, each bucket whose tenant is a trusted header's value
-  (``tenant.header``) is looked at (``extproc.pool.tenants.watch_header``, on the totals the
+  (``tenant.header``) is looked at (``extproc.pool.core.tenants.watch_header``, on the totals the
   gate counts as requests join): when a window of ``HEADER_WINDOW_S`` saw at least
   ``HEADER_MIN_REQUESTS`` requests and none had the header, the bucket's requests are all one
   anonymous tenant; ``llm_extproc_tenant_header_missing{bucket}`` is 1 and one line at WARNING
@@ -80,16 +81,16 @@ from extproc.config.policy import (
     PoolPolicy,
 )
 from extproc.loops import Guard
-from extproc.pool import demand
-from extproc.pool.adaptive import AdaptiveLimit
-from extproc.pool.bandcut import BandLoad, band_load
+from extproc.pool.control.adaptive import AdaptiveLimit
+from extproc.pool.control.bandcut import BandLoad, band_load
+from extproc.pool.control.overload import Overload, OverloadMonitor, OverloadSnapshot
+from extproc.pool.control.poller import BackendSnapshot, Poller
+from extproc.pool.core import demand
+from extproc.pool.core.tenants import HeaderWatch, watch_header
+from extproc.pool.core.values import PoolStats
 from extproc.pool.gate import POOL, Gate
-from extproc.pool.lease_adapter import LeaseAdapter, SharedSnapshot, limit_bounds, starting_limit
-from extproc.pool.overload import Overload, OverloadMonitor, OverloadSnapshot
-from extproc.pool.poller import BackendSnapshot, Poller
 from extproc.pool.shared import LeaseManager, Mode
-from extproc.pool.tenants import HeaderWatch, watch_header
-from extproc.pool.values import PoolStats
+from extproc.pool.shared.adapter import LeaseAdapter, SharedSnapshot, limit_bounds, starting_limit
 from extproc.pool.view import render_debug, render_gauges
 
 __all__ = ["OVERLOAD_TICK_S", "Counters", "PoolControl", "Prepared", "shared_change"]
@@ -395,7 +396,7 @@ class PoolControl:
         )
 
     def _band(self, limit: int | None = None) -> BandLoad | None:
-        """The least urgent band for the band cut (``extproc.pool.bandcut``), at ``limit``
+        """The least urgent band for the band cut (``extproc.pool.control.bandcut``), at ``limit``
         (default: in force); None in a shared pool, whose leader sees only its own bands."""
         s = self._gate.pool_statistics().get(POOL)
         if self._shared is not None or self._policy is None or s is None:
