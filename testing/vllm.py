@@ -25,7 +25,15 @@ from types import TracebackType
 from testing.stack import REPO, free_port
 from testing.tools import optional_tool
 
-__all__ = ["HOW", "MODEL", "VllmServer", "engine_python", "find_engine_python", "tiny_model"]
+__all__ = [
+    "HOW",
+    "MODEL",
+    "VLLM_PYTHON",
+    "VllmServer",
+    "engine_python",
+    "find_engine_python",
+    "tiny_model",
+]
 
 VLLM_PYTHON = "LLM_EXTPROC_VLLM_PYTHON"
 MODEL = "tiny"  # the served model name
