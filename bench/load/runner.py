@@ -9,8 +9,8 @@ import itertools
 import json
 import random
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import aiohttp
@@ -49,6 +49,7 @@ class LoadConfig:
     model: str = DEFAULT_MODEL
     prompt_tokens_header: bool = False  # also send x-sim-prompt-tokens
     max_run_s: float | None = None  # hard cap on the whole run; default derived from timeouts
+    body_extra: Mapping[str, Any] = field(default_factory=dict)  # e.g. vLLM's ignore_eos
 
     def schedule(self) -> tuple[PlannedRequest, ...]:
         """The arrivals this config describes (``build_schedule`` of its classes and seed)."""
@@ -104,7 +105,7 @@ async def _run_request(
     """One planned request, arrived at ``at`` (loop time): attempts and SDK-style retries
     until an answer the SDK would not retry, or ``max_retries``."""
     path = CHAT_PATH if spec.endpoint == "chat" else COMPLETIONS_PATH
-    body = json.dumps(request_payload(spec, pr, cfg.model)).encode()
+    body = json.dumps({**request_payload(spec, pr, cfg.model), **cfg.body_extra}).encode()
     headers = {CLASS_HEADER: spec.name}
     if pr.tenant is not None:
         headers[TENANT_HEADER] = pr.tenant

@@ -142,10 +142,11 @@ def test_envoy_validates_the_compose_config_without_resolving_names(tmp_path: Pa
 @pytest.mark.envoy
 def test_compose_services_profiles_and_wiring() -> None:
     services = compose()["services"]
-    assert set(services) == {"envoy", "extproc", "redis", "sim", "vllm"}
+    assert set(services) == {"envoy", "extproc", "redis", "sim", "vllm", "vllm-cpu"}
     for name in ("envoy", "extproc", "redis"):
         assert "profiles" not in services[name], name
     assert services["sim"]["profiles"] == ["cpu"] and services["vllm"]["profiles"] == ["gpu"]
+    assert services["vllm-cpu"]["profiles"] == ["vllm-cpu"]
     envoy_cfg = compose_envoy()
 
     # Envoy: the pinned official image, the version the tests run.
@@ -175,10 +176,10 @@ def test_compose_services_profiles_and_wiring() -> None:
     assert policy == DEPLOY / "compose" / "policy.yaml" and policy.is_file()
     assert next(p for p in extproc["ports"] if p.endswith(":9464")).startswith("127.0.0.1:")
 
-    # Both backends answer to `backend` on port 8000, where the Envoy cluster points.
+    # Every backend answers to `backend` on port 8000, where the Envoy cluster points.
     assert endpoint_address(cluster_named(envoy_cfg, "backend")) == ("backend", 8000)
-    sim, vllm = services["sim"], services["vllm"]
-    for backend in (sim, vllm):
+    sim, vllm, vllm_cpu = services["sim"], services["vllm"], services["vllm-cpu"]
+    for backend in (sim, vllm, vllm_cpu):
         assert "backend" in backend["networks"]["backend"]["aliases"]
         assert "ports" not in backend, "a published backend port would bypass admission"
     assert sim["build"] == {"context": ".", "target": "sim"} and "sim" in stages
@@ -191,6 +192,11 @@ def test_compose_services_profiles_and_wiring() -> None:
     assert "HF_TOKEN" in vllm["environment"]
     (gpu,) = vllm["deploy"]["resources"]["reservations"]["devices"]
     assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
+    # vLLM's CPU image: no GPU asked for, its KV cache sized (else most of the memory).
+    cpu_command = vllm_cpu["command"].split()
+    assert flag(cpu_command, "--host") == "0.0.0.0" and flag(cpu_command, "--port") == "8000"
+    assert vllm_cpu["image"].startswith("${VLLM_CPU_IMAGE:-public.ecr.aws/q9t5s3a7/vllm-cpu-")
+    assert "deploy" not in vllm_cpu and "VLLM_CPU_KVCACHE_SPACE" in vllm_cpu["environment"]
 
     # Every bind-mounted file or folder exists.
     for service in services.values():
