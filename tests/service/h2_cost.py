@@ -201,9 +201,7 @@ async def serve(mode: str, redis: str | None) -> Callable[[float], Awaitable[Non
         from extproc.config.policy import policy_from_yaml
 
         text = POLICY if redis is None else SHARED_POLICY.replace("REDIS", redis)
-        sidecar = Sidecar(
-            policy_from_yaml(text), listen="127.0.0.1:0", metrics_listen=None, transport="h2"
-        )
+        sidecar = Sidecar(policy_from_yaml(text), listen="127.0.0.1:0", metrics_listen=None)
         await sidecar.start()
         return sidecar.stop
     from extproc.transport import h2

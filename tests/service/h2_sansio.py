@@ -19,10 +19,9 @@ import h2.connection
 import h2.events
 
 from extproc.transport.h2 import EOF, Call, CallAbort, Connection, H2Limits, Method
-from extproc.transport.h2.flow import Counters
 from extproc.transport.h2.frames import GOAWAY, PREFACE, SETTINGS, U32, frame
 from extproc.transport.h2.headers import OK_TRAILERS, status_block
-from extproc.transport.h2.limits import HEADER_CACHE_BYTES
+from extproc.transport.h2.limits import HEADER_CACHE_BYTES, Counters
 from tests.service.h2_peer import Frame, parse_frames, request_headers
 
 MAX_MESSAGE = 64 * 1024
@@ -201,6 +200,6 @@ def held(conn: Connection) -> dict[str, int]:
     assert conn.header_cache_bytes <= HEADER_CACHE_BYTES
     assert sum(call.held for call in conn.calls.values()) == conn.buffered
     if not conn.closed:
-        total = conn._recv_window + conn._credit + conn.buffered
+        total = conn.inbound.window + conn.inbound.credit + conn.buffered
         assert total == limits.connection_window, (total, limits.connection_window)
     return {"calls": len(conn.calls), "buffered": conn.buffered, "queued": conn.queued_out}

@@ -392,7 +392,7 @@ def test_token_buckets_pass_their_burst_then_refuse(
     feed(raw, b"".join(flood(i) for i in range(passes)))
     assert goaway_of(raw.read()) is None and not raw.conn.closed
     feed(raw, flood(passes))
-    assert goaway_of(raw.read()) == (raw.conn._last_id, ENHANCE_YOUR_CALM, debug)
+    assert goaway_of(raw.read()) == (raw.conn.session.last_id, ENHANCE_YOUR_CALM, debug)
     assert raw.counters.calm == 1
 
 
@@ -700,10 +700,10 @@ def test_a_read_does_a_slice_of_work_and_leaves_the_rest_for_the_next_turn() -> 
     raw = Raw()
     updates = frame(WINDOW_UPDATE, 0, 0, U32.pack(1)) * 600
     assert raw.send(updates)  # bytes left
-    assert raw.conn.send_window == DEFAULT_WINDOW + SLICE_WORK
+    assert raw.conn.outbound.window == DEFAULT_WINDOW + SLICE_WORK
     assert raw.send(frame(WINDOW_UPDATE, 0, 0, U32.pack(1)))  # kept behind the backlog, in order
     assert not raw.conn.resume(raw.now)
-    assert raw.conn.send_window == DEFAULT_WINDOW + 601
+    assert raw.conn.outbound.window == DEFAULT_WINDOW + 601
 
 
 def test_stop_refuses_new_streams_and_lets_open_ones_finish() -> None:

@@ -930,7 +930,7 @@ def _in_use(sidecar: Sidecar) -> tuple[int, int]:
 
 def with_sidecar(test: Callable[[Sidecar, int], Any]) -> None:
     async def main() -> None:
-        sidecar = Sidecar(POLICY, listen="127.0.0.1:0", metrics_listen=None, transport="h2")
+        sidecar = Sidecar(POLICY, listen="127.0.0.1:0", metrics_listen=None)
         await sidecar.start()
         try:
             assert sidecar.grpc_port is not None

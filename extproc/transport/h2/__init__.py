@@ -12,22 +12,21 @@ ends its call by returning or by raising ``CallAbort`` (a gRPC status); a stream
 client, or a connection lost, cancels the method's task, as grpc.aio does.
 
 What it does not do, by design: server push, priorities (ignored), compressed messages
-(refused with UNIMPLEMENTED), HTTP/1.1. Both transports run the same servicer; ``grpc`` (the
-grpc.aio server, ``extproc.transport.grpc_aio``) stays available
-(``llm-extproc serve --transport grpc``) for comparison.
+(refused with UNIMPLEMENTED), HTTP/1.1. grpc.aio serves the same servicer in the tests, as
+their oracle (``testing/grpc_aio.py``).
 
 The modules, from the bytes up (python-hyper's h11 and h2 are the model: a protocol state
 machine that does no I/O, and a thin shell that does):
 
-* ``frames``: frame types, flags, error codes, settings; building a frame.
+* ``frames``: frame types, flags, error codes, settings; building a frame; ``ConnectionFailure``.
 * ``headers``: header blocks: the scan before decoding, HPACK decoding with the connection's
   cache, which requests are gRPC, and the blocks we send (response headers, trailers).
-* ``limits``: every bound, with its value and why (``H2Limits``, the constants, ``Budget``).
+* ``limits``: every bound, its value and why (``H2Limits``, constants, ``Budget``, ``Counters``).
 * ``call``: gRPC on a stream: length-prefixed messages, and the ``Call`` a method is given.
-* ``flow``, ``control``, ``connection``: the sans-IO connection (``Connection``), in three
-  layers: the calls, the windows and the output; connection-wide frames, rate limits and
-  time; the bytes cut into frames and the frames of streams. Bytes in (``receive_data``,
-  with the time), frames out and events as calls on its host, in the order they happen.
+* ``connection``: the sans-IO connection: bytes in (``receive_data``, with the time), cut into
+  frames; frames out and events as calls on its host, in the order they happen. It owns parts
+  that do no I/O and do not know it: ``session`` (the calls, the output, the ends), ``flow``
+  (the windows both ways), ``control`` (SETTINGS, PING, token buckets, timers).
 * ``idle``: which connection a newcomer displaces at ``max_connections`` (``IdleOrder``).
 * ``server``: the asyncio shell: ``H2Server`` (listeners, the tick, stop) and one
   ``ServerProtocol`` per connection, the host: it feeds its ``Connection``, writes what it is
@@ -35,42 +34,31 @@ machine that does no I/O, and a thin shell that does):
 
 Theory of operation: a hostile peer. The peer is meant to be Envoy, but the server must hold
 whatever a broken or hostile HTTP/2 client sends. Every resource a peer can make us spend is
-bounded, and each bound is a constant of ``limits`` or an ``H2Server`` parameter (all of
-them, with the reasons for their values, in docs/transport.md):
+bounded by a constant of ``limits`` or an ``H2Server`` parameter (docs/transport.md: why each):
 
-* Memory in: a stream may send at most one message's worth beyond what its method has read
-  (the stream window, ``max_message`` + 5), and a connection at most ``connection_window``
-  bytes beyond what all its methods have read. Bytes are credited back (WINDOW_UPDATE) only
-  when a method reads the message they carried, or when the stream ends: what we buffer is
-  exactly what the windows allow, and bytes beyond a window are a FLOW_CONTROL_ERROR. If the
-  connection window fills with messages that are all incomplete (streams interleaved so that
-  none can finish), nothing could ever be read again: the newest incomplete call is then
-  ended with RESOURCE_EXHAUSTED until the oldest can complete (``flow``).
-* Memory out: bytes waiting for the peer's flow-control window, and bytes the transport holds
-  because the peer does not read, are each bounded by ``send_queue`` (ENHANCE_YOUR_CALM above
-  it); while the transport's buffer is above its high-water mark we stop reading the peer,
-  so a peer that does not read cannot make us produce more (acks, refusals, answers).
+* Memory in: a stream may send at most one message beyond what its method has read (the
+  stream window, ``max_message`` + 5), a connection at most ``connection_window`` bytes.
+  Bytes are credited back (WINDOW_UPDATE) only when a method reads the message they carried,
+  or when the stream ends: we buffer exactly what the windows allow; bytes beyond a window are
+  a FLOW_CONTROL_ERROR. A window full of incomplete messages that none can complete would stop
+  everything: the newest is then ended (RESOURCE_EXHAUSTED) until the oldest can (``flow``).
+* Memory out: bytes waiting for the peer's window, and bytes the transport holds because the
+  peer does not read, are each bounded by ``send_queue`` (ENHANCE_YOUR_CALM above it); above
+  the transport's high-water mark we stop reading the peer, so it cannot make us produce more.
 * Headers: a HEADERS frame and a whole header block are at most ``MAX_HEADER_BLOCK`` bytes,
-  checked from the frame header before the payload is buffered; a block is scanned before it
-  is decoded, so decoding is bounded per block; cached blocks are ``HEADER_CACHE_BYTES`` in
-  all (``headers``).
-* CPU: no frame costs work proportional to the number of calls, frames that do nothing
-  useful or make us answer are rate-limited per connection (``control``), and the work done
-  per read is bounded (``SLICE_WORK``, ``connection``): past it, the rest of the bytes wait
-  for the next turn of the event loop, so other connections are served in between.
-* Time and connections: the handshake, idle connections and silent peers have timeouts;
-  TCP keepalive finds peers that vanished without a FIN; at most ``max_connections``
-  connections (a newcomer beyond it displaces one that no call keeps in place, least
-  recently used, so silent strangers cannot keep Envoy out: ``idle``; a call keeps its
-  connection once its first message arrived, a watch never) and ``max_streams`` open calls
-  per connection (REFUSED_STREAM above).
+  checked from the frame header; a block is scanned before it is decoded, so decoding is
+  bounded per block; cached blocks are ``HEADER_CACHE_BYTES`` in all (``headers``).
+* CPU: no frame costs work proportional to the number of calls, frames that do nothing useful
+  or make us answer are rate-limited per connection (``control``), and the work per read is
+  bounded (``SLICE_WORK``, ``connection``): the rest waits for the next turn of the loop.
+* Time and connections: the handshake, idle connections and silent peers have timeouts; TCP
+  keepalive finds peers that vanished without a FIN; at most ``max_connections`` connections
+  (a newcomer beyond it displaces one that no call keeps in place, least recently used, so
+  silent strangers cannot keep Envoy out: ``idle``; a call keeps its connection once its first
+  message arrived, a watch never) and ``max_streams`` calls per connection (REFUSED_STREAM).
 * Nothing the peer sent is echoed: errors carry fixed messages, a ``grpc-message`` is at most
   ``MAX_GRPC_MESSAGE`` bytes, GOAWAY debug data is a fixed short string per error (the detail
   goes to our log), and no frame we send exceeds the peer's SETTINGS_MAX_FRAME_SIZE.
-
-Writes: the frames that reading one batch of bytes produces (SETTINGS and PING acks, window
-updates, refusals) go out in one ``write``; a call's answer goes out at once, headers and
-message in one ``write``.
 """
 
 from extproc.transport.h2.call import EOF, Call, CallAbort, Method, StatusCode

@@ -7,13 +7,14 @@ INTERNAL), keeping the start of an incomplete one; ``PREFIX`` frames the answers
 
 A ``Call`` is one stream's state, in two parts. The connection's part (windows, bytes held,
 output waiting for the peer's window, whether it was reset or finished) is kept and changed by
-``connection.Connection`` alone. The method's part is the two coroutines the servicer uses,
-``await read()`` (the next message, or ``EOF`` once the client half-closed) and
-``await write(msg)``, which tell the call's connection (its ``Owner``) what was read, to
-credit it back to the peer, and what to send. A message that arrives while a read waits is
-handed to it at once (``deliver``), and the connection credits it then, so that the windows
-reflect what the method has read at every frame. ``take`` is ``read`` without the waiting,
-for a driver with no event loop (the sans-IO tests).
+the connection's parts alone (``flow.Inbound``, ``flow.Outbound``, ``session.Session``). The
+method's part is the two coroutines the servicer uses, ``await read()`` (the next message, or
+``EOF`` once the client half-closed) and ``await write(msg)``, which tell the call's ``Owner``
+(the connection's session) what was read, to credit it back to the peer, and what to send. A
+message that arrives while a read waits is handed to it at once (``deliver``), and the
+connection credits it then, so that the windows reflect what the method has read at every
+frame. ``take`` is ``read`` without the waiting, for a driver with no event loop (the sans-IO
+tests).
 
 A bad message behind good ones the method has not read yet is raised by ``read`` after them,
 in order, as grpc.aio does (``fail_after_queued``).
@@ -110,21 +111,13 @@ class Call:
         "task",
     )
 
-    def __init__(
-        self,
-        conn: Owner,
-        stream_id: int,
-        recv_window: int,
-        deserialize: Callable[[bytes], Any],
-        serialize: Callable[[Any], bytes],
-        first_due: bool = False,
-    ) -> None:
+    def __init__(self, conn: Owner, stream_id: int, recv_window: int, method: Method) -> None:
         self._conn = conn
         self.id = stream_id
         # Displacement (``idle``): ``first_due`` while the call's method would keep its
         # connection in place but its first message has not arrived; ``keeps_place`` once it
         # has (the connection counts it in ``keeping`` until the call ends).
-        self.first_due = first_due
+        self.first_due = method.keeps_connection
         self.keeps_place = False
         # Our send window on this stream is the peer's initial window plus this (window
         # updates received minus bytes sent), so a SETTINGS change costs nothing per call.
@@ -132,8 +125,8 @@ class Call:
         self.recv_window = recv_window  # what the peer may still send on this stream
         self.recv_credit = 0  # bytes read by the method, not yet given back to the peer
         self.held = 0  # bytes of this stream's DATA we hold: partial message + unread messages
-        self._deserialize = deserialize
-        self._serialize = serialize
+        self._deserialize = method.deserialize
+        self._serialize = method.serialize
         self.partial = Pieces()  # the start of an incomplete message
         self._messages: deque[tuple[Any, int]] = deque()  # (message, its bytes on the wire)
         self._reader: asyncio.Future[Any] | None = None

@@ -6,6 +6,7 @@ A frame is a 9-byte header (24-bit length, type, flags, 31-bit stream id) and it
 what ``struct`` can do in one call; ``frame`` builds a whole frame. The connection reads
 frames straight out of the bytes it is given (``connection.Connection``) and keeps the start
 of a frame that is not complete yet in a ``Pieces``, as ``call.Call`` does for a gRPC message.
+A ``ConnectionFailure`` is a protocol error that ends the connection (GOAWAY).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ __all__ = [
     "S_MAX_HEADER_LIST_SIZE",
     "U32",
     "WINDOW_UPDATE",
+    "ConnectionFailure",
     "Pieces",
     "frame",
     "goaway",
@@ -99,6 +101,17 @@ def window_update(stream_id: int, increment: int) -> bytes:
 
 def goaway(last_id: int, code: int, debug: bytes) -> bytes:
     return frame(GOAWAY, 0, 0, _GOAWAY.pack(last_id, code) + debug)
+
+
+class ConnectionFailure(Exception):
+    """A protocol error that ends the connection: GOAWAY with ``code`` and the fixed debug
+    string ``why``; ``detail`` goes to our log only."""
+
+    def __init__(self, code: int, why: str, detail: str = "") -> None:
+        super().__init__(why)
+        self.code = code
+        self.why = why
+        self.detail = detail
 
 
 class Pieces:

@@ -22,6 +22,7 @@ from typing import cast
 import grpc
 import hpack
 
+from extproc.transport.h2.frames import COMPRESSION_ERROR, ConnectionFailure
 from extproc.transport.h2.limits import (
     DECODE_COST_SHIFT,
     HEADER_CACHE_BYTES,
@@ -205,16 +206,17 @@ class HeaderDecoder:
 
     def decode(self, block: bytes) -> tuple[Headers, int]:
         """The block's fields, and the work its decoding cost (``SLICE_WORK`` units: 0 from
-        the cache); raises ``BadBlock`` for a block that is refused or does not decode."""
+        the cache); a block that is refused or does not decode is a COMPRESSION_ERROR."""
         headers = self.cache.get(block)
         if headers is not None:
             return headers, 0
-        modifies, fields = scan_block(block)
-        work = (len(block) >> DECODE_COST_SHIFT) + 2 * fields
         try:
+            modifies, fields = scan_block(block)
             headers = cast(Headers, self._decoder.decode(block, raw=True))
         except (hpack.HPACKError, ValueError, IndexError) as e:
-            raise BadBlock(type(e).__name__) from None
+            why = str(e) if isinstance(e, BadBlock) else type(e).__name__
+            raise ConnectionFailure(COMPRESSION_ERROR, "compression error", why) from None
+        work = (len(block) >> DECODE_COST_SHIFT) + 2 * fields
         if modifies:
             self.clear()
         else:

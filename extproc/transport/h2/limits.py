@@ -8,7 +8,7 @@ test that pins each.
 
 ``Budget`` is the token bucket the connection draws on for frames that do nothing useful or
 that make it answer (resets, PINGs, SETTINGS, empty frames); it is given the time, as the
-connection is.
+connection is. ``Counters`` counts, for a whole server, what its connections refused and ended.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ __all__ = [
     "WRITE_HIGH",
     "WRITE_LOW",
     "Budget",
+    "Counters",
     "H2Limits",
     "LimitOptions",
 ]
@@ -233,3 +234,16 @@ class Budget:
             return False
         self.tokens = tokens - 1.0
         return True
+
+
+@dataclass(slots=True)
+class Counters:
+    """What a server's connections refused and ended, for ``H2Server.statistics``."""
+
+    refused_connections: int = 0
+    displaced: int = 0  # connections closed to make room for a new one
+    refused_streams: int = 0
+    calm: int = 0
+    protocol_errors: int = 0
+    timeouts: int = 0
+    stalls_broken: int = 0

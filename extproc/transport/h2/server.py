@@ -32,7 +32,6 @@ from typing import Unpack
 
 from extproc.transport.h2.call import Call, CallAbort, Method, StatusCode
 from extproc.transport.h2.connection import Connection
-from extproc.transport.h2.flow import Counters
 from extproc.transport.h2.headers import OK_TRAILERS, status_block
 from extproc.transport.h2.idle import IdleOrder
 from extproc.transport.h2.limits import (
@@ -44,6 +43,7 @@ from extproc.transport.h2.limits import (
     TCP_USER_TIMEOUT_MS,
     WRITE_HIGH,
     WRITE_LOW,
+    Counters,
     H2Limits,
     LimitOptions,
 )
@@ -100,7 +100,7 @@ class ServerProtocol(asyncio.Protocol):
             victim = server.idle.victim()
             if victim is None:  # a call keeps every connection in place
                 server.counters.refused_connections += 1
-                self.connection.closed = True
+                self.connection.shut()
                 transport.close()
                 return
             victim.displace()
@@ -175,7 +175,7 @@ class ServerProtocol(asyncio.Protocol):
             self._close()
 
     def abort(self) -> None:
-        self.connection.closed = True
+        self.connection.shut()
         if self.transport is not None and not self._lost:
             self.transport.abort()
 
@@ -239,7 +239,7 @@ class ServerProtocol(asyncio.Protocol):
             transport.resume_reading()
 
     def _close(self) -> None:
-        self.connection.closed = True
+        self.connection.shut()
         if self.transport is not None:
             self.transport.close()
             # A peer that does not read keeps a closing transport open: abort it then.
