@@ -234,7 +234,7 @@ class Metrics:
         )
         for loop in LOOPS:
             self.loop_errors.labels(loop)
-        # Set by the pool's controller on its tick (extproc.pool.control.wiring), one series per
+        # Set by the pool's controller on its tick (extproc.pool.control.headers), one series per
         # bucket whose tenant is a trusted header's value (none for the others).
         self.tenant_header_missing = Gauge(
             "llm_extproc_tenant_header_missing",

@@ -12,7 +12,7 @@ Floors, lowest first (``tests/unit/test_imports.py`` keeps a floor from importin
 - ``shared/``: the pool shared by several replicas through Redis: the leases, and
   ``adapter``, the local pool as the lease manager sees it;
 - ``control/``: the adaptive limit, the band cut, staged recovery, the poller, and
-  ``wiring`` (``PoolControl``).
+  ``wiring`` (``PoolControl``) with its parts (``recovery``, ``headers``, ``reload``).
 
 Nothing is imported here, so that each module can be imported alone.
 """

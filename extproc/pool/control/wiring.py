@@ -7,14 +7,6 @@
   the latency objectives while ``objectives_apply``; the band cut it finds for the least urgent
   band (``extproc.pool.control.bandcut``: cut before the limit) goes to
   ``Gate.set_cut(..., band=True)``.
-- Staged recovery (``pool.overload``): once a second,
-  ``extproc.pool.control.overload.OverloadMonitor`` reads the counts of the protected traffic
-  (``demand.protected``: every band but the least urgent) from the gate (admitted, evicted or
-  relegated, refused, the p95 of recent waits, the queue; not the requests whose client's own
-  deadline passed: ``client_expired_total``) and, when its state or factor changes, gives the factor
-  to ``Gate.set_cut``: while overloaded, the least urgent band holds no more than its guaranteed
-  share; when it clears, its cap comes back 50% -> 80% -> 100%, each step held ``step_hold``. A
-  policy whose buckets share one priority has nothing to protect and no cut.
 - Shared leases (``pool.shared``): ``extproc.pool.shared.LeaseManager``, through
   ``extproc.pool.shared.adapter.LeaseAdapter``, sets the gate's limit to the leases this replica
   holds. With an adaptive pool, only the replica that holds the leadership (elected in Redis)
@@ -26,15 +18,8 @@
   of the limit that poller finds: the limit keeps following the backend; shared again, it
   stops that poller unless it leads. A limit read from Redis is clamped to the policy's
   (``limit_bounds``).
-
-- Tenant headers: on the same tick, each bucket whose tenant is a trusted header's value
-  (``tenant.header``) is looked at (``extproc.pool.core.tenants.watch_header``, on the totals the
-  gate counts as requests join): when a window of ``HEADER_WINDOW_S`` saw at least
-  ``HEADER_MIN_REQUESTS`` requests and none had the header, the bucket's requests are all one
-  anonymous tenant; ``llm_extproc_tenant_header_missing{bucket}`` is 1 and one line at WARNING
-  says so, until a request with the header comes (one line at INFO). A policy (re)load gives
-  each such bucket its series at 0, drops those of buckets that have no tenant header any
-  more, and watches a bucket whose header changed afresh.
+- Staged recovery (``pool.overload``, ``extproc.pool.control.recovery``) and the tenant-header
+  watch (``extproc.pool.control.headers``): one tick a second.
 
 Each transition is one log line (``extproc.control``). The gauges (``gauges``, read by the
 metrics collector at scrape time) and the pool's entry of /debug/queues (``debug``) render the
@@ -42,16 +27,12 @@ controllers' snapshots (``extproc.pool.view``): the pool's ``PoolStats``, the mo
 adaptive limit's and the signals of its last round, the lease manager's.
 
 A policy (re)load is two steps. ``prepare`` checks everything the policy needs that could
-fail (``pool.shared`` as it was, the adaptive limit and its scraper, the overload monitor) and
-changes nothing: what raises there refuses the policy. ``apply`` then only switches, and
-cannot fail. A reload rebuilds a controller only when its own settings changed, and the
-adaptive limit carries on from the limit in force.
-
-The lease manager is made by the first ``apply`` (the start) and closed by ``close``; a reload
-keeps it, and applies a new limit and adaptive bounds to it in place. A reload that changes
-``pool.shared`` (its ``redis`` or ``key_prefix``, its ``lease``, ``timeout`` or ``replicas``,
-or turns shared mode on or off) is refused by ``prepare`` (``shared_change``): a running pool
-is not moved to another Redis or manager; a restart (a rolling restart) applies it.
+fail (``pool.shared`` as it was: ``extproc.pool.control.reload``; the adaptive limit and its
+scraper, the overload monitor) and changes nothing: what raises there refuses the policy.
+``apply`` then only switches, and cannot fail. A reload rebuilds a controller only when its own
+settings changed, and the adaptive limit carries on from the limit in force. The lease manager
+is made by the first ``apply`` (the start) and closed by ``close``; a reload keeps it, and
+applies a new limit and adaptive bounds to it in place.
 
 Every task started here has an owner: the overload tick and the poller's own task are awaited
 by ``stop``, a poller stopped on a reload or a change of leader is awaited there too, and the
@@ -67,33 +48,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from extproc.backend.scrape import Scraper, Signals
-from extproc.config.policy import (
-    AdaptivePolicy,
-    BackendPolicy,
-    OverloadPolicy,
-    Policy,
-    PolicyError,
-    PoolPolicy,
-)
+from extproc.config.policy import AdaptivePolicy, BackendPolicy, Policy, PolicyError, PoolPolicy
 from extproc.loops import Guard
 from extproc.pool.control.adaptive import AdaptiveLimit
 from extproc.pool.control.bandcut import BandLoad, band_load
-from extproc.pool.control.overload import Overload, OverloadMonitor, OverloadSnapshot
+from extproc.pool.control.headers import Levels, TenantHeaders
+from extproc.pool.control.overload import Overload, OverloadMonitor
 from extproc.pool.control.poller import BackendSnapshot, Poller
+from extproc.pool.control.recovery import Recovery
+from extproc.pool.control.reload import shared_change
 from extproc.pool.core import demand
-from extproc.pool.core.tenants import HeaderWatch, watch_header
-from extproc.pool.core.values import PoolStats
 from extproc.pool.gate import POOL, Gate
 from extproc.pool.shared import LeaseManager, Mode
 from extproc.pool.shared.adapter import LeaseAdapter, SharedSnapshot, limit_bounds, starting_limit
 from extproc.pool.view import render_debug, render_gauges
 
-__all__ = ["OVERLOAD_TICK_S", "Counters", "PoolControl", "Prepared", "shared_change"]
+__all__ = ["OVERLOAD_TICK_S", "Counters", "PoolControl", "Prepared"]
 
 log = logging.getLogger("extproc.control")
 
@@ -106,15 +80,6 @@ class _Count(Protocol):
 
 class _Counts(Protocol):  # a family of counts by their label
     def labels(self, *values: str) -> _Count: ...
-
-
-class _Level(Protocol):
-    def set(self, value: float) -> None: ...
-
-
-class _Levels(Protocol):  # a family of gauges by their label
-    def labels(self, *values: str) -> _Level: ...
-    def remove(self, *values: str) -> None: ...
 
 
 class Counters(Protocol):
@@ -133,36 +98,7 @@ class Counters(Protocol):
     @property
     def overload_transitions(self) -> _Counts: ...  # by state
     @property
-    def tenant_header_missing(self) -> _Levels: ...  # by bucket
-
-
-def _p95(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
-
-
-def shared_change(before: PoolPolicy | None, after: PoolPolicy | None) -> str | None:
-    """Why a reload from the pool ``before`` to ``after`` is refused: its ``pool.shared``
-    changed (None: it did not). A restart applies it."""
-    old, new = (p.shared if p is not None else None for p in (before, after))
-    if old == new:
-        return None
-    if old is None or new is None:
-        why = f"pool.shared {'added' if old is None else 'removed'}: a reload cannot turn "
-        why += f"shared mode {'on' if old is None else 'off'}"
-    else:
-        changed = [f.name for f in fields(old) if getattr(old, f.name) != getattr(new, f.name)]
-        if "redis" in changed:
-            why = "pool.shared.redis changed: a reload cannot move a running pool to another Redis"
-        elif "key_prefix" in changed:
-            why = "pool.shared.key_prefix changed: a reload cannot move a running pool to another"
-            why += " pool on its Redis"
-        else:
-            keys = " and ".join(f"pool.shared.{n.removesuffix('_s')}" for n in changed)
-            why = f"{keys} changed: a reload cannot change a running pool's lease manager"
-    return f"{why}; restart the sidecar (a rolling restart) to apply it"
+    def tenant_header_missing(self) -> Levels: ...  # by bucket
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,15 +115,13 @@ class PoolControl:
         self._policy: Policy | None = None
         self._poller: Poller | None = None
         self._poller_key: tuple[AdaptivePolicy, BackendPolicy, int] | None = None  # its settings
-        self._monitor: OverloadMonitor | None = None
-        self._monitor_key: OverloadPolicy | None = None
+        self._recovery = Recovery(gate, lambda s: metrics.overload_transitions.labels(s).inc())
         self._signals: Signals | None = None
         self._task: asyncio.Task[None] | None = None
         self._started = False
         self._shared: LeaseManager | None = None  # pool.shared's, from the start to close
         self._stopping: set[asyncio.Task[None]] = set()  # pollers being stopped
-        # Bucket -> (its tenant header, the watch; None until the first look).
-        self._headers: dict[str, tuple[str, HeaderWatch | None]] = {}
+        self._headers = TenantHeaders(metrics.tenant_header_missing, gate.tenants_seen)
 
     # --- life --------------------------------------------------------------------------------
 
@@ -231,17 +165,10 @@ class PoolControl:
             self._signals = None  # no backend_* gauges left from a poller that is gone
             if pool is not None:
                 self._gate.set_cut(1.0, band=True)  # a new limit starts with no band cut
-            if adaptive is not None and pool is not None and self._leads():
-                self._poller = self._make_poller(adaptive, policy.backend, pool.max_concurrency)
-                if self._started:
-                    self._poller.start()
-        overload = pool.overload if pool is not None and pool.overload.enabled else None
-        if overload != self._monitor_key:
-            self._monitor_key = overload
-            if pool is not None:
-                self._gate.set_cut(1.0)
-            self._monitor = OverloadMonitor(overload) if overload is not None else None
-        self._follow_headers(policy)
+            if key is not None and self._leads():
+                self._run_poller()
+        self._recovery.follow(policy)
+        self._headers.follow(policy)
 
     def start(self) -> None:
         self._started = True
@@ -272,12 +199,6 @@ class PoolControl:
 
     def _loop_error(self, loop: str) -> None:
         self._metrics.loop_errors.labels(loop).inc()
-
-    def _spawn(self, coro: Coroutine[Any, Any, None], owner: set[asyncio.Task[None]]) -> None:
-        """Run ``coro`` as a task kept in ``owner`` until it ends (awaited by stop or close)."""
-        task = asyncio.get_running_loop().create_task(coro)
-        owner.add(task)
-        task.add_done_callback(owner.discard)
 
     # --- the shared pool ---------------------------------------------------------------------
 
@@ -315,42 +236,41 @@ class PoolControl:
         """The lease manager went degraded or shared again: who runs the poller follows."""
         if mode is Mode.DEGRADED:
             self._metrics.shared_degraded.inc()
-        policy = self._policy
-        pool = policy.pool if policy is not None else None
-        if policy is None or pool is None or pool.adaptive is None:
-            return
+        if self._poller_key is None:
+            return  # not adaptive
         if self._leads() and self._poller is None:
             log.warning("shared pool degraded: this replica computes the adaptive limit itself")
-            self._poller = self._make_poller(pool.adaptive, policy.backend, pool.max_concurrency)
-            if self._started:
-                self._poller.start()
+            self._run_poller()
         elif not self._leads() and self._poller is not None:
             log.warning("shared pool: shared again, the leader computes the adaptive limit")
             self._stop_poller()
 
     def _on_leader(self, leads: bool) -> None:
-        policy = self._policy
-        pool = policy.pool if policy is not None else None
-        if policy is None or pool is None or pool.adaptive is None:
-            return
+        if self._poller_key is None:
+            return  # not adaptive
         log.warning(
             "shared pool: this replica %s the adaptive limit",
             "now leads" if leads else "no longer leads",
         )
         self._stop_poller()
         if leads:
-            self._poller = self._make_poller(pool.adaptive, policy.backend, pool.max_concurrency)
-            if self._started:
-                self._poller.start()
+            self._run_poller()
 
     def _stop_poller(self) -> None:
+        """Stop the poller in a task that ``stop`` awaits."""
         poller, self._poller = self._poller, None
         if poller is not None:
-            self._spawn(poller.stop(), self._stopping)
+            task = asyncio.get_running_loop().create_task(poller.stop())
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
 
     # --- the adaptive limit ------------------------------------------------------------------
 
-    def _make_poller(self, a: AdaptivePolicy, backend: BackendPolicy, fallback: int) -> Poller:
+    def _run_poller(self) -> None:
+        """A poller on the adaptive settings in force, from the limit in force (started with
+        the controllers)."""
+        assert self._poller_key is not None
+        a, backend, fallback = self._poller_key
         current = self._gate.pool_statistics().get(POOL)
         initial = a.initial if current is None else current.limit
         if self._shared is not None:
@@ -361,7 +281,7 @@ class PoolControl:
             self._shared.publish_limit(limit.limit)
         else:
             self._gate.set_pool_limit(limit.limit)
-        return Poller(
+        self._poller = Poller(
             scraper,
             limit,
             self._on_limit,
@@ -371,6 +291,8 @@ class PoolControl:
             band=self._band,
             ended=self._gate.ends.count,
         )
+        if self._started:
+            self._poller.start()
 
     def _demand(self) -> tuple[int, int]:
         """(in flight, waiting) for the adaptive limit: ``demand.limit_demand`` for a pool of
@@ -428,112 +350,20 @@ class PoolControl:
                 log.info("band cut %.2f -> %.2f (%s)", current.band_cut, factor, adaptive.reason)
             self._gate.set_cut(factor, band=True)
 
-    # --- overload ----------------------------------------------------------------------------
+    # --- the overload tick -------------------------------------------------------------------
 
     async def _tick_round(self) -> None:
-        """One round of the overload loop (its guard logs and counts a failure): the overload
-        monitor's look, then the tenant headers'."""
+        """One round of the overload loop (its guard logs and counts a failure): staged
+        recovery's look, then the tenant headers'."""
         now = asyncio.get_running_loop().time()
         self.tick(now)
-        self.watch_headers(now)
+        self._headers.look(now)
 
     def tick(self, now: float) -> Overload | None:
-        """One look at the protected bands; apply the factor when it changes."""
-        policy, monitor = self._policy, self._monitor
-        if policy is None or policy.pool is None or monitor is None:
-            return None
-        stats = self._gate.statistics()
-        protected = [b for b in demand.protected(policy.buckets) if b.name in stats]
-        if not protected:
-            return None  # one band: nothing to protect it from
-        waits: list[float] = []
-        for b in protected:
-            waits.extend(self._gate.recent_waits(b.name))
-        before = monitor.state
-        verdict = monitor.update(
-            now,
-            admitted=sum(stats[b.name].admitted_total for b in protected),
-            # A relegation is a miss of its bucket's deadline: an eviction to the monitor.
-            evicted=sum(
-                stats[b.name].evicted_total + stats[b.name].relegated_total for b in protected
-            ),
-            refused=sum(stats[b.name].refused_total for b in protected),
-            p95_wait_s=_p95(waits),
-            queued=sum(stats[b.name].queued for b in protected),
-            deadline_s=max((b.queue_timeout_s for b in protected), default=0.0),
-        )
-        if verdict.changed:
-            self._gate.set_cut(verdict.factor)
-            if verdict.state is not before:
-                self._metrics.overload_transitions.labels(str(verdict.state)).inc()
-            rate = "-" if verdict.eviction_rate is None else f"{verdict.eviction_rate:.1%}"
-            log.warning(
-                "pool %s: least urgent band at %.0f%% of its cap (%s; eviction rate %s, "
-                "p95 wait %s s%s)",
-                verdict.state,
-                100 * verdict.factor,
-                verdict.reason,
-                rate,
-                "-" if verdict.p95_wait_s is None else f"{verdict.p95_wait_s:.2f}",
-                "; the backend needs capacity" if verdict.needs_capacity else "",
-            )
-        return verdict
-
-    # --- tenant headers ----------------------------------------------------------------------
-
-    def _follow_headers(self, policy: Policy) -> None:
-        """The buckets of ``policy`` whose tenant is a header: a series at 0 for each new one;
-        one gone, or whose header changed, is forgotten (and watched afresh)."""
-        headers = {
-            b.name: b.tenant.header
-            for b in policy.buckets
-            if b.tenant is not None and b.tenant.header is not None
-        }
-        gauge = self._metrics.tenant_header_missing
-        for name, (header, _) in list(self._headers.items()):
-            if headers.get(name) != header:
-                del self._headers[name]
-                gauge.remove(name)
-        for name, header in headers.items():
-            if name not in self._headers:
-                self._headers[name] = (header, None)
-                gauge.labels(name).set(0)
-
-    def watch_headers(self, now: float) -> None:
-        """One look at each bucket whose tenant is a header (``tenants.watch_header``); a
-        change of its verdict sets its gauge and is one log line."""
-        if not self._headers:
-            return
-        seen = self._gate.tenants_seen()
-        for name, (header, before) in self._headers.items():
-            totals = seen.get(name)
-            if totals is None:
-                continue
-            after = watch_header(before, totals, now)
-            self._headers[name] = (header, after)
-            if before is None or after.missing == before.missing:
-                continue
-            self._metrics.tenant_header_missing.labels(name).set(int(after.missing))
-            if after.missing:
-                log.warning(
-                    "bucket %s: its %d requests of the last %.0f s all came without the tenant "
-                    "header %s, so they are one anonymous tenant and fairness between tenants "
-                    "is off; the filter that sets it runs before the strip of trusted_headers, "
-                    "or it is not set",
-                    name,
-                    after.seen.joined - before.seen.joined,
-                    now - before.since,
-                    header,
-                )
-            else:
-                log.info("bucket %s: requests carry the tenant header %s again", name, header)
+        """One look at the protected bands (``Recovery.tick``)."""
+        return self._recovery.tick(now)
 
     # --- views -------------------------------------------------------------------------------
-
-    def _overload_view(self, pool: PoolStats) -> OverloadSnapshot:
-        if self._monitor is None:
-            return OverloadSnapshot.idle(pool.cut)
-        return self._monitor.snapshot()
 
     def gauges(self) -> dict[str, float]:
         """The pool's gauges (``extproc.ops.metrics.POOL_GAUGES``); empty without a pool."""
@@ -542,7 +372,7 @@ class PoolControl:
             return {}
         out: dict[str, float] = {}
         render_gauges(s, out)
-        render_gauges(self._overload_view(s), out)
+        render_gauges(self._recovery.snapshot(s.cut), out)
         if self._poller is not None:
             render_gauges(self._poller.adaptive.snapshot(), out)
         if self._shared is not None:
@@ -557,12 +387,9 @@ class PoolControl:
         if s is None:
             return None
         out = render_debug(s)
-        out["overload"] = render_debug(self._overload_view(s))
-        if self._headers:
-            out["tenant_headers"] = {
-                name: {"header": header, "missing": watch is not None and watch.missing}
-                for name, (header, watch) in self._headers.items()
-            }
+        out["overload"] = render_debug(self._recovery.snapshot(s.cut))
+        if headers := self._headers.debug():
+            out["tenant_headers"] = headers
         if self._shared is not None:
             out["shared"] = self._shared.debug()
         if self._poller is not None:

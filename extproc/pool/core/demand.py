@@ -15,7 +15,7 @@ Who asks what:
   capacity it reports. It passes every bucket of the pool, those a reload dropped from the
   policy included: they still hold slots until they drain.
 - ``protected``, ``objectives_apply``, ``limit_demand``: the pool's controller
-  (``extproc.pool.control.wiring``), from the policy's buckets: the overload monitor reads their
+  (``extproc.pool.control.recovery``), from the policy's buckets: the overload monitor reads their
   deadlines, which live in the policy. (The gate holds every policy bucket, so the two sets
   differ only by buckets still draining after a reload.)
 - ``lease_demand``: the lease adapter (``extproc.pool.shared.adapter``), for the lease manager.
