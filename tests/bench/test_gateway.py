@@ -16,9 +16,10 @@ from aiohttp import web
 
 from bench.gateway.__main__ import config_from_args
 from bench.gateway.core import Grants, PriorityPool, Ticket
-from bench.gateway.server import GatewayConfig, create_app
+from bench.gateway.server import GATEWAY_KEY, Gateway, GatewayConfig, create_app
 from bench.sim.profiles import PROFILES, EngineConfig
 from bench.sim.server import SimConfig, start_server
+from testing.wait import until_async
 
 
 def t(i: int, *, short: bool = False, deadline: float = 100.0) -> Ticket:
@@ -100,7 +101,8 @@ SPEEDUP = 20.0
 
 
 @asynccontextmanager
-async def gateway(workers: int = 1) -> AsyncIterator[str]:
+async def gateway(workers: int = 1) -> AsyncIterator[tuple[str, Gateway]]:
+    """The proxy's URL, and its Gateway (pool and counters, in this process) to wait on."""
     sim = await start_server(
         SimConfig(engine=EngineConfig(profile=PROFILES["a100"]), speedup=SPEEDUP)
     )
@@ -120,7 +122,7 @@ async def gateway(workers: int = 1) -> AsyncIterator[str]:
     await site.start()
     port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", app[GATEWAY_KEY]
     finally:
         await runner.cleanup()
         await sim.close()
@@ -145,21 +147,23 @@ def run(coro_factory: Any, timeout: float = 20.0) -> Any:
 def test_short_request_overtakes_queued_long_one() -> None:
     async def scenario() -> tuple[list[str], dict[str, Any]]:
         done: list[str] = []
-        async with gateway() as url, aiohttp.ClientSession() as s:
+        async with gateway() as (url, gw), aiohttp.ClientSession() as s:
 
-            async def call(name: str, payload: dict[str, Any], delay: float) -> None:
-                await asyncio.sleep(delay)
+            async def call(name: str, payload: dict[str, Any]) -> None:
                 async with s.post(f"{url}/v1/chat/completions", json=payload) as r:
                     assert r.status == 200, await r.text()
                     data = await r.json()
                     assert data["usage"]["completion_tokens"] == payload["max_tokens"]
                 done.append(name)
 
-            await asyncio.gather(
-                call("blocker", body(10, 400), 0.0),  # ~6 s simulated: holds the one worker
-                call("long", body(500, 20), 0.05),
-                call("short", body(10, 20), 0.10),
-            )
+            pool = gw.pool.statistics
+            # ~6 s simulated: holds the one worker while the other two queue behind it.
+            calls = [asyncio.create_task(call("blocker", body(10, 400)))]
+            await until_async(lambda: pool().running == 1, "the blocker holds the worker")
+            calls.append(asyncio.create_task(call("long", body(500, 20))))
+            await until_async(lambda: pool().queued_long == 1, "the long one queued")
+            calls.append(asyncio.create_task(call("short", body(10, 20))))
+            await asyncio.gather(*calls)
             async with s.get(f"{url}/gateway/stats") as r:
                 stats = await r.json()
         return done, stats
@@ -171,11 +175,13 @@ def test_short_request_overtakes_queued_long_one() -> None:
 
 def test_queue_timeout_noticed_at_dequeue_and_streams_pass_through() -> None:
     async def scenario() -> tuple[float, float, int, str, bytes]:
-        async with gateway() as url, aiohttp.ClientSession() as s:
+        async with gateway() as (url, gw), aiohttp.ClientSession() as s:
             blocker = asyncio.create_task(
                 s.post(f"{url}/v1/chat/completions", json=body(10, 400, stream=True))
             )
-            await asyncio.sleep(0.05)
+            await until_async(
+                lambda: gw.pool.statistics().running == 1, "the blocker holds the worker"
+            )
             t0 = time.monotonic()
             async with s.post(
                 f"{url}/v1/chat/completions",
@@ -199,15 +205,18 @@ def test_queue_timeout_noticed_at_dequeue_and_streams_pass_through() -> None:
 
 def test_client_leaving_while_queued_frees_its_place() -> None:
     async def scenario() -> dict[str, Any]:
-        async with gateway() as url, aiohttp.ClientSession() as s:
+        async with gateway() as (url, gw), aiohttp.ClientSession() as s:
+            pool = gw.pool.statistics
             blocker = asyncio.create_task(s.post(f"{url}/v1/chat/completions", json=body(10, 300)))
-            await asyncio.sleep(0.05)
-            with pytest.raises(TimeoutError):
-                await s.post(
-                    f"{url}/v1/chat/completions",
-                    json=body(10, 5),
-                    timeout=aiohttp.ClientTimeout(total=0.05),
-                )
+            await until_async(lambda: pool().running == 1, "the blocker holds the worker")
+            queued = asyncio.create_task(s.post(f"{url}/v1/chat/completions", json=body(10, 5)))
+            await until_async(lambda: pool().queued_short == 1, "the second one queued")
+            queued.cancel()  # its client leaves
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+            await until_async(
+                lambda: gw.counters.cancelled_queued == 1, "the gateway saw the client leave"
+            )
             resp = await blocker
             assert resp.status == 200
             resp.release()

@@ -17,6 +17,7 @@ from bench.sim.__main__ import config_from_args
 from bench.sim.metrics import ITL_BUCKETS
 from bench.sim.profiles import PROFILES, EngineConfig, Profile
 from bench.sim.server import SimConfig, SimServer, start_server
+from testing.wait import until_async
 
 H100 = PROFILES["h100"]
 T = TypeVar("T")
@@ -186,17 +187,16 @@ def test_http_models_health_metrics() -> None:
     run(lambda: with_server(FAST, body))
 
 
-async def _poll_stats(
-    server: SimServer, session: aiohttp.ClientSession, pred: Callable[[dict[str, Any]], bool]
-) -> dict[str, Any]:
-    stats: dict[str, Any] = {}
-    for _ in range(200):
-        async with session.get(server.url + "/sim/stats") as resp:
-            stats = await resp.json()
-        if pred(stats):
-            return stats
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"condition not reached: {stats}")
+async def _stats_when(server: SimServer, key: str, want: int) -> dict[str, Any]:
+    """The simulator's stats (what /sim/stats serves, read in this process) once ``key`` is
+    ``want``."""
+
+    def check() -> dict[str, Any] | None:
+        stats = server.engine.stats_dict()
+        return stats if stats[key] == want else None
+
+    found: dict[str, Any] = await until_async(check, f"the simulator's {key} at {want}")
+    return found
 
 
 def test_stream_disconnect_aborts_and_frees_slot() -> None:
@@ -218,15 +218,15 @@ def test_stream_disconnect_aborts_and_frees_slot() -> None:
         waiter = asyncio.create_task(
             session.post(server.url + "/v1/completions", json={"prompt": "abcd", "max_tokens": 2})
         )
-        await _poll_stats(server, session, lambda s: s["num_requests_waiting"] == 1)
+        await _stats_when(server, "num_requests_waiting", 1)
         resp.close()  # client disconnects mid-stream
-        stats = await _poll_stats(server, session, lambda s: s["aborted_requests"] == 1)
+        stats = await _stats_when(server, "aborted_requests", 1)
         assert stats["aborted_generation_tokens"] > 0
         assert stats["aborted_prefill_tokens"] == 100
         second = await waiter
         assert second.status == 200
         await second.read()
-        stats = await _poll_stats(server, session, lambda s: s["finished_requests"] == 1)
+        stats = await _stats_when(server, "finished_requests", 1)
         assert stats["num_requests_running"] == 0 and stats["kv_cache_used_tokens"] == 0
 
     run(lambda: with_server(cfg, body))
@@ -242,7 +242,7 @@ def test_non_streaming_client_timeout_aborts() -> None:
                 server.url + "/v1/completions", json=req, timeout=aiohttp.ClientTimeout(total=0.2)
             ) as resp:
                 await resp.read()
-        stats = await _poll_stats(server, session, lambda s: s["aborted_requests"] == 1)
+        stats = await _stats_when(server, "aborted_requests", 1)
         assert stats["num_requests_running"] == 0 and stats["kv_cache_used_tokens"] == 0
         assert 0 < stats["aborted_generation_tokens"] < 5000
         assert stats["finished_requests"] == 0
@@ -353,7 +353,7 @@ def test_http_gauges_are_live() -> None:
         waiter = asyncio.create_task(
             session.post(server.url + "/v1/completions", json={"prompt": "abcd", "max_tokens": 2})
         )
-        await _poll_stats(server, session, lambda s: s["num_requests_waiting"] == 1)
+        await _stats_when(server, "num_requests_waiting", 1)
         async with session.get(server.url + "/metrics") as r:
             text = await r.text()
         assert gauge(text, "vllm:num_requests_running") == 1
@@ -362,7 +362,7 @@ def test_http_gauges_are_live() -> None:
         assert 101 / 440_000 <= gauge(text, "vllm:kv_cache_usage_perc") < 8100 / 440_000
         resp.close()
         await (await waiter).read()
-        await _poll_stats(server, session, lambda s: s["finished_requests"] == 1)
+        await _stats_when(server, "finished_requests", 1)
         async with session.get(server.url + "/metrics") as r:
             text = await r.text()
         assert gauge(text, "vllm:num_requests_running") == 0
@@ -443,10 +443,7 @@ def test_speed_schedule_option() -> None:
         async with session.get(server.url + "/sim/stats") as resp:
             stats = await resp.json()
         assert stats["sim_time_s"] < 60 and stats["speed_factor"] == 0.5
-        for _ in range(300):  # at most ~3 s of wall time
-            if await _speed(server, session) == 2.0:
-                break
-            await asyncio.sleep(0.01)
+        await until_async(lambda: server.engine.speed_factor == 2.0, "the change at second 60")
         assert await _speed(server, session) == 2.0
         # The engine was idle at second 60: the change applies to the next step started.
         assert await _e2e(server, session) == pytest.approx(NORMAL_E2E / 2, abs=1e-6)

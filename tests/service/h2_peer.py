@@ -31,6 +31,7 @@ from extproc.transport.h2.frames import (
     RST_STREAM,
     SETTINGS,
 )
+from testing.wait import TIMEOUT_S, until_async
 
 Frame = tuple[int, int, int, bytes]
 
@@ -301,7 +302,7 @@ class Honest:
             if task.done() and time.perf_counter() >= end and len(self.latencies) >= minimum_n:
                 break
             await self.exchange()
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(0.002)  # the load's pace: no assertion rests on it
         return await task
 
     def close(self) -> None:
@@ -318,7 +319,7 @@ async def echo(call: h2.Call) -> None:
 
 async def sink(call: h2.Call) -> None:
     """Holds the call and reads nothing: what the peer sends stays buffered."""
-    await asyncio.sleep(30)
+    await asyncio.sleep(30)  # held until cancelled: nothing waits on it
 
 
 async def big(call: h2.Call) -> None:
@@ -356,14 +357,18 @@ def serve(test: Test, *, timeout: float = 20.0, **limits: Any) -> None:
     asyncio.run(main())
 
 
-async def settle(server: H2Server, done: Callable[[H2Server], bool], within: float = 3.0) -> bool:
-    """Wait until ``done(server)`` (the server let go of something), bounded."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if done(server):
-            return True
-        await asyncio.sleep(0.01)
-    return done(server)
+async def settle(
+    server: H2Server,
+    done: Callable[[H2Server], bool],
+    within: float = TIMEOUT_S,
+    what: str = "the server let go of what the test waits for",
+) -> bool:
+    """Wait until ``done(server)`` (the server let go of something): True, or after
+    ``within`` s an AssertionError naming ``what`` and the server's statistics then."""
+    try:
+        return await until_async(lambda: done(server), what, limit_s=within)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; {server.statistics()}") from None
 
 
 def nothing_held(server: H2Server) -> bool:

@@ -32,6 +32,7 @@ from extproc.transport.h2.frames import (
 )
 from extproc.transport.h2.headers import HeaderDecoder
 from extproc.transport.h2.limits import MAX_HEADER_LIST, OUR_MAX_FRAME
+from testing.wait import until_async
 from tests.service.h2_peer import request_headers
 
 
@@ -128,12 +129,13 @@ def run(
     **limits: Any,
 ) -> None:
     async def main() -> None:
-        state: dict[str, Any] = {"cancelled": 0, "started": asyncio.Event()}
+        state: dict[str, Any] = {"cancelled": 0, "holding": 0, "started": asyncio.Event()}
 
         async def hold(call: h2.Call) -> None:
+            state["holding"] += 1
             state["started"].set()
             try:
-                await asyncio.sleep(30)
+                await asyncio.sleep(30)  # holds the call until it is cancelled: nothing waits on it
             except asyncio.CancelledError:
                 state["cancelled"] += 1
                 raise
@@ -275,14 +277,9 @@ def test_connection_lost_cancels_every_call() -> None:
         c = await Client.connect(st["port"])
         for sid in (1, 3, 5):
             c.open(sid, "/t.T/Hold")
-        await st["started"].wait()
-        await asyncio.sleep(0.05)
+        await until_async(lambda: st["holding"] == 3, "the three calls' methods running")
         c.writer.transport.abort()
-        for _ in range(100):
-            if st["cancelled"] == 3:
-                break
-            await asyncio.sleep(0.01)
-        assert st["cancelled"] == 3
+        await until_async(lambda: st["cancelled"] == 3, "the three calls cancelled")
         assert not any(conn.connection.calls for conn in server.connections)
 
     run(t)
@@ -301,11 +298,8 @@ def test_bad_messages_end_the_call_with_a_status(message: bytes, code: str) -> N
         c.send(frame(DATA, 0, 1, message))
         _, _, trailers = await c.response(1)
         assert trailers["grpc-status"] == code
-        for _ in range(100):
-            if st["cancelled"]:
-                break
-            await asyncio.sleep(0.01)
-        assert st["cancelled"] == 1  # the method was stopped too
+        await until_async(lambda: st["cancelled"], "the method stopped too")
+        assert st["cancelled"] == 1
         c.open(3, "/t.T/Echo")  # the connection still serves
         c.send(frame(DATA, END_STREAM, 3, grpc_msg(b"ok")))
         assert (await c.response(3))[1] == grpc_msg(b"ok")
@@ -318,10 +312,16 @@ def test_an_answer_written_just_before_a_bad_message_still_goes_out() -> None:
     """A good message and a too-large one in one read: the echo method, woken by the first,
     writes its answer before the call fails, as grpc.aio does (the fuzz found it)."""
 
+    reading = asyncio.Event()
+
+    async def echo_noting(call: h2.Call) -> None:
+        reading.set()  # then into read() without yielding: waiting there once the test wakes
+        await echo(call)
+
     async def t(server: H2Server, st: dict[str, Any]) -> None:
         c = await Client.connect(st["port"])
-        c.open(1, "/t.T/Echo")
-        await asyncio.sleep(0.05)  # the method waits in read
+        c.open(1, "/t.T/EchoNoting")
+        await until_async(reading.is_set, "the method waiting in read")
         c.send(
             frame(DATA, 0, 1, grpc_msg(b"first"))
             + frame(DATA, END_STREAM, 1, grpc_msg(b"x" * 1001))
@@ -330,7 +330,7 @@ def test_an_answer_written_just_before_a_bad_message_still_goes_out() -> None:
         assert (data, trailers["grpc-status"]) == (grpc_msg(b"first"), "8")
         c.close()
 
-    run(t)
+    run(t, {"/t.T/EchoNoting": Method(echo_noting, bytes, bytes)})
 
 
 def test_bad_preface_closes_with_goaway() -> None:
@@ -354,7 +354,10 @@ def test_stop_refuses_new_streams_and_lets_open_ones_finish() -> None:
     async def t(server: H2Server, st: dict[str, Any]) -> None:
         c = await Client.connect(st["port"])
         c.open(1, "/t.T/Echo")
-        await asyncio.sleep(0.05)
+        await until_async(
+            lambda: any(1 in p.connection.calls for p in server.connections),
+            "stream 1 open on the server",
+        )
         stopping = asyncio.ensure_future(server.stop(2.0))
         frames = await c.until(lambda ft, fl, sid, p: ft == GOAWAY)
         assert struct.unpack(">LL", frames[-1][3][:8]) == (1, 0)  # last stream 1, NO_ERROR

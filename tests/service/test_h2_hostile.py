@@ -47,6 +47,7 @@ from extproc.transport.h2.frames import (
     WINDOW_UPDATE,
 )
 from extproc.transport.h2.limits import HEADER_CACHE_BYTES, MAX_HEADER_BLOCK
+from testing.wait import TIMEOUT_S, until_async
 from tests.service.h2_peer import (
     Honest,
     RawPeer,
@@ -98,7 +99,7 @@ async def peak_of(read: Callable[[], int], until: asyncio.Future[Any]) -> int:
         peak = max(peak, read())
         if until.done():
             break
-        await asyncio.sleep(0.002)
+        await asyncio.sleep(0.002)  # the sampling interval of a measure: no event to wait for
     return peak
 
 
@@ -422,7 +423,7 @@ def test_window_churn_costs_nothing_per_call() -> None:
             stats = server.statistics()
             return int(stats.queued_out_bytes > 0 and stats.calls == n)
 
-        assert await settle_count(blocked, 1, within=10)
+        assert await settle_count(blocked, 1, "every call answered, blocked on the window")
         _, honest = await during(server, port, lambda: peer.send(churn))
         assert_honest(honest)
         # Then the window opens: every reply arrives, intact, after its data.
@@ -864,13 +865,13 @@ def test_health_watch_registry_is_bounded_by_open_calls() -> None:
                     for sid in range(1, 2 * n, 2)
                 )
             )
-            assert await settle_count(lambda: len(health._watchers), n)
+            assert await settle_count(lambda: len(health._watchers), n, "the health watchers")
             peer.send(
                 b"".join(
                     frame(RST_STREAM, 0, s, struct.pack(">L", 0x8)) for s in range(1, 2 * n, 2)
                 )
             )
-            assert await settle_count(lambda: len(health._watchers), 0)
+            assert await settle_count(lambda: len(health._watchers), 0, "the health watchers")
             peer.close()
         finally:
             await server.stop(0)
@@ -878,13 +879,15 @@ def test_health_watch_registry_is_bounded_by_open_calls() -> None:
     asyncio.run(main())
 
 
-async def settle_count(read: Callable[[], int], want: int, within: float = 3.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if read() == want:
-            return True
-        await asyncio.sleep(0.01)
-    return read() == want
+async def settle_count(
+    read: Callable[[], int], want: int, what: str, within: float = TIMEOUT_S
+) -> bool:
+    """Wait until ``read()`` is ``want``: True, or after ``within`` s an AssertionError naming
+    ``what`` and the last value read."""
+    try:
+        return await until_async(lambda: read() == want, f"{what} at {want}", limit_s=within)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; now {read()}") from None
 
 
 # --- 7. the real servicer ------------------------------------------------------------------
@@ -983,13 +986,14 @@ def test_flood_against_the_sidecar_leaves_every_bucket_empty() -> None:
     with_sidecar(t)
 
 
-async def settle_in_use(sidecar: Sidecar, want: tuple[int, int], within: float = 3.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if _in_use(sidecar) == want:
-            return True
-        await asyncio.sleep(0.01)
-    return _in_use(sidecar) == want
+async def settle_in_use(sidecar: Sidecar, want: tuple[int, int], within: float = TIMEOUT_S) -> bool:
+    """Wait until the bucket's (in flight, queued) is ``want``: True, or after ``within`` s an
+    AssertionError with what it is then."""
+    what = f"the bucket's (in flight, queued) at {want}"
+    try:
+        return await until_async(lambda: _in_use(sidecar) == want, what, limit_s=within)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; now {_in_use(sidecar)}") from None
 
 
 def test_silent_peer_gives_its_slot_back(monkeypatch: pytest.MonkeyPatch) -> None:
