@@ -332,8 +332,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         "--no-fail-fast",
         dest="pool_fail_fast",
         action="store_false",
-        help="sidecar, sidecar-fair, sidecar-fifo: pool.fail_fast off (no refusal on a "
-        "predicted wait)",
+        help="sidecar, sidecar-fair: pool.fail_fast off (no refusal on a predicted wait)",
     )
     p.add_argument(
         "--sample-every",
@@ -354,25 +353,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         default=None,
         help=f"comma-separated (default: {','.join(STRATEGIES)}; with --scenario noisy alone "
         f"{','.join(NOISY_STRATEGIES)}); also sidecar-fair (sidecar with fairness between "
-        "tenants), sidecar-fifo (sidecar first come first served, a diagnostic), "
-        f"{','.join(REPLICA_STRATEGIES)}, not in the default: --replicas gateways (Envoy + "
-        "sidecar each) in front of one simulator, sharing one pool of C through Redis, each "
-        "with a pool of C (the overshoot), each with C / replicas, or sharing one pool of C "
-        "with sidecar-fair's tenants and fair order in each replica; e.g. --strategies "
-        f"{','.join(REPLICA_STRATEGIES)} --loads 2",
+        f"tenants), {','.join(REPLICA_STRATEGIES)}, not in the default: --replicas gateways "
+        "(Envoy + sidecar each, requests round robin) in front of one simulator sharing one pool "
+        "of C through Redis, the second with sidecar-fair's tenants and fair order in each",
     )
     p.add_argument(
         "--replicas",
         type=int,
         default=d.replicas,
         help=f"gateways of the replicas-* strategies (default {d.replicas})",
-    )
-    p.add_argument(
-        "--spread",
-        choices=("request", "tenant"),
-        default=d.spread,
-        help="how the replicas-* strategies' requests reach the gateways: round robin per "
-        "request (default), or every request of a tenant to one gateway (a hash of its name)",
     )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--arrivals", choices=("poisson", "trace"), default=d.arrivals)
@@ -400,13 +389,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
     )
     p.add_argument(
         "--relegate",
-        nargs="?",
-        const="retry",
-        default=d.relegate,
-        choices=("retry", "band"),
-        help="the pool policies' interactive bucket relegates (a first attempt past its queue "
-        "timeout waits once more instead of a 429): to interactive-retry (retry, the default), "
-        "or to interactive-late, a bucket of its own in band 0 (band)",
+        action="store_true",
+        help="the pool policies' interactive bucket relegates to interactive-retry (a first "
+        "attempt past its queue timeout waits once more there instead of a 429)",
     )
     p.add_argument(
         "--stream-objective",

@@ -1,6 +1,16 @@
 """How much the backend can do for this workload: the simulator's scheduler core run closed loop
 (pure, no clock), the concurrency C it handles well, and a live saturation check against the
-real simulator process (see "Capacity, honestly" in :mod:`bench.compare`)."""
+real simulator process.
+
+:func:`closed_loop` keeps exactly ``c`` requests of the workload's length mix in flight (a
+finished one replaced at once) and measures completions per simulated second between the 10th
+and 90th percentile of completion times. **Capacity** is that throughput at ``c =
+max_num_seqs`` (saturation); **C** is the largest multiple of 8 at which 99 % of each class
+still finish within its client timeout minus its queue deadline, found by bisection
+(envoy-cb, the priority gateway and sidecar-static get this C; the adaptive sidecar only as its
+fallback); each class alone at ``max_num_seqs`` gives its own saturation (the ``shift``
+scenario floods one class at a time). The live check (``--live-capacity-s``) shows whether this
+host can drive the simulator at the chosen speedup (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -178,8 +188,7 @@ def _fits(point: ClosedLoopPoint, opts: Options) -> bool:
 
 
 def determine_capacity(opts: Options, *, log: bool = True) -> Capacity:
-    """Capacity (saturation throughput) and C (see "Capacity, honestly" in
-    :mod:`bench.compare`)."""
+    """Capacity (saturation throughput) and C (the module's docstring)."""
     engine = opts.engine
     mix = workload_mix(opts)
     cache: dict[int, ClosedLoopPoint] = {}

@@ -28,16 +28,14 @@ from .baselines import adaptive_concurrency, envoy_breakers, envoy_default_break
 from .capacity import Capacity
 from .options import (
     FAIR_STRATEGY,
-    FIFO_STRATEGY,
     PLAIN_ENVOY_STRATEGIES,
     REPLICA_STRATEGIES,
-    SHARED_STRATEGIES,
     SIDECAR_STRATEGIES,
     Options,
     Strategy,
     backend_argv,
 )
-from .strategies import pool_policy, replica_policies, sidecar_policy
+from .strategies import pool_policy, replica_pool_policy, sidecar_policy
 
 __all__ = ["Deployment", "EnvoyPatch", "deploy", "policy_envoy_patch", "with_http_filter"]
 
@@ -98,8 +96,8 @@ def policy_envoy_patch(text: str) -> EnvoyPatch:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Deployment:
     """A running strategy: where the clients go, and where its counters are read. The replica
-    strategies have several of each gateway URL: the clients spread their requests over
-    ``urls`` (:mod:`.spread`), and the counters are summed over the sidecars and Envoys."""
+    strategies have several of each gateway URL: the clients send their requests round robin
+    over ``urls`` (:mod:`.run`), and the counters are summed over the sidecars and Envoys."""
 
     strategy: Strategy
     urls: tuple[str, ...]
@@ -150,13 +148,7 @@ def deploy(strategy: Strategy, cap: Capacity, opts: Options, log_dir: Path) -> I
         if strategy == "sidecar-static":
             text = sidecar_policy(cap, opts)
         else:
-            text = pool_policy(
-                cap,
-                opts,
-                metrics,
-                fair=strategy == FAIR_STRATEGY,
-                fifo=strategy == FIFO_STRATEGY,
-            )
+            text = pool_policy(cap, opts, metrics, fair=strategy == FAIR_STRATEGY)
         (log_dir / "policy.yaml").write_text(text)
         stack.envoy_patch = policy_envoy_patch(text)
     with stack:
@@ -192,22 +184,14 @@ def deploy(strategy: Strategy, cap: Capacity, opts: Options, log_dir: Path) -> I
 def _deploy_replicas(
     strategy: Strategy, cap: Capacity, opts: Options, log_dir: Path
 ) -> Iterator[Deployment]:
-    """``opts.replicas`` gateways in front of one simulator (``testing.gateways.Gateways``:
-    the simulator, then each Envoy + sidecar; a redis-server first for the shared ones).
-
-    Every Envoy gets what ``render(policy)`` derives from the first replica's policy, the
-    largest (:func:`replica_limits` gives the remainder to the first): the deadlines are the
-    same in all, and the sidecar cluster's breakers are upper bounds."""
-    policies = replica_policies(strategy, cap, opts)
+    """``opts.replicas`` gateways in front of one simulator (``testing.gateways.Gateways``: a
+    redis-server, the simulator, then each Envoy + sidecar), one policy for all, and every Envoy
+    with what ``render(policy)`` derives from it."""
+    policy = replica_pool_policy(cap, opts, fair=strategy == "replicas-shared-fair")
     # render() checks the Redis URL: any well-formed one will do, the patch does not hold it.
-    patch = policy_envoy_patch(policies[0].replace(REDIS_PLACEHOLDER, REDIS_STAND_IN))
+    patch = policy_envoy_patch(policy.replace(REDIS_PLACEHOLDER, REDIS_STAND_IN))
     with Gateways(
-        opts.replicas,
-        policies[0] if len(set(policies)) == 1 else policies,  # one policy.yaml if one will do
-        log_dir,
-        backend_argv=backend_argv(opts),
-        envoy_patch=patch,
-        start_redis=strategy in SHARED_STRATEGIES,
+        opts.replicas, policy, log_dir, backend_argv=backend_argv(opts), envoy_patch=patch
     ) as g:
         yield Deployment(
             strategy=strategy,

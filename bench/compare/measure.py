@@ -2,7 +2,8 @@
 samples and polls taken while it ran) turned into one record of figures per strategy and run
 (:class:`RunSummary`), which :mod:`.report` prints and checks against its targets.
 
-Over the measurement window (see "Time and the measurement window" in :mod:`bench.compare`):
+Over the measurement window (docs/benchmarks.md, "What the simulator models": a request counts
+when its final outcome falls inside, so work drained after the run cannot inflate goodput):
 per-class statistics, SLO goodput, wasted work, the counters' deltas, the backend's requests in
 flight (:class:`InFlight`). Over time (simulated seconds from the start of the arrivals):
 interactive p99 TTFT in sliding windows, and from it how fast a strategy recovers, how fast its
@@ -108,8 +109,8 @@ def combine_replicas(snaps: list[dict[str, float]]) -> dict[str, float]:
 
 def sample_of(t_s: float, snap: dict[str, float]) -> Sample:
     """One counter snapshot of a run (``run._snapshot``'s keys) as a sample. Its limit is the
-    one on what reaches the backend: a shared pool's, else the sidecars' pools together
-    (replicas-full: replicas x C), else Envoy's adaptive filter's."""
+    one on what reaches the backend: a shared pool's, else the sidecar's pool, else Envoy's
+    adaptive filter's."""
     limit = snap.get(
         "shared_pool_limit", snap.get("pool_limit", snap.get("envoy.adaptive.concurrency_limit"))
     )

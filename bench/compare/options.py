@@ -21,10 +21,7 @@ Strategy = Literal[
     "sidecar-static",
     "sidecar",
     "sidecar-fair",
-    "sidecar-fifo",
     "replicas-shared",
-    "replicas-full",
-    "replicas-split",
     "replicas-shared-fair",
 ]
 # The peers the sidecar is measured against (bench.compare.baselines), in report order.
@@ -37,28 +34,12 @@ BASELINES: Final[tuple[Strategy, ...]] = (
 )
 # The default comparison: one gateway (or none) in front of the simulator.
 STRATEGIES: Final[tuple[Strategy, ...]] = (*BASELINES, "sidecar-static", "sidecar")
-# Several gateways (Envoy + sidecar each, ``Options.replicas``) in front of ONE simulator: run
-# only when asked for (``--strategies replicas-shared,replicas-full,replicas-split``).
-REPLICA_STRATEGIES: Final[tuple[Strategy, ...]] = (
-    "replicas-shared",
-    "replicas-full",
-    "replicas-split",
-    "replicas-shared-fair",
-)
-# The replica strategies whose pool is shared through Redis.
-SHARED_STRATEGIES: Final[frozenset[Strategy]] = frozenset(
-    {"replicas-shared", "replicas-shared-fair"}
-)
+# Several gateways (Envoy + sidecar each, ``Options.replicas``) sharing one pool through Redis,
+# in front of ONE simulator: run only when asked for (``--strategies replicas-shared``).
+REPLICA_STRATEGIES: Final[tuple[Strategy, ...]] = ("replicas-shared", "replicas-shared-fair")
 # ``sidecar`` with fairness between tenants (bench.compare.strategies): run only when asked for.
 FAIR_STRATEGY: Final[Strategy] = "sidecar-fair"
-# ``sidecar`` with its queues first come first served (a diagnostic): run only when asked for.
-FIFO_STRATEGY: Final[Strategy] = "sidecar-fifo"
-KNOWN_STRATEGIES: Final[tuple[Strategy, ...]] = (
-    *STRATEGIES,
-    FAIR_STRATEGY,
-    FIFO_STRATEGY,
-    *REPLICA_STRATEGIES,
-)
+KNOWN_STRATEGIES: Final[tuple[Strategy, ...]] = (*STRATEGIES, FAIR_STRATEGY, *REPLICA_STRATEGIES)
 # The noisy-neighbour scenario's strategies when none are named (bench.compare.scenarios).
 NOISY_STRATEGIES: Final[tuple[Strategy, ...]] = (
     FAIR_STRATEGY,
@@ -68,14 +49,12 @@ NOISY_STRATEGIES: Final[tuple[Strategy, ...]] = (
 )
 # The strategies whose Envoy runs the ext_proc filter and the sidecar.
 SIDECAR_STRATEGIES: Final[frozenset[Strategy]] = frozenset(
-    {"sidecar-static", "sidecar", FAIR_STRATEGY, FIFO_STRATEGY, *REPLICA_STRATEGIES}
+    {"sidecar-static", "sidecar", FAIR_STRATEGY, *REPLICA_STRATEGIES}
 )
 # Envoy in front without ext_proc.
 PLAIN_ENVOY_STRATEGIES: Final[frozenset[Strategy]] = frozenset(
     {"envoy-cb-default", "envoy-cb", "envoy-adaptive"}
 )
-# How the replica strategies' clients spread the requests over the gateways (bench.compare.spread).
-Spread = Literal["request", "tenant"]
 ScenarioName = Literal["steady", "shift", "halve", "spike", "noisy"]
 # ``--scenario all``: the two-class scenarios; the noisy neighbour only when named.
 SCENARIOS: Final[tuple[ScenarioName, ...]] = ("steady", "shift", "halve", "spike")
@@ -117,9 +96,8 @@ class Options:
     max_retries: int = 2
     interactive_queue_timeout_s: float = 1.0
     batch_min_share: float = 0.0  # the sidecar pool's batch bucket: its guaranteed share
-    # The pool policies' interactive bucket relegates: "" no, "retry" to its retries' band,
-    # "band" to a bucket of its own in band 0.
-    relegate: Literal["", "retry", "band"] = ""
+    # The pool policies' interactive bucket relegates to its retries' band (``relegate_to``).
+    relegate: bool = False
     # The adaptive sidecar's streaming objective: every token's gap
     # (``inter_token``) or each answer's mean gap (``tpot``).
     stream_objective: Literal["inter_token", "tpot"] = "inter_token"
@@ -154,10 +132,9 @@ class Options:
     light_load: float = 0.2
     light_tenants: int = 4
     noisy_seeds: tuple[int, ...] = (0, 1)
-    pool_fail_fast: bool = True  # sidecar, -fair, -fifo: pool.fail_fast (off: a diagnostic)
+    pool_fail_fast: bool = True  # sidecar, sidecar-fair: pool.fail_fast (off: a diagnostic)
     sample_every_s: float = 2.0  # backend and limit gauges sampled this often during a run
-    replicas: int = 3  # the replica strategies' gateways in front of the one simulator
-    spread: Spread = "request"  # over those gateways: round robin, or each tenant to one
+    replicas: int = 3  # the replica strategies' gateways (requests round robin over them)
     # priority-gateway: short = prompt and max_tokens both below these; None = the mix's medians.
     gateway_short_prompt: int | None = None
     gateway_short_output: int | None = None

@@ -1,5 +1,5 @@
 """The comparison's pictures: goodput and latency against offered load (steady) and each
-scenario over time (see "Outputs" in :mod:`bench.compare`), from :mod:`.measure`'s figures and
+scenario over time (the outputs listed in :mod:`bench.compare`), from :mod:`.measure`'s figures and
 the runs' records and samples. matplotlib is imported only when a plot is drawn."""
 
 from __future__ import annotations
@@ -26,10 +26,7 @@ COLORS: Final = {
     "sidecar-static": "tab:cyan",
     "sidecar": "tab:blue",
     "sidecar-fair": "navy",
-    "sidecar-fifo": "lightsteelblue",
     "replicas-shared": "tab:olive",
-    "replicas-full": "tab:pink",
-    "replicas-split": "tab:gray",
     "replicas-shared-fair": "darkolivegreen",
 }
 

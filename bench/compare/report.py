@@ -36,8 +36,7 @@ from bench.common.table import fmt, format_table
 
 from .capacity import Capacity
 from .measure import SLO_TTFT_S, RunSummary, Sample
-from .options import REPLICA_STRATEGIES, SHARED_STRATEGIES, SIDECAR_STRATEGIES, Options
-from .strategies import replica_limits
+from .options import REPLICA_STRATEGIES, SIDECAR_STRATEGIES, Options
 
 __all__ = [
     "TargetCheck",
@@ -378,12 +377,6 @@ REPLICA_HEADERS: Final = (
 def format_replicas(rows: Sequence[RunSummary], cap: Capacity, opts: Options) -> str:
     """The replica strategies side by side (empty without any): goodput, interactive p99 TTFT
     of first attempts, and the backend's peak of requests running against C."""
-    limits = {
-        s: f"{cap.concurrency} shared"
-        if s in SHARED_STRATEGIES
-        else "+".join(str(n) for n in replica_limits(s, cap, opts))
-        for s in REPLICA_STRATEGIES
-    }
     cells = []
     for r in rows:
         if r.strategy not in REPLICA_STRATEGIES:
@@ -396,7 +389,7 @@ def format_replicas(rows: Sequence[RunSummary], cap: Capacity, opts: Options) ->
             [
                 r.label if r.scenario == "steady" else r.scenario,
                 r.strategy,
-                limits[r.strategy],
+                f"{cap.concurrency} shared",
                 f"{r.goodput_rps:.2f}",
                 f"{r.slo_goodput_rps:.2f}",
                 fmt(r.ttft_p99_first_attempt_s),
@@ -415,14 +408,9 @@ def format_replicas(rows: Sequence[RunSummary], cap: Capacity, opts: Options) ->
     return "\n".join(
         [
             f"{opts.replicas} replicas (Envoy + sidecar each) in front of one simulator, requests "
-            + (
-                "spread round robin over them"
-                if opts.spread == "request"
-                else "of each tenant to one of them (a hash of its name)"
-            )
-            + f"; C = {cap.concurrency}:",
+            f"spread round robin over them; C = {cap.concurrency}:",
             format_table(REPLICA_HEADERS, cells),
-            "limit: the replicas' pools; 1st99i: interactive p99 TTFT of requests answered at "
+            "limit: the replicas' pool; 1st99i: interactive p99 TTFT of requests answered at "
             "their first attempt (ttft99i: from the original arrival, retries included); peak: "
             "the most requests running in the backend at once (/sim/stats, polled every 0.5 s "
             "wall, whole run), peak/C: against the pool's limit; mean: running, over the "

@@ -1,14 +1,16 @@
-"""Running one strategy on one scenario run: a fresh deployment, one load-generator run (spread
-over the gateways where there are several, :mod:`.spread`), the counters snapshotted at the
-window's edges, the backend and the limit sampled all along, the backend's requests in flight
-polled every :data:`IN_FLIGHT_EVERY_S` of wall time (their peak: :class:`.measure.InFlight`),
-the backend's speed changed on cue, teardown."""
+"""Running one strategy on one scenario run: a fresh deployment, one load-generator run (round
+robin over the gateways where there are several, :func:`run_round_robin`), the counters
+snapshotted at the window's edges, the backend and the limit sampled all along, the backend's
+requests in flight polled every :data:`IN_FLIGHT_EVERY_S` of wall time (their peak:
+:class:`.measure.InFlight`), the backend's speed changed on cue, teardown."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import urllib.request
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -16,7 +18,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.load.runner import LoadConfig, run_load
-from bench.load.summary import LoadResult
+from bench.load.summary import LoadResult, summarize
+from bench.load.workload import PlannedRequest
 from extproc.backend.vllm import parse_metrics
 from testing.vllm import MODEL
 from testing.wait import until
@@ -35,7 +38,6 @@ from .measure import (
 )
 from .options import Options, Strategy
 from .scenarios import ScenarioRun
-from .spread import run_spread
 
 _SIM_KEYS: Final = (
     "generation_tokens",
@@ -70,6 +72,55 @@ _TIMEOUT: Final = aiohttp.ClientTimeout(total=10)
 # The backend's requests in flight are polled this often (wall seconds), whatever the speedup:
 # cheap (one small JSON per simulator), and often enough to see a peak that lasts a moment.
 IN_FLIGHT_EVERY_S: Final = 0.5
+
+
+def round_robin(schedule: Sequence[PlannedRequest], n: int) -> list[list[PlannedRequest]]:
+    """``n`` sub-schedules of one run's schedule: request ``i`` (in arrival order) in the
+    ``i mod n``-th, as a load balancer with equal weights sends them, each kept in time order
+    with the request's own index (the retry seeds and the records stay those of the single
+    run)."""
+    if n < 1:
+        raise ValueError("need at least one gateway")
+    ordered = sorted(schedule, key=lambda pr: (pr.t_s, pr.index))
+    return [ordered[k::n] for k in range(n)]
+
+
+def merge_results(cfg: LoadConfig, parts: Sequence[LoadResult]) -> LoadResult:
+    """One result from the gateways' (``cfg``: the whole run's configuration): the records in
+    index order, the summaries over all of them, the worst send lag, the longest run."""
+    if not parts:
+        raise ValueError("no results to merge")
+    records = tuple(sorted((r for p in parts for r in p.records), key=lambda r: r.index))
+    # As run_load does: the arrival window, unless the schedule was cut at max_requests.
+    cut = len(records) >= cfg.max_requests and records
+    window = records[-1].arrival_s if cut else cfg.duration_s
+    names = [c.name for c in cfg.classes]
+    return LoadResult(
+        window_s=window,
+        elapsed_s=max(p.elapsed_s for p in parts),
+        speedup=cfg.speedup,
+        seed=cfg.seed,
+        loadgen_lag_s_max=max(p.loadgen_lag_s_max for p in parts),
+        overall=summarize("all", records, window),
+        per_class={n: summarize(n, [r for r in records if r.cls == n], window) for n in names},
+        backend=None,
+        records=records,
+    )
+
+
+async def run_round_robin(cfg: LoadConfig, urls: Sequence[str]) -> LoadResult:
+    """The schedule of ``cfg`` (the one a single run would send, so every strategy gets the
+    same load) over ``urls`` (``cfg.url`` is not used): each gateway's share from its own
+    ``run_load``, all on one event loop; a request's retries go back to the gateway that
+    answered it. The records merged back into one result (:func:`merge_results`)."""
+    parts = round_robin(cfg.schedule(), len(urls))  # cut at max_requests, as run_load's
+    results = await asyncio.gather(
+        *(
+            run_load(replace(cfg, url=url, stats_url=None), part)
+            for url, part in zip(urls, parts, strict=True)
+        )
+    )
+    return merge_results(cfg, results)
 
 
 async def _json(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
@@ -218,7 +269,7 @@ async def _speed_changes(
 async def _drive(
     cfg: LoadConfig, dep: Deployment, run: ScenarioRun, window: Window, opts: Options
 ) -> tuple[LoadResult, list[dict[str, float]], list[Sample], list[InFlightPoint]]:
-    """The load-generator run (spread over the gateways where there are several), with the
+    """The load-generator run (round robin over the gateways where there are several), with the
     counters snapshotted at its start and at the window's start and end, the samplers and the
     speed changes alongside."""
     loop = asyncio.get_running_loop()
@@ -227,7 +278,7 @@ async def _drive(
     async with aiohttp.ClientSession() as session:
         snaps = [await _snapshot(session, dep, opts)]
         t0 = loop.time()
-        sent = run_spread(cfg, dep.urls, opts.spread) if len(dep.urls) > 1 else run_load(cfg)
+        sent = run_round_robin(cfg, dep.urls) if len(dep.urls) > 1 else run_load(cfg)
         load = asyncio.create_task(sent)
         helpers = [
             asyncio.create_task(_speed_changes(session, dep, run, t0, opts.speedup)),

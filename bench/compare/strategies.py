@@ -15,19 +15,14 @@ starts). The peers they are compared with are in :mod:`.baselines`.
     of a real gateway Envoy's auth sets it; the bench's Envoy does not strip it, so the load
     generator plays that part) and orders its queue ``fair`` instead of ``cost``. Nothing else
     differs, so the two measure the order and nothing but it.
-``sidecar-fifo``
-    ``sidecar`` with every queue ``fifo`` instead of ``cost`` (a diagnostic, not in the default
-    list): what the cost order's cheapest-first adds, apart from fairness.
-``replicas-shared``, ``replicas-full``, ``replicas-split``
+``replicas-shared``
     ``Options.replicas`` gateways (``testing.gateways.Gateways``: Envoy + sidecar each) in front
-    of one simulator (:func:`replica_policies`, not in the default list): one static pool of C
-    shared through Redis, each replica a pool of C (3C in all), each a pool of C / 3. Their
-    pools are the ``sidecar`` strategy's buckets without the adaptive limit, so the three
-    differ only in each replica's limit and in whether the replicas share it.
+    of one simulator (:func:`replica_pool_policy`, not in the default list): one static pool of
+    C shared through Redis, the ``sidecar`` strategy's buckets without the adaptive limit.
 ``replicas-shared-fair``
     ``replicas-shared`` with ``sidecar-fair``'s tenants and fair order in every bucket (the
-    noisy-neighbour scenario's, with ``--spread tenant`` for tenants spread unevenly over the
-    replicas): the shared limit crosses replicas, each replica orders only its own queue.
+    noisy-neighbour scenario's): the shared limit crosses replicas, each replica orders only its
+    own queue.
 """
 
 from __future__ import annotations
@@ -39,20 +34,11 @@ from bench.common.policy import REDIS_PLACEHOLDER, STAND_INS, policy_yaml, wall_
 from bench.load.runner import TENANT_HEADER
 
 from .capacity import Capacity
-from .options import (
-    FAIR_STRATEGY,
-    FIFO_STRATEGY,
-    REPLICA_STRATEGIES,
-    SHARED_STRATEGIES,
-    Options,
-    Strategy,
-)
+from .options import FAIR_STRATEGY, REPLICA_STRATEGIES, Options
 
 __all__ = [
     "REDIS_PLACEHOLDER",
     "pool_policy",
-    "replica_limits",
-    "replica_policies",
     "replica_pool_policy",
     "sidecar_configs",
     "sidecar_policy",
@@ -80,7 +66,7 @@ _INTERACTIVE: Final = {"headers": {"x-llm-class": "interactive"}}
 def _common_policy(opts: Options) -> dict[str, Any]:
     """Tokens, limits and Retry-After: the same in every sidecar policy. The output cap is
     above every request of the mix, so nothing is clamped and all strategies do the same work.
-    Retry-After is not scaled: see "Time" in bench/compare/__init__.py."""
+    Retry-After is not scaled (docs/benchmarks.md, "Limits of this benchmark")."""
     return {
         "tokens": {"chars_per_token": 4.0},
         "limits": {
@@ -151,32 +137,15 @@ def _pool_buckets(opts: Options) -> list[dict[str, Any]]:
     ``x-stainless-retry-count`` above 0) in a band of their own behind its first attempts (a
     retry has already waited; first attempts can still start fast); batch in the least urgent
     band, cheapest first, with ``--batch-min-share`` of the pool guaranteed (default none).
-    ``--relegate``: a first attempt past its queue timeout moves into the retries' band
-    (``retry``) or into ``interactive-late``, a bucket of band 0 that no request matches
-    (``band``), for their queue timeout (``relegate_to``), instead of being refused."""
+    ``--relegate``: a first attempt past its queue timeout moves into the retries' band for
+    their queue timeout (``relegate_to``) instead of being refused."""
     qt = {k: wall_ms(v, opts.speedup) for k, v in opts.queue_timeouts_s.items()}
-    target = {"retry": "interactive-retry", "band": "interactive-late"}.get(opts.relegate)
-    relegate = {"relegate_to": target} if target else {}
-    late = (
-        [
-            {
-                "name": "interactive-late",
-                "match": {"headers": {"x-llm-relegated": "never-sent"}},
-                "priority": 0,
-                "order": "cost",
-                "queue_timeout": qt["interactive"],
-                "max_queue": 2000,
-            },
-        ]
-        if opts.relegate == "band"
-        else []
-    )
+    relegate = {"relegate_to": "interactive-retry"} if opts.relegate else {}
     return [
         {"name": "interactive-retry", "match": {**_INTERACTIVE, "retried": True}, "priority": 1,
          "order": "cost", "queue_timeout": qt["interactive"], "max_queue": 2000},
         {"name": "interactive", "match": _INTERACTIVE, "priority": 0, "min_share": 0.5,
          "order": "cost", "queue_timeout": qt["interactive"], "max_queue": 2000, **relegate},
-        *late,
         {"name": "batch", "priority": 10, "min_share": opts.batch_min_share, "max_share": 0.9,
          "order": "cost",
          "queue_timeout": qt["batch"], "max_queue": 5000},
@@ -208,19 +177,13 @@ def _admission_objectives(opts: Options) -> dict[str, Any]:
 
 
 def pool_policy(
-    cap: Capacity,
-    opts: Options,
-    metrics_urls: list[str],
-    *,
-    fair: bool = False,
-    fifo: bool = False,
+    cap: Capacity, opts: Options, metrics_urls: list[str], *, fair: bool = False
 ) -> str:
     """``sidecar``'s policy: one pool whose limit the sidecar reads from the simulators' own
     metrics against latency objectives. Nothing here comes from the capacity model but the
     static fallback ``max_concurrency`` (C), used only while the metrics are stale.
     ``fair``: ``sidecar-fair``'s, the same with tenants and the fair order in every bucket
-    (:func:`_fair`), the tenant header trusted. ``fifo``: ``sidecar-fifo``'s, the same
-    buckets first come first served.
+    (:func:`_fair`), the tenant header trusted.
 
     Time: the sidecar's timers (queue deadlines, scrape interval, windows, holds) run on the
     wall clock and are written as simulated / speedup; the objectives are compared with the
@@ -248,8 +211,6 @@ def pool_policy(
         "overload": _overload(opts),
     }  # fmt: skip
     buckets = _pool_buckets(opts)
-    if fifo:
-        buckets = [{**b, "order": "fifo"} for b in buckets]
     data = {
         **_common_policy(opts),
         **({"trusted_headers": [TENANT_HEADER]} if fair else {}),
@@ -261,25 +222,10 @@ def pool_policy(
         "one adaptive pool; max_concurrency is only the fallback while the metrics are stale;\n"
         "the SLOs are simulated seconds (the simulator's histograms are)"
         + (";\ntenants by x-tenant-id, the fair order in every bucket" if fair else "")
-        + (";\nevery bucket first come first served" if fifo else "")
     )
     stand_ins = {**STAND_INS, METRICS_PLACEHOLDER: "http://127.0.0.1:9/metrics"}
-    source = "bench.compare " + (FAIR_STRATEGY if fair else FIFO_STRATEGY if fifo else "sidecar")
+    source = "bench.compare " + (FAIR_STRATEGY if fair else "sidecar")
     return policy_yaml(data, source=source, comment=_header(opts, what), stand_ins=stand_ins)
-
-
-def replica_limits(strategy: Strategy, cap: Capacity, opts: Options) -> list[int]:
-    """Each replica's ``pool.max_concurrency``: C for ``replicas-shared`` (the pool's limit,
-    all replicas together) and ``replicas-full`` (each replica the whole pool: what replicas
-    configured from one backend's capacity admit today, ``replicas`` x C in all); for
-    ``replicas-split`` C / ``replicas``, the remainder to the first replicas, so the limits add
-    up to C (as the shared pool's local shares do, ``extproc.pool.shared.leases``)."""
-    n, c = opts.replicas, cap.concurrency
-    if strategy == "replicas-split":
-        return [max(1, c // n + (1 if i < c % n else 0)) for i in range(n)]
-    if strategy in (*SHARED_STRATEGIES, "replicas-full"):
-        return [c] * n
-    raise ValueError(f"{strategy!r} is not a replica strategy")
 
 
 def _shared_lease_s(opts: Options) -> float:
@@ -288,34 +234,34 @@ def _shared_lease_s(opts: Options) -> float:
     return max(0.5, 10.0 / opts.speedup)
 
 
-def replica_pool_policy(opts: Options, *, limit: int, shared: bool, fair: bool = False) -> str:
-    """One replica's policy: the ``sidecar`` strategy's pool (:func:`pool_policy`: the same
+def replica_pool_policy(cap: Capacity, opts: Options, *, fair: bool = False) -> str:
+    """Every replica's policy: the ``sidecar`` strategy's pool (:func:`pool_policy`: the same
     buckets, priorities, shares, cost order, deadlines, queue bounds and overload steps) with
-    a static ``max_concurrency`` of ``limit`` instead of the adaptive limit, and no backend
-    metrics (nothing reads them without it).
+    a static ``max_concurrency`` of C, all replicas together, instead of the adaptive limit,
+    and no backend metrics (nothing reads them without it).
 
-    ``shared``: the pool is ``pool.shared`` through Redis (:data:`REDIS_PLACEHOLDER` in place
-    of its URL): ``limit`` is then the pool's, all replicas together. The lease is 10 s scaled
-    by the speedup (``lease / 3`` between renewals, as at speedup 1 per simulated second); the
-    Redis call timeout is a network deadline, not scaled: 250 ms (the policy's default), at
-    most a quarter of the lease. ``fail_fast`` is off in every replica strategy: shared mode
-    turns it off (a local release rate says nothing about the pool's), so it is off in the
-    other two too, and the three differ only in the limit and the sharing.
+    The pool is ``pool.shared`` through Redis (:data:`REDIS_PLACEHOLDER` in place of its URL).
+    The lease is 10 s scaled by the speedup (``lease / 3`` between renewals, as at speedup 1
+    per simulated second); the Redis call timeout is a network deadline, not scaled: 250 ms
+    (the policy's default), at most a quarter of the lease. ``fail_fast`` is off: shared mode
+    turns it off (a local release rate says nothing about the pool's).
 
     ``fair``: tenants and the fair order in every bucket, the tenant header trusted, as
     :func:`pool_policy`'s ``fair``.
     """
     lease_s = _shared_lease_s(opts)
-    pool: dict[str, Any] = {"max_concurrency": limit, "fail_fast": False}
-    if shared:
-        pool["shared"] = {
+    pool: dict[str, Any] = {
+        "max_concurrency": cap.concurrency,
+        "fail_fast": False,
+        "shared": {
             "redis": REDIS_PLACEHOLDER,
             "key_prefix": SHARED_KEY_PREFIX,
             "lease": wall_ms(lease_s),
             "timeout": wall_ms(min(0.25, lease_s / 4)),
             "replicas": opts.replicas,
-        }
-    pool["overload"] = _overload(opts)
+        },
+        "overload": _overload(opts),
+    }
     buckets = _pool_buckets(opts)
     data = {
         **_common_policy(opts),
@@ -323,28 +269,16 @@ def replica_pool_policy(opts: Options, *, limit: int, shared: bool, fair: bool =
         "pool": pool,
         "buckets": _fair(buckets) if fair else buckets,
     }
-    what = (
-        f"one pool of {limit} shared by {opts.replicas} replicas through Redis"
-        if shared
-        else f"this replica's own pool of {limit}, shared with nobody"
-    ) + (";\ntenants by x-tenant-id, the fair order in every bucket" if fair else "")
+    what = f"one pool of {cap.concurrency} shared by {opts.replicas} replicas through Redis" + (
+        ";\ntenants by x-tenant-id, the fair order in every bucket" if fair else ""
+    )
     return policy_yaml(data, source="bench.compare replica", comment=_header(opts, what))
-
-
-def replica_policies(strategy: Strategy, cap: Capacity, opts: Options) -> list[str]:
-    """The policy of each of the ``opts.replicas`` gateways of a replica strategy
-    (:func:`replica_limits`, :func:`replica_pool_policy`)."""
-    shared, fair = strategy in SHARED_STRATEGIES, strategy == "replicas-shared-fair"
-    return [
-        replica_pool_policy(opts, limit=limit, shared=shared, fair=fair)
-        for limit in replica_limits(strategy, cap, opts)
-    ]
 
 
 def sidecar_configs(cap: Capacity, opts: Options) -> dict[str, Any]:
     """The policy of each sidecar strategy among ``opts.strategies``, as ``compare.json``
     shows it (the pool policy's metrics URLs are the run's own simulators'; shown here with a
-    placeholder); a replica strategy's once when every replica has the same."""
+    placeholder); a replica strategy's once, every replica's."""
     s = set(opts.strategies)
     out: dict[str, Any] = {}
     if "sidecar-static" in s:
@@ -353,14 +287,10 @@ def sidecar_configs(cap: Capacity, opts: Options) -> dict[str, Any]:
         out["sidecar policy"] = pool_policy(cap, opts, [METRICS_PLACEHOLDER])
     if FAIR_STRATEGY in s:
         out["sidecar-fair policy"] = pool_policy(cap, opts, [METRICS_PLACEHOLDER], fair=True)
-    if FIFO_STRATEGY in s:
-        out["sidecar-fifo policy"] = pool_policy(cap, opts, [METRICS_PLACEHOLDER], fifo=True)
     for strategy in REPLICA_STRATEGIES:
         if strategy in s:
-            policies = replica_policies(strategy, cap, opts)
-            if len(set(policies)) == 1:
-                out[f"{strategy} policy (each of {opts.replicas})"] = policies[0]
-            else:
-                for i, text in enumerate(policies):
-                    out[f"{strategy} policy (replica {i})"] = text
+            fair = strategy == "replicas-shared-fair"
+            out[f"{strategy} policy (each of {opts.replicas})"] = replica_pool_policy(
+                cap, opts, fair=fair
+            )
     return out

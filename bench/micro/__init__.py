@@ -5,12 +5,8 @@ its own and printing its figures.
   waiters (``bench.overhead`` runs the same step and holds it to its target);
 - ``python -m bench.micro.tenant_cost``: the fair order with 1 tenant, 10,000 tracked and fresh
   keys (``bench.overhead`` runs it too);
-- ``python -m bench.micro.metrics_parser``: our Prometheus page parser against
-  ``prometheus_client``'s on a vLLM-shaped page;
 - ``python -m bench.micro.prompt_estimate``: the prompt estimate without a tokenizer against
   two real tokenizers, on text of many scripts;
-- ``python -m bench.micro.scrape_bounds``: what one metrics page can cost the event loop at
-  the scraper's bounds (docs/pool.md, "What the scraper trusts");
 - ``python -m bench.micro.redis_rtt``: the shared pool's Redis script calls and the hand-over
   between replicas, against a throwaway redis-server.
 

@@ -35,7 +35,6 @@ from bench.overhead.ways import (
     REDIS,
     SERVERS,
     SIDECAR,
-    SIDECAR_GRPC,
     SIDECAR_REDIS,
     SIDECAR_RW,
     SIDECAR_SHARED,
@@ -74,14 +73,7 @@ def sanity_check(bench: Bench, bodies: dict[str, bytes]) -> None:
     """Each way answers 200; the sidecar really runs (it echoes the effective max_tokens); the
     shared-pool sidecar is in shared mode (it reached Redis) and Redis served its scripts."""
     calls = bench.redis_script_calls()
-    expect = {
-        FLOOR: None,
-        NAIVE: None,
-        SIDECAR_GRPC: "128",
-        SIDECAR: "128",
-        SIDECAR_RW: "256",
-        SIDECAR_REDIS: "128",
-    }
+    expect = {FLOOR: None, NAIVE: None, SIDECAR: "128", SIDECAR_RW: "256", SIDECAR_REDIS: "128"}
     wait_for_first_grant(bench, bodies)
     for way in WAYS:
         req = urllib.request.Request(
@@ -111,12 +103,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     res["config"]["body_bytes"] = len(bodies[SIDECAR])
     res["config"]["body_bytes_rw"] = len(bodies[SIDECAR_RW])
 
-    server_env = dict(kv.split("=", 1) for kv in args.server_env)
-    with Bench(
-        log_dir,
-        held_max_queue=max(args.held, args.held_burst) + 1000,
-        server_env=server_env,
-    ) as bench:
+    with Bench(log_dir, held_max_queue=max(args.held, args.held_burst) + 1000) as bench:
         port = {w: bench.ports.listeners[listener_of(w)] for w in WAYS}
         requests = {
             w: http_request(f"127.0.0.1:{port[w]}", CHAT_PATH, bodies[w], [CLASS_HEADER])
@@ -264,14 +251,6 @@ def _parser() -> argparse.ArgumentParser:
         help="also profile the sidecar under load with py-spy (needs py-spy in the venv)",
     )
     parser.add_argument("--profile-seconds", type=float, default=10.0)
-    parser.add_argument(
-        "--server-env",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="environment for the naive server and the sidecars, to try grpc "
-        "settings (e.g. GRPC_EXPERIMENTS=...); repeatable",
-    )
     parser.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     parser.add_argument("--log-dir", type=Path, help="keep logs here (default: a temp dir)")
     return parser

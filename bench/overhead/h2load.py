@@ -179,9 +179,6 @@ def closed_loop(
             "envoy_cpu_us": 1e6 * m.delta["envoy"] / max(1, r.succeeded),
             "server_cpu_us": (1e6 * server_cpu / max(1, r.succeeded)) if server else None,
             "server_cores": (server_cpu / m.wall_s) if server else None,
-            "server_threads": (
-                {k: v / m.wall_s for k, v in m.threads[server].items() if v > 0} if server else None
-            ),
             "envoy_cores": m.delta["envoy"] / m.wall_s,
             "h2load_cores": r.cpu_s / m.wall_s,
             "other_cores": m.other_cores(r.cpu_s),

@@ -3,21 +3,12 @@ between two moments."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import resource
 import sys
 import time
-from collections import defaultdict
 
-__all__ = [
-    "CpuMeter",
-    "log",
-    "proc_cpu_s",
-    "proc_rss_mb",
-    "system_busy_s",
-    "thread_cpu_s",
-]
+__all__ = ["CpuMeter", "log", "proc_cpu_s", "proc_rss_mb", "system_busy_s"]
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -51,46 +42,21 @@ def system_busy_s() -> float:
     return (sum(vals) - vals[3] - vals[4]) / CLK_TCK
 
 
-def thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds per kind of thread: the Python main thread, grpc's threads by name."""
-    out: dict[str, float] = defaultdict(float)
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        # A thread may end between listdir and open.
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                comm = f.read().strip()
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK
-            if int(tid) == pid:
-                kind = "main (asyncio)"
-            elif comm == "python" or comm.startswith("python"):
-                kind = "grpc aio poller"
-            elif comm.startswith("event_engine"):
-                kind = "grpc event_engine"
-            else:
-                kind = comm
-            out[kind] += cpu
-    return out
-
-
 class CpuMeter:
-    """CPU used by each of some processes (and by kind of thread), by this process, and by the
-    whole machine, between ``__enter__`` and ``__exit__``."""
+    """CPU used by each of some processes, by this process, and by the whole machine, between
+    ``__enter__`` and ``__exit__``."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids = pids
         self.delta: dict[str, float] = {}
-        self.threads: dict[str, dict[str, float]] = {}
         self.self_s = 0.0
         self.system_s = 0.0
         self.wall_s = 0.0
 
-    def _snap(self) -> tuple[dict[str, float], dict[str, dict[str, float]], float, float, float]:
+    def _snap(self) -> tuple[dict[str, float], float, float, float]:
         r = resource.getrusage(resource.RUSAGE_SELF)
         return (
             {k: proc_cpu_s(p) for k, p in self.pids.items()},
-            {k: thread_cpu_s(p) for k, p in self.pids.items()},
             r.ru_utime + r.ru_stime,
             system_busy_s(),
             time.monotonic(),
@@ -101,11 +67,8 @@ class CpuMeter:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        (p0, t0, s0, b0, w0), (p1, t1, s1, b1, w1) = self._before, self._snap()
+        (p0, s0, b0, w0), (p1, s1, b1, w1) = self._before, self._snap()
         self.delta = {k: p1[k] - p0[k] for k in p0}
-        self.threads = {
-            k: {kind: t1[k].get(kind, 0.0) - t0[k].get(kind, 0.0) for kind in t1[k]} for k in t1
-        }
         self.self_s = s1 - s0
         self.system_s = b1 - b0
         self.wall_s = w1 - w0

@@ -1,6 +1,5 @@
-"""The processes of one run: Envoy with one listener per way, the naive server, the sidecar on
-each transport (h2, the product's; grpc.aio, the tests' oracle: ``testing.grpc_aio``), the
-shared-pool sidecar and its redis-server (``testing.redis.RedisServer``), and the held-queue
+"""The processes of one run: Envoy with one listener per way, the naive server, the sidecar,
+the shared-pool sidecar and its redis-server (``testing.redis.RedisServer``), and the held-queue
 sidecar, all on free ports of 127.0.0.1, started and stopped by ``testing.stack.Proc``."""
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from bench.overhead.ways import (
     NAIVE,
     REDIS,
     SIDECAR,
-    SIDECAR_GRPC,
     SIDECAR_POLICY,
     SIDECAR_SHARED,
     Ports,
@@ -28,14 +26,13 @@ from bench.overhead.ways import (
     held_policy,
     shared_policy,
 )
-from testing.grpc_aio import serve_argv
 from testing.redis import RedisServer
 from testing.stack import Proc, envoy_binary, wait_http, wait_tcp
 
 __all__ = ["Bench", "script_calls"]
 
 # The sidecars, in the order they are started and waited for.
-_SIDECARS = (SIDECAR_GRPC, SIDECAR, SIDECAR_SHARED, HELD)
+_SIDECARS = (SIDECAR, SIDECAR_SHARED, HELD)
 
 
 def script_calls(commandstats: Mapping[str, Any]) -> int:
@@ -51,20 +48,14 @@ def script_calls(commandstats: Mapping[str, Any]) -> int:
 
 
 class Bench:
-    """Envoy with six listeners, the naive server, the three sidecars of the ways (the last one
+    """Envoy with five listeners, the naive server, the two sidecars of the ways (the second
     with its redis-server) and the held-queue sidecar. A context manager: everything is
     stopped on exit (logs printed to stderr when the block raised)."""
 
-    def __init__(
-        self,
-        log_dir: Path,
-        held_max_queue: int,
-        server_env: dict[str, str] | None = None,
-    ) -> None:
+    def __init__(self, log_dir: Path, held_max_queue: int) -> None:
         self.log_dir = log_dir
         self.ports = Ports.pick()
         self.held_max_queue = held_max_queue
-        self.server_env = server_env or {}
         self.procs: dict[str, Proc] = {}
         self.redis = RedisServer(log_dir)
 
@@ -101,20 +92,21 @@ class Bench:
                 f"127.0.0.1:{p.grpc[NAIVE]}",
             ],
             self.log_dir,
-            env=self.server_env,
         )
-        for name, text, transport in (
-            (SIDECAR_GRPC, SIDECAR_POLICY, "grpc"),
-            (SIDECAR, SIDECAR_POLICY, "h2"),
-            (SIDECAR_SHARED, shared_policy(self.redis.url), "h2"),
-            (HELD, held_policy(self.held_max_queue), "h2"),
+        for name, text in (
+            (SIDECAR, SIDECAR_POLICY),
+            (SIDECAR_SHARED, shared_policy(self.redis.url)),
+            (HELD, held_policy(self.held_max_queue)),
         ):
             policy = self.log_dir / f"{name}-policy.yaml"
             policy.write_text(text)
             self.procs[name] = Proc(
                 name,
                 [
-                    *serve_argv(transport),
+                    py,
+                    "-m",
+                    "extproc",
+                    "serve",
                     "--policy",
                     str(policy),
                     "--listen",
@@ -123,7 +115,6 @@ class Bench:
                     f"127.0.0.1:{p.metrics[name]}",
                 ],
                 self.log_dir,
-                env=self.server_env,
             )
         wait_tcp(p.grpc[NAIVE], proc=naive)
         for name in _SIDECARS:

@@ -8,7 +8,7 @@ from bench.common.table import fmt, format_table
 from bench.micro.admission_cost import LEVELS, format_costs
 from bench.micro.tenant_cost import POPULATIONS, format_tenant_costs
 from bench.overhead.profile import PROFILED
-from bench.overhead.ways import FLOOR, NAIVE, SIDECAR, SIDECAR_GRPC, SIDECAR_REDIS, SIDECAR_RW
+from bench.overhead.ways import FLOOR, NAIVE, SIDECAR, SIDECAR_REDIS, SIDECAR_RW
 
 __all__ = ["report", "targets"]
 
@@ -172,7 +172,7 @@ def _open_loop(rate: str, ways: dict[str, dict[str, Any]]) -> list[str]:
     out.append(format_table(headers, rows))
     out += failed
     n = ways[NAIVE]
-    for w in (SIDECAR_GRPC, SIDECAR, SIDECAR_RW, SIDECAR_REDIS):
+    for w in (SIDECAR, SIDECAR_RW, SIDECAR_REDIS):
         if w not in ways:
             continue
         s = ways[w]
@@ -231,15 +231,13 @@ def _closed_loop(cfg: dict[str, Any], closed: dict[str, dict[str, Any]]) -> list
     out.append(format_table(headers, rows))
     out += failed
     f, n = closed[FLOOR], closed[NAIVE]
-    for w in (NAIVE, SIDECAR_GRPC, SIDECAR, SIDECAR_RW, SIDECAR_REDIS):
+    for w in (NAIVE, SIDECAR, SIDECAR_RW, SIDECAR_REDIS):
         if w not in closed:
             continue
         s = closed[w]
         out.append(
             f"  {w}: {s['rate'] / f['rate']:.3f}x floor's rate, {s['rate'] / n['rate']:.2f}x "
-            f"naive's; CPU/req {_ratio(s['server_cpu_us'], n['server_cpu_us'])} naive's; "
-            "server threads (cores): "
-            + ", ".join(f"{k} {v:.2f}" for k, v in (s["server_threads"] or {}).items())
+            f"naive's; CPU/req {_ratio(s['server_cpu_us'], n['server_cpu_us'])} naive's"
         )
     return out
 

@@ -36,7 +36,6 @@ __all__ = [
     "SERVERS",
     "SHARED_POLICY",
     "SIDECAR",
-    "SIDECAR_GRPC",
     "SIDECAR_POLICY",
     "SIDECAR_REDIS",
     "SIDECAR_RW",
@@ -57,16 +56,14 @@ CLASS_HEADER = ("x-llm-class", "interactive")
 
 # The ways through Envoy, in the order they are reported.
 FLOOR, NAIVE, SIDECAR, SIDECAR_RW = "floor", "naive", "sidecar", "sidecar+rw"
-# The same sidecar on grpc.aio, the tests' oracle (``python -m testing.grpc_sidecar``).
-SIDECAR_GRPC = "sidecar-grpc"
 # The sidecar's policy with its slots in a static pool shared through a local redis-server
 # (``pool.shared``): the way, its sidecar (server and listener), and the redis-server.
 SIDECAR_REDIS = "sidecar+redis"
 SIDECAR_SHARED = "sidecar-shared"
 REDIS = "redis"
-WAYS = (FLOOR, NAIVE, SIDECAR_GRPC, SIDECAR, SIDECAR_RW, SIDECAR_REDIS)
+WAYS = (FLOOR, NAIVE, SIDECAR, SIDECAR_RW, SIDECAR_REDIS)
 # The ext_proc servers whose CPU is measured (and the redis-server, see metered_of).
-SERVERS = (NAIVE, SIDECAR_GRPC, SIDECAR, SIDECAR_SHARED)
+SERVERS = (NAIVE, SIDECAR, SIDECAR_SHARED)
 # The held-queue sidecar's listener and server (not a way: it is measured on its own).
 HELD = "held"
 
@@ -79,13 +76,8 @@ def listener_of(way: str) -> str:
 
 def server_of(way: str) -> str | None:
     """The ext_proc server behind a way (None for the floor)."""
-    return {
-        NAIVE: NAIVE,
-        SIDECAR_GRPC: SIDECAR_GRPC,
-        SIDECAR: SIDECAR,
-        SIDECAR_RW: SIDECAR,
-        SIDECAR_REDIS: SIDECAR_SHARED,
-    }.get(way)
+    servers = {NAIVE: NAIVE, SIDECAR: SIDECAR, SIDECAR_RW: SIDECAR, SIDECAR_REDIS: SIDECAR_SHARED}
+    return servers.get(way)
 
 
 def metered_of(way: str) -> tuple[str, ...]:
@@ -243,7 +235,6 @@ _BREAKERS = {"max_connections": 1024, "max_pending_requests": 100000, "max_reque
 # ext_proc server -> the name of its Envoy cluster.
 _CLUSTERS = {
     NAIVE: "naive_extproc",
-    SIDECAR_GRPC: "sidecar_grpc_extproc",
     SIDECAR: "sidecar_extproc",
     SIDECAR_SHARED: "sidecar_shared_extproc",
     HELD: "held_extproc",
@@ -260,15 +251,14 @@ _ECHO_MAX_TOKENS = {
 @dataclass(frozen=True, slots=True)
 class Ports:
     admin: int
-    # listener (floor and each ext_proc server's: naive, sidecar-grpc, sidecar, sidecar-shared,
-    # held) -> port
+    # listener (floor and each ext_proc server's: naive, sidecar, sidecar-shared, held) -> port
     listeners: dict[str, int]
-    grpc: dict[str, int]  # ext_proc server (naive, sidecar-grpc, sidecar, sidecar-shared, held)
-    metrics: dict[str, int]  # sidecar-grpc, sidecar, sidecar-shared, held -> metrics port
+    grpc: dict[str, int]  # ext_proc server (naive, sidecar, sidecar-shared, held) -> port
+    metrics: dict[str, int]  # sidecar, sidecar-shared, held -> metrics port
 
     @staticmethod
     def pick() -> Ports:
-        servers = (NAIVE, SIDECAR_GRPC, SIDECAR, SIDECAR_SHARED, HELD)
+        servers = (NAIVE, SIDECAR, SIDECAR_SHARED, HELD)
         return Ports(
             admin=free_port(),
             listeners={w: free_port() for w in (FLOOR, *servers)},
@@ -300,7 +290,7 @@ def envoy_config(ports: Ports) -> str:
         _listener(FLOOR, ports.listeners[FLOOR], _CLUSTERS[NAIVE], ext_proc_disabled=True),
         *(
             _listener(w, ports.listeners[w], _CLUSTERS[w], ext_proc_disabled=False)
-            for w in (NAIVE, SIDECAR_GRPC, SIDECAR, SIDECAR_SHARED, HELD)
+            for w in (NAIVE, SIDECAR, SIDECAR_SHARED, HELD)
         ),
     ]
     cfg = {

@@ -116,10 +116,6 @@ def test_pool_policy_timers_scaled_slos_not(cap: Capacity) -> None:
     shared = policy_from_yaml(pool_policy(cap, opts, ["http://127.0.0.1:9/metrics"]), "generated")
     assert {x.name: x.min_share for x in shared.buckets}["batch"] == 0.1
     assert {x.name: x.relegate_to for x in shared.buckets}["interactive"] == "interactive-retry"
-    opts, _ = parse_args(["--relegate", "band"])
-    band = policy_from_yaml(pool_policy(cap, opts, ["http://127.0.0.1:9/metrics"]), "generated")
-    late = band.bucket("interactive-late")
-    assert band.bucket("interactive").relegate_to == late.name and late.priority == 0
     assert "queue_time" not in a.slo_s  # by default, time to first token only
     for choice, ttft, queue in (("queue_time", None, 0.3), ("both", 1.0, 0.3)):
         opts, _ = parse_args(["--admission-objective", choice, "--queue-time-ms", "300"])

@@ -80,11 +80,6 @@ def test_fair_policy_is_the_pool_policy_with_tenants(cap: Capacity) -> None:
     assert fair.pool == off.pool
     for a, b in zip(fair.buckets, off.buckets, strict=True):
         assert replace(a, order=b.order, tenant=b.tenant) == b
-    # sidecar-fifo, the diagnostic: the same pool and buckets, first come first served.
-    fifo = policy_from_yaml(pool_policy(cap, OPTS, urls, fifo=True), "fifo")
-    assert fifo.pool == off.pool and not fifo.trusted_headers
-    assert [replace(b, order=Order.COST) for b in fifo.buckets] == list(off.buckets)
-    assert all(b.order is Order.FIFO for b in fifo.buckets)
 
 
 def _tenant(r: RequestRecord, tenant: str) -> RequestRecord:

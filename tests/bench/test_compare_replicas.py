@@ -27,22 +27,11 @@ from bench.compare.measure import (
     in_flight_point,
     sample_of,
 )
-from bench.compare.options import (
-    REPLICA_STRATEGIES,
-    SHARED_STRATEGIES,
-    STRATEGIES,
-    Options,
-    Spread,
-)
+from bench.compare.options import REPLICA_STRATEGIES, STRATEGIES, Options
 from bench.compare.report import format_replicas, format_runs
-from bench.compare.spread import by_tenant, merge_results, round_robin, run_spread, tenant_gateway
-from bench.compare.strategies import (
-    REDIS_PLACEHOLDER,
-    pool_policy,
-    replica_limits,
-    replica_policies,
-)
-from bench.load.runner import TENANT_HEADER, LoadConfig
+from bench.compare.run import merge_results, round_robin, run_round_robin
+from bench.compare.strategies import REDIS_PLACEHOLDER, pool_policy, replica_pool_policy
+from bench.load.runner import LoadConfig
 from bench.load.summary import LoadResult, RequestRecord, summarize
 from bench.load.workload import PlannedRequest, build_schedule
 from extproc.config.policy import Policy, policy_from_yaml
@@ -85,51 +74,27 @@ def parsed(text: str) -> Policy:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_replica_limits() -> None:
-    cap = capacity(56)
-    assert replica_limits("replicas-shared", cap, OPTS) == [56, 56, 56]  # the pool's, together
-    assert replica_limits("replicas-shared-fair", cap, OPTS) == [56, 56, 56]
-    assert replica_limits("replicas-full", cap, OPTS) == [56, 56, 56]  # each: 168 in all
-    assert replica_limits("replicas-split", cap, OPTS) == [19, 19, 18]  # adds up to C
-    assert replica_limits("replicas-split", capacity(72), OPTS) == [24, 24, 24]
-    assert replica_limits("replicas-split", capacity(2), OPTS) == [1, 1, 1]  # never 0
-    assert replica_limits("replicas-split", cap, replace(OPTS, replicas=2)) == [28, 28]
-    with pytest.raises(ValueError):
-        replica_limits("sidecar", cap, OPTS)
-
-
-def test_replica_policies_are_the_sidecar_pool_without_adaptive() -> None:
-    """Each replica strategy's policy is the ``sidecar`` pool's (``sidecar-fair``'s for
+def test_replica_policy_is_the_sidecar_pool_without_adaptive() -> None:
+    """The replicas' policy is the ``sidecar`` pool's (``sidecar-fair``'s for
     ``replicas-shared-fair``) but for the limit, fail_fast, the metrics and the sharing."""
     cap = capacity(56)
-    for strategy in REPLICA_STRATEGIES:
-        fair = strategy == "replicas-shared-fair"
+    for fair in (False, True):
         adaptive = parsed(pool_policy(cap, OPTS, ["http://127.0.0.1:9/metrics"], fair=fair))
-        assert adaptive.pool is not None
-        assert (
-            adaptive.trusted_headers
-            == parsed(replica_policies(strategy, cap, OPTS)[0]).trusted_headers
-        )
-        texts = replica_policies(strategy, cap, OPTS)
-        assert len(texts) == OPTS.replicas
-        policies = [parsed(t) for t in texts]
-        for policy, limit in zip(policies, replica_limits(strategy, cap, OPTS), strict=True):
-            pool = policy.pool
-            assert pool is not None and pool.adaptive is None, strategy
-            assert pool.max_concurrency == limit
-            assert pool.fail_fast is False  # shared mode turns it off: off in all three
-            assert pool.overload == adaptive.pool.overload  # the same scaled steps
-            assert policy.buckets == adaptive.buckets  # names, bands, shares, deadlines, queues
-            assert policy.limits == adaptive.limits and policy.tokens == adaptive.tokens
-            assert policy.backend.metrics == ()
-            assert (pool.shared is not None) == (strategy in SHARED_STRATEGIES), strategy
-        if strategy != "replicas-split":
-            assert len(set(texts)) == 1  # one policy for every replica
+        policy = parsed(replica_pool_policy(cap, OPTS, fair=fair))
+        assert adaptive.pool is not None and policy.trusted_headers == adaptive.trusted_headers
+        pool = policy.pool
+        assert pool is not None and pool.adaptive is None
+        assert pool.max_concurrency == 56  # the pool's, all replicas together
+        assert pool.fail_fast is False  # shared mode turns it off
+        assert pool.overload == adaptive.pool.overload  # the same scaled steps
+        assert policy.buckets == adaptive.buckets  # names, bands, shares, deadlines, queues
+        assert policy.limits == adaptive.limits and policy.tokens == adaptive.tokens
+        assert policy.backend.metrics == () and pool.shared is not None
 
 
 def test_shared_policy_lease_scaled_timeout_not() -> None:
     cap = capacity(56)
-    (text, *_) = replica_policies("replicas-shared", cap, OPTS)
+    text = replica_pool_policy(cap, OPTS)
     assert f'redis: "{REDIS_PLACEHOLDER}"' in text  # testing.gateways fills it in
     pool = parsed(text).pool
     assert pool is not None and pool.shared is not None
@@ -139,14 +104,14 @@ def test_shared_policy_lease_scaled_timeout_not() -> None:
     assert shared.timeout_s == pytest.approx(0.25)  # a network deadline: not scaled
     assert shared.replicas == 3
     # At a high speedup the lease stays within what the policy allows, the timeout under it.
-    fast = parsed(replica_policies("replicas-shared", cap, replace(OPTS, speedup=40.0))[0])
+    fast = parsed(replica_pool_policy(cap, replace(OPTS, speedup=40.0)))
     assert fast.pool is not None and fast.pool.shared is not None
     assert fast.pool.shared.lease_s == pytest.approx(0.5)
     assert fast.pool.shared.timeout_s == pytest.approx(0.125)
 
 
 def test_replica_envoy_patch_from_a_shared_policy() -> None:
-    (text, *_) = replica_policies("replicas-shared", capacity(56), OPTS)
+    text = replica_pool_policy(capacity(56), OPTS)
     patch = policy_envoy_patch(text.replace(REDIS_PLACEHOLDER, REDIS_URL))
     assert callable(patch)
 
@@ -170,13 +135,9 @@ def test_configs_show_the_replica_policies() -> None:
     config = _configs(cap, opts)
     assert set(config) == {
         "replicas-shared policy (each of 3)",
-        "replicas-full policy (each of 3)",
-        "replicas-split policy (replica 0)",
-        "replicas-split policy (replica 1)",
-        "replicas-split policy (replica 2)",
         "replicas-shared-fair policy (each of 3)",
     }
-    assert "max_concurrency: 18" in config["replicas-split policy (replica 2)"]
+    assert "max_concurrency: 56" in config["replicas-shared policy (each of 3)"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,28 +158,6 @@ def test_round_robin_in_arrival_order() -> None:
     assert round_robin([], 3) == [[], [], []]
     with pytest.raises(ValueError):
         round_robin(schedule, 0)
-
-
-def test_tenant_gateway_depends_on_the_name_alone() -> None:
-    names = ["heavy", "light-1", "light-2", "light-3", "light-4"]
-    placed = {n: tenant_gateway(n, 3) for n in names}
-    # Fixed by SHA-256, whatever the process: the placement docs/benchmarks.md reports.
-    assert placed == {"heavy": 2, "light-1": 0, "light-2": 0, "light-3": 1, "light-4": 2}
-    assert all(tenant_gateway(n, 1) == 0 for n in names)
-    with pytest.raises(ValueError):
-        tenant_gateway("heavy", 0)
-
-
-def test_by_tenant_keeps_each_tenant_on_one_gateway() -> None:
-    tenants = ["heavy", "light-1", None, "light-3", "heavy", None, "light-1", None]
-    schedule = [replace(planned(i, 0.5 * i), tenant=t) for i, t in enumerate(tenants)]
-    parts = by_tenant(list(reversed(schedule)), 3)
-    assert [[p.index for p in part] for part in parts] == [[1, 2, 6], [3, 5], [0, 4, 7]]
-    assert all(part == sorted(part, key=lambda p: p.t_s) for part in parts)
-    # Without the heavy tenant the light ones stay where they were.
-    light = [p for p in schedule if p.tenant != "heavy"]
-    assert [[p.index for p in part] for part in by_tenant(light, 3)] == [[1, 2, 6], [3, 5], [7]]
-    assert by_tenant([], 2) == [[], []]
 
 
 def record(i: int, cls: str, *, arrival: float, good: bool = True) -> RequestRecord:
@@ -283,19 +222,15 @@ def test_merge_results() -> None:
         merge_results(_cfg(), [])
 
 
-@pytest.mark.parametrize("spread", ["request", "tenant"])
-def test_run_spread_sends_to_every_gateway(spread: Spread) -> None:
+def test_run_round_robin_sends_to_every_gateway() -> None:
     """Three in-process HTTP servers answer like the simulator (non-streamed and streamed);
-    every request of the schedule reaches one of them: request i the (i mod 3)-th, or with
-    tenants spread by tenant, its tenant's gateway."""
+    every request of the schedule reaches one of them: request i the (i mod 3)-th."""
     seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
-    tenant_seen: dict[int, set[str | None]] = {0: set(), 1: set(), 2: set()}
 
     def app(k: int) -> web.Application:
         async def chat(request: web.Request) -> web.StreamResponse:
             body = await request.json()
             seen[k].append(int(body["messages"][0]["content"].split("]")[0].lstrip("[")))
-            tenant_seen[k].add(request.headers.get(TENANT_HEADER))
             if not body.get("stream"):
                 return web.json_response({"usage": {"completion_tokens": body["max_tokens"]}})
             resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -318,17 +253,12 @@ def test_run_spread_sends_to_every_gateway(spread: Spread) -> None:
                 await web.TCPSite(runner, "127.0.0.1", port).start()
                 urls.append(f"http://127.0.0.1:{port}")
             cfg = replace(_cfg(), duration_s=3.0, speedup=20.0, max_run_s=10.0)
-            if spread == "tenant":
-                tenants = (("a", 1.0), ("b", 1.0), ("c", 1.0), ("d", 1.0))
-                # Each tenant's arrivals are a stream of its own: a longer run for as many.
-                classes = tuple(replace(c, tenants=tenants) for c in cfg.classes)
-                cfg = replace(cfg, classes=classes, duration_s=8.0)
             schedule = list(
                 build_schedule(
                     cfg.classes, duration_s=cfg.duration_s, max_requests=cfg.max_requests
                 )
             )
-            return await run_spread(cfg, urls, spread), schedule
+            return await run_round_robin(cfg, urls), schedule
         finally:
             for runner in runners:
                 await runner.cleanup()
@@ -339,12 +269,7 @@ def test_run_spread_sends_to_every_gateway(spread: Spread) -> None:
     assert all(r.outcome == "ok" for r in res.records)
     by_arrival = [p.index for p in sorted(schedule, key=lambda p: (p.t_s, p.index))]
     for k in range(3):
-        if spread == "request":
-            assert sorted(seen[k]) == sorted(by_arrival[k::3]), k
-        else:
-            mine = {p.tenant for p in schedule if tenant_gateway(str(p.tenant), 3) == k}
-            assert tenant_seen[k] == mine and None not in mine, k
-            assert sorted(seen[k]) == sorted(p.index for p in schedule if p.tenant in mine), k
+        assert sorted(seen[k]) == sorted(by_arrival[k::3]), k
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,8 +311,7 @@ def test_replica_counters_combined_and_the_limit() -> None:
     both = combine_replicas([a, b])
     assert both == {"sidecar.batch/admitted": 12.0, "pool_limit": 112.0, "shared_pool_limit": 56.0}
     assert sample_of(1.0, both).limit == 56.0  # a shared pool: its limit, once
-    full = combine_replicas([{"pool_limit": 56.0}] * 3)
-    assert sample_of(1.0, full).limit == 168.0  # replicas-full admits 3 x C
+    assert sample_of(1.0, {"pool_limit": 56.0}).limit == 56.0
     assert sample_of(1.0, {"envoy.adaptive.concurrency_limit": 30.0}).limit == 30.0
     assert sample_of(1.0, {}).limit is None
 
@@ -456,28 +380,22 @@ def test_format_replicas_and_the_peak_column() -> None:
     cap = capacity(56)
     rows = [
         run_summary("sidecar", 50),
-        run_summary("replicas-shared", 56),
-        run_summary("replicas-full", 150),
-        run_summary("replicas-split", None),
-        run_summary("replicas-shared-fair", 56),
+        run_summary("replicas-shared", 150),
+        run_summary("replicas-shared-fair", None),
     ]
     text = format_replicas(rows, cap, OPTS)
     lines = text.splitlines()
-    assert "3 replicas" in lines[0] and "C = 56" in lines[0]
-    shared, full, split, fair = lines[2:6]
-    assert "56 shared" in shared and " 1.00 " in shared and "1.50" in shared
-    assert "56+56+56" in full and " 150 " in full and "2.68" in full
-    assert "19+19+18" in split and " - " in split
-    assert "56 shared" in fair
-    assert [line.split()[1] for line in lines[2:6]] == list(REPLICA_STRATEGIES)
-    assert "round robin" in lines[0]
-    assert "each tenant" in format_replicas(rows, cap, replace(OPTS, spread="tenant"))
+    assert "3 replicas" in lines[0] and "C = 56" in lines[0] and "round robin" in lines[0]
+    shared, fair = lines[2:4]
+    assert "56 shared" in shared and " 150 " in shared and "2.68" in shared and "1.50" in shared
+    assert "56 shared" in fair and " - " in fair
+    assert [line.split()[1] for line in lines[2:4]] == list(REPLICA_STRATEGIES)
     assert format_replicas(rows[:1], cap, OPTS) == ""
     runs = format_runs(rows)
     assert "peak" in runs.splitlines()[1]
-    assert json.dumps(rows[2].to_dict())  # JSON-able, with the figures
-    assert rows[2].to_dict()["in_flight_peak"] == 150
-    assert rows[2].to_dict()["in_flight"]["running_mean_window"] == 75.0
+    assert json.dumps(rows[1].to_dict())  # JSON-able, with the figures
+    assert rows[1].to_dict()["in_flight_peak"] == 150
+    assert rows[1].to_dict()["in_flight"]["running_mean_window"] == 75.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -490,20 +408,19 @@ ABORT_SLACK = 4
 
 
 def test_replicas_end_to_end_small(tmp_path: Path) -> None:
-    """replicas-shared and replicas-full at 2x for a few simulated seconds, C = 24 (so that 3C
-    fits in the engine's max_num_seqs): the sidecars admitted requests, the backend held no more
-    than C (plus the slack of aborts) behind the shared pool and more than C behind the full
-    ones, and everything is reported."""
+    """replicas-shared at 2x for a few simulated seconds, C = 24: the sidecars admitted
+    requests, the backend held no more than C (plus the slack of aborts) behind the shared
+    pool, and everything is reported."""
     rc = main(
         ["--duration", "24", "--warmup", "8", "--speedup", "5", "--model-requests", "500",
          "--concurrency", "24", "--loads", "2", "--live-capacity-s", "0", "--no-plots",
-         "--out", str(tmp_path), "--strategies", "replicas-shared,replicas-full"]
+         "--out", str(tmp_path), "--strategies", "replicas-shared"]
     )  # fmt: skip
     assert rc == 0
     doc = json.loads((tmp_path / "compare.json").read_text())
     c = doc["capacity"]["concurrency"]
     runs = {r["strategy"]: r for r in doc["runs"]}
-    assert set(runs) == {"replicas-shared", "replicas-full"}
+    assert set(runs) == {"replicas-shared"}
     for name, run in runs.items():
         assert run["overall"]["resolved"] > 20, name
         assert run["goodput_rps"] > 0, name
@@ -512,7 +429,6 @@ def test_replicas_end_to_end_small(tmp_path: Path) -> None:
         assert run["in_flight"]["samples"] >= 8, name  # every 0.5 s of about 5 s
         assert run["in_flight_peak"] > 0, name
     assert runs["replicas-shared"]["in_flight"]["held_peak"] <= c + ABORT_SLACK
-    assert runs["replicas-full"]["in_flight_peak"] > c  # each replica admits C
     for i in range(3):
         log_dir = tmp_path / "logs" / "steady-2x" / "replicas-shared" / f"gateway-{i}"
         assert (log_dir / "sidecar.log").exists()

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.micro import admission_cost, redis_rtt, scrape_bounds, tenant_cost
-from extproc.backend import http, prometheus
+from bench.micro import admission_cost, redis_rtt, tenant_cost
 
 
 def test_admission_cost(capsys: pytest.CaptureFixture[str]) -> None:
@@ -33,22 +32,6 @@ def test_tenant_cost(capsys: pytest.CaptureFixture[str]) -> None:
     tenant_cost.main(["--ops", "20"])
     out = capsys.readouterr().out
     assert "admission cost against tenants tracked" in out and "10,000 tracked" in out
-
-
-@pytest.mark.slow  # a round of 64 endpoints of 1 MiB each: seconds
-def test_scrape_bounds(capsys: pytest.CaptureFixture[str]) -> None:
-    rows = scrape_bounds.parse_costs(2)
-    assert [name for name, *_ in rows[:3]] == [f"vLLM, {n} engine(s)" for n in (1, 3, 8)]
-    assert len(rows) == 3 + len(scrape_bounds.worst_pages())
-    for name, size, lines, median, worst in rows:
-        assert size <= http.MAX_BODY_BYTES and lines <= prometheus.MAX_LINES + 1, name
-        assert 0 < median <= worst
-    assert rows[0][2] < rows[1][2] < rows[2][2] < prometheus.MAX_LINES  # vLLM's own within
-    scrape_bounds.main(["--rounds", "2"])
-    out = capsys.readouterr().out
-    assert out.startswith("bounds: body 1,048,576 bytes, 1,024 chunks, 2,048 lines read")
-    assert "GET of 1,024 one-byte chunks: the loop held" in out
-    assert "a round of 64 endpoints, each the long-label page at once: the loop held" in out
 
 
 @pytest.mark.redis  # a throwaway redis-server of its own

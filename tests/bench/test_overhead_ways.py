@@ -75,7 +75,7 @@ def test_envoy_config_has_the_shared_sidecars_listener_and_cluster() -> None:
     ) + len(ports.grpc)
     cfg = yaml.safe_load(envoy_config(ports))
     listeners = {x["name"]: x for x in cfg["static_resources"]["listeners"]}
-    assert set(listeners) == {FLOOR, NAIVE, "sidecar-grpc", SIDECAR, SIDECAR_SHARED, "held"}
+    assert set(listeners) == {FLOOR, NAIVE, SIDECAR, SIDECAR_SHARED, "held"}
     port = listeners[SIDECAR_SHARED]["address"]["socket_address"]["port_value"]
     assert port == ports.listeners[SIDECAR_SHARED]
     clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
@@ -124,9 +124,9 @@ def test_summarise_counts_redis_with_the_sidecar() -> None:
 
 
 def test_report_shows_the_shared_pool_next_to_local() -> None:
-    cpu = {"envoy": 0.02, NAIVE: 0.01, "sidecar-grpc": 0.01, SIDECAR: 0.01}
+    cpu = {"envoy": 0.02, NAIVE: 0.01, SIDECAR: 0.01}
     cpu |= {SIDECAR_SHARED: 0.012, REDIS: 0.003}
-    latency = {FLOOR: 0.5, NAIVE: 0.9, "sidecar-grpc": 1.0, SIDECAR: 0.8, SIDECAR_RW: 0.85}
+    latency = {FLOOR: 0.5, NAIVE: 0.9, SIDECAR: 0.8, SIDECAR_RW: 0.85}
     latency[SIDECAR_REDIS] = 1.1
     ways = {
         w: summarise(w, _samples(ms, cpu=cpu, redis_calls=4 if w == SIDECAR_REDIS else None))
