@@ -7,7 +7,8 @@ import pytest
 
 from extproc.config.policy import Order, TenantPolicy
 from extproc.pool.core.admission import Admission
-from extproc.pool.core.order import OUTPUT_WEIGHT, FairOrder
+from extproc.pool.core.fair import OUTPUT_WEIGHT, FairOrder
+from extproc.pool.core.order import CostKey
 from extproc.pool.core.values import Entry, Ticket, Verdict
 
 
@@ -124,7 +125,7 @@ def test_no_credit_is_banked_by_an_idle_tenant() -> None:
 
 
 def test_state_is_bounded_by_max_tracked_and_idle_ttl() -> None:
-    order = FairOrder()
+    order = FairOrder(CostKey())
     order.tune(TenantPolicy(max_tracked=100, idle_ttl_s=10.0))
     for i in range(10_000):
         order.push(ticket(f"t{i}", at=0.0), 5.0)
@@ -201,7 +202,7 @@ def test_the_queues_stay_bounded_while_requests_come_and_go() -> None:
             a.cancel(d.ticket.id, 1.0)
         entries = sum(len(q.heap) for q in order.queues.values()) + len(order.turns)
         assert entries <= 2 * (5 + len(order.queues)) + 66
-    assert list(order.queues) == ["heavy"] and order.queues["heavy"].n == 5
+    assert list(order.queues) == ["heavy"] and len(order.queues["heavy"].ids) == 5
 
 
 def test_across_buckets_the_fair_bucket_competes_by_arrival() -> None:
@@ -214,7 +215,7 @@ def test_across_buckets_the_fair_bucket_competes_by_arrival() -> None:
     # Tagged 10,000
     fair = a.enqueue(Entry(bucket="fair", timeout_s=60, cost=10_000, tenant="t"), 1.0).ticket
     a.enqueue(Entry(bucket="fifo", timeout_s=60), 2.0)
-    assert FairOrder().band_key(10_000.0, fair) == 1.0
+    assert FairOrder(CostKey()).band_key(10_000.0, fair) == 1.0
     assert a.release(holder.id, 3.0) == [fair]
 
 

@@ -7,15 +7,16 @@ import pytest
 
 from extproc.config.policy import Order
 from extproc.pool.core.admission import Admission
+from extproc.pool.core.fair import FairOrder
 from extproc.pool.core.order import (
     COST_EWMA_ALPHA,
     QUEUE_ORDERS,
     BucketChoice,
+    CostKey,
     CostOrder,
-    FairOrder,
     FifoOrder,
     GuaranteeBandHead,
-    QueueOrder,
+    HeapOrder,
 )
 from extproc.pool.core.state import BucketState, PoolState
 from extproc.pool.core.values import Entry, Ticket, Verdict
@@ -26,8 +27,11 @@ def ticket(at: float = 0.0, cost: int = 0, tid: int = 1) -> Ticket:
 
 
 def test_the_policy_order_maps_to_one_class_each() -> None:
-    assert QUEUE_ORDERS == {Order.FIFO: FifoOrder, Order.COST: CostOrder, Order.FAIR: FairOrder}
+    made = {order: type(new()) for order, new in QUEUE_ORDERS.items()}
+    assert made == {Order.FIFO: FifoOrder, Order.COST: CostOrder, Order.FAIR: FairOrder}
     assert set(QUEUE_ORDERS) == set(Order)
+    fair = QUEUE_ORDERS[Order.FAIR]()
+    assert isinstance(fair, FairOrder) and isinstance(fair.within, CostKey)
 
 
 @pytest.mark.parametrize(
@@ -107,28 +111,33 @@ def test_a_new_choice_is_a_class_the_core_takes() -> None:
         assert a.release(holder.id, 3.0) == [hi if first == "hi" else lo]
 
 
-def test_an_observing_order_hears_its_admissions_and_releases() -> None:
-    heard: list[tuple[str, int, float]] = []
+def test_a_fair_order_hears_its_bucket_admissions_and_departures() -> None:
+    """The bucket's one hook (``BucketState.fair``): its fair order hears each admission (with
+    the head's key) and each waiter that leaves unserved; a heap order hears nothing."""
+    heard: list[tuple[str, int]] = []
 
-    class Observed(FifoOrder):
-        observes = True
-
+    class Heard(FairOrder):
         def admitted(self, ticket: Ticket, key: float, now: float) -> None:
-            heard.append(("admitted", ticket.id, now))
+            heard.append(("admitted", ticket.id))
+            super().admitted(ticket, key, now)
 
-        def released(self, ticket: Ticket, now: float) -> None:
-            heard.append(("released", ticket.id, now))
+        def left(self, ticket: Ticket) -> None:
+            heard.append(("left", ticket.id))
+            super().left(ticket)
 
     a = Admission({"b": (1, 5)})
-    a._buckets["b"].configure(max_queue=5, order=Observed)
+    a._buckets["b"].configure(max_queue=5, order=lambda: Heard(CostKey()))
+    assert a._buckets["b"].fair is a._buckets["b"].order
     first = a.enqueue(Entry(bucket="b", timeout_s=10.0), 0.0)
     second = a.enqueue(Entry(bucket="b", timeout_s=10.0), 1.0)
+    third = a.enqueue(Entry(bucket="b", timeout_s=10.0), 1.0)
     assert (first.verdict, second.verdict) == (Verdict.ADMITTED, Verdict.QUEUED)
+    a.cancel(third.ticket.id, 1.5)
     a.release(first.ticket.id, 2.0)
     assert heard == [
-        ("admitted", first.ticket.id, 0.0),
-        ("released", first.ticket.id, 2.0),
-        ("admitted", second.ticket.id, 2.0),
+        ("admitted", first.ticket.id),
+        ("left", third.ticket.id),
+        ("admitted", second.ticket.id),
     ]
 
 
@@ -139,13 +148,18 @@ def test_the_same_order_class_keeps_its_state_across_a_reconfiguration() -> None
     assert isinstance(order, CostOrder)
     order.key(ticket(0.0, 500), 1.0)
     b.configure(max_queue=20, order=CostOrder)
-    assert b.order is order and order.mean_cost == 500.0
+    assert b.order is order and order.mean_cost == 500.0 and b.fair is None
+    b.configure(max_queue=20, order=QUEUE_ORDERS[Order.FAIR])
+    fair = b.order
+    assert isinstance(fair, FairOrder) and b.fair is fair
+    b.configure(max_queue=20, order=QUEUE_ORDERS[Order.FAIR])
+    assert b.order is fair
     b.configure(max_queue=20)
-    assert isinstance(b.order, FifoOrder) and b.observer is None
+    assert isinstance(b.order, FifoOrder) and b.fair is None
 
 
 def test_the_base_classes_name_the_one_method_to_write() -> None:
     with pytest.raises(NotImplementedError):
-        QueueOrder().key(ticket(), 1.0)
+        HeapOrder().key(ticket(), 1.0)
     with pytest.raises(NotImplementedError):
         BucketChoice().rank(bucket(0, 0, 0.0), 0.0, 1)

@@ -70,7 +70,7 @@ Rules (the invariants tests check):
    slots at the pool's capacity (``PoolState.capacity``): the whole pool's limit
    (``set_whole_limit``: a shared pool's, not the leases this replica holds), and while the
    limit is 0 its last positive value.
-7. A full bucket whose order keeps room (``QueueOrder.displace``: the fair order) takes a
+7. A full bucket whose order keeps room (``FairOrder.displace``: the fair order) takes a
    newcomer whose tenant, once it joined, has fewer waiters than the heaviest tenant: that
    tenant's newest waiter is refused QUEUE_FULL in its stead (``Decision.displaced``,
    counted in ``refused_total``). Otherwise the newcomer is refused.
@@ -385,8 +385,8 @@ class Admission:
         return {name: p.stats() for name, p in self._pools.items()}
 
     def heaviest(self, bucket: str, k: int) -> list[tuple[str | None, float]]:
-        """The bucket's ``k`` heaviest tenants (``QueueOrder.heaviest``), for /debug/queues."""
-        return self._buckets[bucket].order.heaviest(k)
+        """The bucket's ``k`` heaviest tenants (``FairOrder.heaviest``), for /debug/queues."""
+        return [] if (fair := self._buckets[bucket].fair) is None else fair.heaviest(k)
 
     def tenants_seen(self) -> dict[str, TenantSeen]:
         """Of each bucket with a tenant policy, the requests that joined it and those of them

@@ -11,9 +11,11 @@ buckets' running tickets.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Final
 
 from extproc.config.policy import TenantPolicy
+from extproc.pool.core.fair import FairOrder
 from extproc.pool.core.order import BucketChoice, FifoOrder, GuaranteeBandHead, QueueOrder
 from extproc.pool.core.relegate import Relegation
 from extproc.pool.core.tenants import TenantBounds, TenantCounts
@@ -121,12 +123,12 @@ class BucketState:
         "cap",
         "client_expired_total",
         "evicted_total",
+        "fair",
         "max_queue",
         "max_share",
         "mean_hold_s",
         "min_share",
         "name",
-        "observer",
         "order",
         "pool",
         "priority",
@@ -152,7 +154,7 @@ class BucketState:
         self.max_share = 1.0
         self.cap: int | None = None
         self.order: QueueOrder = FifoOrder()
-        self.observer: QueueOrder | None = None  # the order, when it observes
+        self.fair: FairOrder | None = None  # the order, when it is fair between tenants
         self.tenants: TenantCounts | None = None  # with a tenant policy only
         self.relegate: Relegation | None = None  # where its waiters go at their deadline
         self.waiting: dict[int, Ticket] = {}  # queued in ``order``
@@ -184,7 +186,7 @@ class BucketState:
         min_share: float = 0.0,
         max_share: float = 1.0,
         cap: int | None = None,
-        order: type[QueueOrder] = FifoOrder,
+        order: Callable[[], QueueOrder] = FifoOrder,
         tenant: TenantPolicy | None = None,
         relegate: Relegation | None = None,
     ) -> None:
@@ -194,13 +196,14 @@ class BucketState:
         self.max_queue, self.priority, self.cap = max_queue, priority, cap
         self.relegate = relegate
         self.min_share, self.max_share = min_share, max_share
-        new_order = type(self.order) is not order
-        if new_order:
-            self.order = order()
-        self.order.tune(tenant)
+        fresh = order()
+        if new_order := type(fresh) is not type(self.order):
+            self.order = fresh
+        self.fair = self.order if isinstance(self.order, FairOrder) else None
+        if self.fair is not None:
+            self.fair.tune(tenant)
         if new_order:
             self._rekey()
-        self.observer = self.order if order.observes else None
         if tenant is None:
             self.tenants = None
         else:
@@ -240,8 +243,8 @@ class BucketState:
         self.waits.append(now - ticket.enqueued_at)
         if self.tenants is not None:
             self.tenants.admitted(ticket.tenant)
-        if self.observer is not None:
-            self.observer.admitted(ticket, key, now)
+        if self.fair is not None:
+            self.fair.admitted(ticket, key, now)
 
     def released(self, ticket_id: int, now: float) -> tuple[Ticket, float]:
         """The bucket's side of a release: the ticket and how long it held its slot."""
@@ -249,8 +252,6 @@ class BucketState:
         self.tokens -= ticket.cost
         if self.tenants is not None:
             self.tenants.released(ticket.tenant)
-        if self.observer is not None:
-            self.observer.released(ticket, now)
         hold = max(0.0, now - admitted_at)
         self.mean_hold_s = ewma(self.mean_hold_s, hold)
         return ticket, hold
@@ -260,8 +261,8 @@ class BucketState:
 
     def displaced(self, ticket: Ticket) -> Ticket | None:
         """The bucket is full and ``ticket`` just joined: the waiter refused in its stead
-        (``QueueOrder.displace``), or None."""
-        tid = self.order.displace(ticket)
+        (``FairOrder.displace``), or None."""
+        tid = None if self.fair is None else self.fair.displace(ticket)
         return None if tid is None else self.waiting.get(tid)
 
     def tenant_refusal(self, tenant: str | None) -> Verdict | None:
@@ -277,8 +278,8 @@ class BucketState:
         queue first)."""
         if self.tenants is not None:
             self.tenants.left(ticket.tenant)
-        if self.observer is not None:
-            self.observer.left(ticket)
+        if self.fair is not None:
+            self.fair.left(ticket)
 
     def ahead(self) -> int:
         """Waiters of its band and of the more urgent ones (all served before a newcomer)."""
@@ -299,7 +300,7 @@ class BucketState:
         own = len(self.waiting)
         if exclude is not None and exclude.id in self.waiting:
             own -= 1
-            if self.tenants is not None and self.order.by_tenant:
+            if self.tenants is not None and self.fair is not None:
                 own = self.tenants.ahead(exclude.tenant, own)
             else:
                 before = self.order.ahead(exclude, self.waiting)
@@ -346,7 +347,7 @@ class BucketState:
             refused_total=self.refused_total,
             client_expired_total=self.client_expired_total,
             relegated_total=self.relegated_total,
-            tenants=self.order.tenants(),
+            tenants=0 if self.fair is None else self.fair.tenants(),
         )
 
     def compact(self) -> None:
