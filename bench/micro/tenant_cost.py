@@ -81,7 +81,7 @@ def population_costs(population: str, ops: int) -> dict[str, dict[str, float]]:
     ``tracked``: how many tenants the fair order held at the end (read from the core, the
     check that the population is what it says)."""
     from extproc.config.policy import policy_from_yaml
-    from extproc.pool.core.order import FairOrder
+    from extproc.pool.core.fair import FairOrder
     from extproc.pool.gate import Gate, Waiter
 
     policy = policy_from_yaml(fair_policy(), "<bench>")

@@ -254,15 +254,6 @@ class Gate:
         self._owner = owner
         self.reconfigure(self._policy)
 
-    def disown_limit(self, limit: int) -> None:
-        """Back to the policy's limit, starting from ``limit``."""
-        if self._owner is None:
-            return
-        self._owner = None
-        if self._policy.pool is not None:
-            self.set_pool_limit(limit)
-        self.reconfigure(self._policy)
-
     def refresh_caps(self) -> None:
         """Ask the owner for every bucket's share and cap again (a limit they are of moved)."""
         if self._policy.pool is None:

@@ -9,7 +9,7 @@ import pytest
 
 from extproc.config.policy import Order, TenantPolicy
 from extproc.pool.core.admission import Admission
-from extproc.pool.core.order import FairOrder
+from extproc.pool.core.fair import FairOrder
 from extproc.pool.core.relegate import Relegation
 from extproc.pool.core.values import Entry, Ticket, Verdict
 

@@ -146,7 +146,7 @@ class MatchRule:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TenantPolicy:
     """Who a request is for within its bucket (``extproc.request.tenant``), how many tenants
-    the fair order remembers (``extproc.pool.core.order.FairOrder``) and each one's bounds
+    the fair order remembers (``extproc.pool.core.fair.FairOrder``) and each one's bounds
     (``extproc.pool.core.tenants``)."""
 
     # The trusted header naming the tenant; None: the Authorization header, hashed.
