@@ -186,7 +186,7 @@ class Metrics:
         self.build_info = Gauge(
             "llm_extproc_build_info",
             "The sidecar that runs (always 1): its version, Python's, its gRPC transport "
-            "(--transport) and event loop.",
+            "(h2; grpc only in the tests' grpc.aio oracle) and event loop.",
             ["version", "python", "transport", "event_loop"],
             registry=r,
         )

@@ -1,4 +1,4 @@
-"""``--transport h2`` (the default): the sidecar's services on this project's HTTP/2 server.
+"""The sidecar's transport: its services on this project's HTTP/2 server.
 
 ext_proc's ``Process`` and ``grpc.health.v1`` (``health.H2Health``) are methods of one
 ``h2.H2Server``. Its bounds come from the policy through ``Serving``: a message is at
