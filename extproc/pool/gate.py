@@ -46,6 +46,7 @@ from extproc.config.policy import BucketPolicy, Policy
 from extproc.outcome import Outcome
 from extproc.pool.core.admission import Admission
 from extproc.pool.core.relegate import relegation
+from extproc.pool.core.state import BucketRule
 from extproc.pool.core.tenants import TenantSeen
 from extproc.pool.core.values import BucketStats, Entry, PoolStats, Ticket, Verdict
 from extproc.pool.ends import Ends
@@ -227,21 +228,10 @@ class Gate:
             max_share, cap = self._owner.bucket_share(b)
         else:
             max_share, cap = b.max_share, b.max_concurrency or None
-        self._hand_over(
-            self._core.set_bucket(
-                b.name,
-                now,
-                pool=POOL,
-                max_queue=b.max_queue,
-                priority=b.priority,
-                min_share=b.min_share,
-                max_share=max_share,
-                cap=cap,
-                order=b.order,
-                tenant=b.tenant,
-                relegate_to=relegation(self._policy, b),
-            )
+        rule = BucketRule(
+            policy=b, max_share=max_share, cap=cap, relegate=relegation(self._policy, b)
         )
+        self._hand_over(self._core.set_bucket(POOL, rule, now))
 
     # --- who holds the pool's limit -----------------------------------------------------------
 

@@ -18,6 +18,7 @@ from extproc.pool.core.admission import Admission
 from extproc.pool.core.demand import limit_demand
 from extproc.pool.core.values import Entry
 from extproc.pool.gate import Gate, Slot
+from testing.buckets import rule
 from testing.clock import run_virtual
 from tests.unit.test_adaptive import limiter, sig
 
@@ -249,8 +250,8 @@ def test_band_load_is_the_least_urgent_bands_requests_floor_and_caps() -> None:
 def core(limit: int = 20) -> Admission:
     a = Admission({})
     a.set_pool(POOL, limit, 0.0, fail_fast=False)
-    a.set_bucket("chat", 0.0, pool=POOL, max_queue=100, priority=0)
-    a.set_bucket("batch", 0.0, pool=POOL, max_queue=100, priority=10, min_share=0.1)
+    a.set_bucket(POOL, rule("chat", max_queue=100, priority=0), 0.0)
+    a.set_bucket(POOL, rule("batch", max_queue=100, priority=10, min_share=0.1), 0.0)
     return a
 
 

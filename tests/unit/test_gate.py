@@ -9,10 +9,11 @@ order of events within a turn is the point.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, fields, replace
 
 import pytest
 
-from extproc.config.policy import policy_from_mapping
+from extproc.config.policy import BucketPolicy, policy_from_mapping
 from extproc.outcome import Outcome
 from extproc.pool.core.values import Entry
 from extproc.pool.gate import Gate, Refused, Slot, Waiter, retry_after_s
@@ -326,5 +327,33 @@ def test_admitted_unless_is_evicted_like_admitted() -> None:
         assert info.value.outcome is Outcome.EVICTED_TIMEOUT and stats(gate) == (1, 0)
         assert info.value.waited_s == pytest.approx(0.05, abs=1e-9)
         holder.release()
+
+    run(main())
+
+
+def test_a_new_bucket_key_reaches_the_core_in_the_rule() -> None:
+    """A bucket key is its ``BucketPolicy`` field and where it is used: the shell hands the
+    core the bucket's policy itself (``BucketRule.policy``), so nothing between the policy and
+    the core names the key. A toy ``weight`` key (on a subclass here; in the code, a field of
+    ``BucketPolicy``) is there to read where the core would use it, after a reload too."""
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Weighted(BucketPolicy):
+        weight: int = 1
+
+    base = policy_from_mapping(
+        {"pool": {"max_concurrency": 4}, "buckets": [{"name": "b", "queue_timeout": "1s"}]}
+    )
+    same = {f.name: getattr(base.buckets[0], f.name) for f in fields(BucketPolicy)}
+
+    async def main() -> None:
+        toy = Weighted(**same, weight=7)
+        gate = Gate(replace(base, buckets=(toy,)))
+        assert gate._core._buckets["b"].rule.policy is toy
+        heavier = Weighted(**same, weight=9)
+        gate.reconfigure(replace(base, buckets=(heavier,)))
+        got = gate._core._buckets["b"].rule.policy
+        assert isinstance(got, Weighted) and got.weight == 9
+        gate.close()
 
     run(main())

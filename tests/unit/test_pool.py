@@ -12,6 +12,7 @@ from extproc.pool.core.admission import Admission
 from extproc.pool.core.fair import FairOrder
 from extproc.pool.core.relegate import Relegation
 from extproc.pool.core.values import Entry, Ticket, Verdict
+from testing.buckets import rule
 
 POOL = "p"
 
@@ -24,7 +25,7 @@ def pool(limit: int, *, max_tokens: int | None = None, fail_fast: bool = False) 
 
 def bucket(a: Admission, name: str, **kw: object) -> None:
     kw.setdefault("max_queue", 100)
-    a.set_bucket(name, 0.0, pool=POOL, **kw)  # type: ignore[arg-type]
+    a.set_bucket(POOL, rule(name, **kw), 0.0)  # type: ignore[arg-type]
 
 
 def admit(
@@ -276,8 +277,8 @@ def test_moving_buckets_between_own_slots_and_the_pool_keeps_every_count() -> No
     x1, _ = admit(a, "x"), admit(a, "x")
     y1 = admit(a, "y")
     a.set_pool(POOL, 3, 0.0)
-    a.set_bucket("x", 0.0, pool=POOL, max_queue=10)
-    a.set_bucket("y", 0.0, pool=POOL, max_queue=10)
+    a.set_bucket(POOL, rule("x", max_queue=10), 0.0)
+    a.set_bucket(POOL, rule("y", max_queue=10), 0.0)
     ps = a.pool_statistics(0.0)[POOL]
     assert ps.in_flight == 3
     w = queue(a, "y")
@@ -315,15 +316,17 @@ def test_random_operations_keep_the_invariants(relegate: bool) -> None:
     names = ("a", "b", "c")
     for i, name in enumerate(names):
         a.set_bucket(
-            name,
+            POOL,
+            rule(
+                name,
+                max_queue=8,
+                priority=(0, 5, 5)[i],
+                min_share=(0.0, 0.3, 0.0)[i],
+                max_share=(1.0, 1.0, 0.5)[i],
+                order=Order.COST if i == 2 else Order.FIFO,
+                relegate_to=Relegation(target="c", timeout_s=0.5) if relegate and i == 0 else None,
+            ),
             0.0,
-            pool=POOL,
-            max_queue=8,
-            priority=(0, 5, 5)[i],
-            min_share=(0.0, 0.3, 0.0)[i],
-            max_share=(1.0, 1.0, 0.5)[i],
-            order=Order.COST if i == 2 else Order.FIFO,
-            relegate_to=Relegation(target="c", timeout_s=0.5) if relegate and i == 0 else None,
         )
     running: set[int] = set()
     waiting: set[int] = set()

@@ -10,6 +10,7 @@ from extproc.pool.core.admission import Admission
 from extproc.pool.core.fair import OUTPUT_WEIGHT, FairOrder
 from extproc.pool.core.order import CostKey
 from extproc.pool.core.values import Entry, Ticket, Verdict
+from testing.buckets import rule
 
 
 def ticket(tenant: str | None, at: float = 0.0, cost: int = 100, **kw: object) -> Ticket:
@@ -22,7 +23,7 @@ def pool(limit: int = 1, tenant: TenantPolicy | None = None, max_queue: int = 10
     a = Admission({})
     a.set_pool("p", limit, 0.0, fail_fast=False)
     a.set_bucket(
-        "b", 0.0, pool="p", max_queue=max_queue, order=Order.FAIR, tenant=tenant or TenantPolicy()
+        "p", rule("b", max_queue=max_queue, order=Order.FAIR, tenant=tenant or TenantPolicy()), 0.0
     )
     return a
 
@@ -49,7 +50,7 @@ def test_a_tenant_alone_is_served_as_the_cost_order_serves(tenant: str | None) -
     for order in (Order.FAIR, Order.COST):
         a = Admission({})
         a.set_pool("p", 1, 0.0, fail_fast=False)
-        a.set_bucket("b", 0.0, pool="p", max_queue=100, order=order, tenant=TenantPolicy())
+        a.set_bucket("p", rule("b", max_queue=100, order=order, tenant=TenantPolicy()), 0.0)
         holder = a.enqueue(Entry(bucket="b", timeout_s=10, tenant=tenant), 0.0).ticket
         ids: dict[int, int] = {}
         for i, c in enumerate(costs):
@@ -209,8 +210,8 @@ def test_across_buckets_the_fair_bucket_competes_by_arrival() -> None:
     """Its keys are tokens, not times: across buckets its head competes by when it came."""
     a = Admission({})
     a.set_pool("p", 1, 0.0, fail_fast=False)
-    a.set_bucket("fair", 0.0, pool="p", max_queue=10, order=Order.FAIR, tenant=TenantPolicy())
-    a.set_bucket("fifo", 0.0, pool="p", max_queue=10)
+    a.set_bucket("p", rule("fair", max_queue=10, order=Order.FAIR, tenant=TenantPolicy()), 0.0)
+    a.set_bucket("p", rule("fifo", max_queue=10), 0.0)
     holder = a.enqueue(Entry(bucket="fair", timeout_s=60, cost=10_000, tenant="t"), 0.0).ticket
     # Tagged 10,000
     fair = a.enqueue(Entry(bucket="fair", timeout_s=60, cost=10_000, tenant="t"), 1.0).ticket
@@ -340,12 +341,12 @@ def test_a_reload_to_another_order_keys_the_waiters_again() -> None:
     the new order, in the order they came, so the heap never mixes the two."""
     a = Admission({})
     a.set_pool("p", 1, 0.0, fail_fast=False)
-    a.set_bucket("b", 0.0, pool="p", max_queue=10)  # fifo
+    a.set_bucket("p", rule("b", max_queue=10), 0.0)  # fifo
     holder = a.enqueue(Entry(bucket="b", timeout_s=60, tenant="heavy"), 0.0).ticket
     for _ in range(3):
         a.enqueue(Entry(bucket="b", timeout_s=60, cost=100, tenant="heavy"), 100.0)
     a.enqueue(Entry(bucket="b", timeout_s=60, cost=100, tenant="light"), 200.0)
-    a.set_bucket("b", 0.0, pool="p", max_queue=10, order=Order.FAIR, tenant=TenantPolicy())
+    a.set_bucket("p", rule("b", max_queue=10, order=Order.FAIR, tenant=TenantPolicy()), 0.0)
     assert drain(a, holder.id, 300.0) == ["heavy", "light", "heavy", "heavy"]
 
 
@@ -358,7 +359,7 @@ def test_a_predicted_wait_counts_only_what_the_fair_order_puts_ahead(
     the heavy tenant's next one still is. In a fifo bucket both wait for the whole queue."""
     a = Admission({})
     a.set_pool("p", 1, 0.0, fail_fast=True)
-    a.set_bucket("b", 0.0, pool="p", max_queue=100, order=order, tenant=TenantPolicy())
+    a.set_bucket("p", rule("b", max_queue=100, order=order, tenant=TenantPolicy()), 0.0)
     t = 0.0
     for _ in range(8):  # a release rate: one slot a second
         held = a.enqueue(Entry(bucket="b", timeout_s=60, tenant="heavy"), t).ticket

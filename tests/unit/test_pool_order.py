@@ -20,6 +20,7 @@ from extproc.pool.core.order import (
 )
 from extproc.pool.core.state import BucketState, PoolState
 from extproc.pool.core.values import Entry, Ticket, Verdict
+from testing.buckets import rule
 
 
 def ticket(at: float = 0.0, cost: int = 0, tid: int = 1) -> Ticket:
@@ -72,8 +73,7 @@ def test_cost_delay_is_at_most_half_the_timeout() -> None:
 
 
 def bucket(priority: int, running: int, min_share: float) -> BucketState:
-    b = BucketState("b", PoolState("p", 10), 10)
-    b.configure(max_queue=10, priority=priority, min_share=min_share)
+    b = BucketState("b", PoolState("p", 10), rule("b", priority=priority, min_share=min_share))
     for i in range(running):
         b.running[i] = (ticket(tid=i), 0.0)
     return b
@@ -103,15 +103,17 @@ def test_a_new_choice_is_a_class_the_core_takes() -> None:
     for choice, first in ((None, "hi"), (EarliestHead(), "lo")):
         a = Admission({})
         a.set_pool("p", 1, 0.0, choice=choice)
-        a.set_bucket("hi", 0.0, pool="p", max_queue=5, priority=0)
-        a.set_bucket("lo", 0.0, pool="p", max_queue=5, priority=10)
+        a.set_bucket("p", rule("hi", max_queue=5, priority=0), 0.0)
+        a.set_bucket("p", rule("lo", max_queue=5, priority=10), 0.0)
         holder = a.enqueue(Entry(bucket="hi", timeout_s=10.0), 0.0).ticket
         lo = a.enqueue(Entry(bucket="lo", timeout_s=10.0), 1.0).ticket
         hi = a.enqueue(Entry(bucket="hi", timeout_s=10.0), 2.0).ticket
         assert a.release(holder.id, 3.0) == [hi if first == "hi" else lo]
 
 
-def test_a_fair_order_hears_its_bucket_admissions_and_departures() -> None:
+def test_a_fair_order_hears_its_bucket_admissions_and_departures(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The bucket's one hook (``BucketState.fair``): its fair order hears each admission (with
     the head's key) and each waiter that leaves unserved; a heap order hears nothing."""
     heard: list[tuple[str, int]] = []
@@ -126,7 +128,8 @@ def test_a_fair_order_hears_its_bucket_admissions_and_departures() -> None:
             super().left(ticket)
 
     a = Admission({"b": (1, 5)})
-    a._buckets["b"].configure(max_queue=5, order=lambda: Heard(CostKey()))
+    monkeypatch.setitem(QUEUE_ORDERS, Order.FAIR, lambda: Heard(CostKey()))
+    a._buckets["b"].configure(rule("b", max_queue=5, order=Order.FAIR))
     assert a._buckets["b"].fair is a._buckets["b"].order
     first = a.enqueue(Entry(bucket="b", timeout_s=10.0), 0.0)
     second = a.enqueue(Entry(bucket="b", timeout_s=10.0), 1.0)
@@ -143,18 +146,18 @@ def test_a_fair_order_hears_its_bucket_admissions_and_departures() -> None:
 
 def test_the_same_order_class_keeps_its_state_across_a_reconfiguration() -> None:
     b = bucket(0, 0, 0.0)
-    b.configure(max_queue=10, order=CostOrder)
+    b.configure(rule("b", max_queue=10, order=Order.COST))
     order = b.order
     assert isinstance(order, CostOrder)
     order.key(ticket(0.0, 500), 1.0)
-    b.configure(max_queue=20, order=CostOrder)
+    b.configure(rule("b", max_queue=20, order=Order.COST))
     assert b.order is order and order.mean_cost == 500.0 and b.fair is None
-    b.configure(max_queue=20, order=QUEUE_ORDERS[Order.FAIR])
+    b.configure(rule("b", max_queue=20, order=Order.FAIR))
     fair = b.order
     assert isinstance(fair, FairOrder) and b.fair is fair
-    b.configure(max_queue=20, order=QUEUE_ORDERS[Order.FAIR])
+    b.configure(rule("b", max_queue=20, order=Order.FAIR))
     assert b.order is fair
-    b.configure(max_queue=20)
+    b.configure(rule("b", max_queue=20))
     assert isinstance(b.order, FifoOrder) and b.fair is None
 
 

@@ -15,6 +15,7 @@ from extproc.pool.core.demand import lease_demand
 from extproc.pool.core.relegate import Relegation
 from extproc.pool.core.values import Entry, Ticket, Verdict
 from extproc.pool.gate import Gate, Refused, Slot, Waiter
+from testing.buckets import rule
 from testing.clock import run_virtual
 
 POOL = "p"
@@ -32,16 +33,9 @@ def pool(
     timeout is ``relegate_s``."""
     a = Admission({}, max_queued_bytes=10_000)
     a.set_pool(POOL, limit, 0.0)
-    a.set_bucket(
-        "hi",
-        0.0,
-        pool=POOL,
-        max_queue=100,
-        priority=0,
-        relegate_to=Relegation(target="lo", timeout_s=relegate_s),
-        **(hi or {}),  # type: ignore[arg-type]
-    )
-    a.set_bucket("lo", 0.0, pool=POOL, max_queue=target_queue, priority=1, **(lo or {}))  # type: ignore[arg-type]
+    late = Relegation(target="lo", timeout_s=relegate_s)
+    a.set_bucket(POOL, rule("hi", priority=0, relegate_to=late, **(hi or {})), 0.0)
+    a.set_bucket(POOL, rule("lo", max_queue=target_queue, priority=1, **(lo or {})), 0.0)
     return a
 
 
@@ -228,8 +222,8 @@ def test_fail_fast_refuses_only_a_wait_past_the_relegations_deadline_too() -> No
     a = Admission({})
     a.set_pool(POOL, 1, 0.0, fail_fast=True)
     late = Relegation(target="lo", timeout_s=5.0)
-    a.set_bucket("hi", 0.0, pool=POOL, max_queue=100, relegate_to=late)
-    a.set_bucket("lo", 0.0, pool=POOL, max_queue=100, priority=1)
+    a.set_bucket(POOL, rule("hi", max_queue=100, relegate_to=late), 0.0)
+    a.set_bucket(POOL, rule("lo", max_queue=100, priority=1), 0.0)
     now = 0.0
     for _ in range(10):  # teach the pool its release rate: 1 slot a second
         x = enqueue(a, "hi", now, Verdict.ADMITTED)

@@ -14,10 +14,10 @@ requests in flight). Two ways to build them:
 - ``set_limits(bucket, capacity, max_queue)`` gives the bucket a pool of its own with
   ``capacity`` slots: buckets never lend each other a slot. A policy without ``pool`` is built
   this way, and so are the route shares.
-- ``set_pool(name, limit, ...)`` and ``set_bucket(name, pool=name, ...)`` put several buckets
-  in one pool, each with a ``priority`` (lower = more urgent), a guaranteed ``min_share`` and a
-  largest ``max_share`` of the pool's limit, an optional absolute ``cap``, and a queue
-  ``order``.
+- ``set_pool(name, limit, ...)`` and ``set_bucket(name, rule, now)`` put several buckets in
+  one pool, each by its ``state.BucketRule``: its policy's ``priority`` (lower = more urgent),
+  guaranteed ``min_share``, queue ``order`` and tenants, and a largest ``max_share`` of the
+  pool's limit with an optional absolute ``cap``.
 
 A request asks with ``enqueue(entry, now)`` (an ``Entry``: what it brings); the answer is one of
 
@@ -88,12 +88,11 @@ from __future__ import annotations
 
 import itertools
 
-from extproc.config.policy import Order, TenantPolicy
 from extproc.pool.core.deadlines import Deadlines
 from extproc.pool.core.demand import cut_band
-from extproc.pool.core.order import QUEUE_ORDERS, BucketChoice
-from extproc.pool.core.relegate import Relegation, longest_wait, relegate
-from extproc.pool.core.state import BucketState, PoolState, ewma
+from extproc.pool.core.order import BucketChoice
+from extproc.pool.core.relegate import longest_wait, relegate
+from extproc.pool.core.state import BucketRule, BucketState, PoolState, ewma
 from extproc.pool.core.tenants import TenantSeen
 from extproc.pool.core.values import (
     BucketStats,
@@ -256,13 +255,14 @@ class Admission:
         if capacity < 1 or max_queue < 0:
             raise ValueError(f"bucket {bucket!r}: capacity must be >= 1 and max_queue >= 0")
         b = self._buckets.get(bucket)
+        rule = BucketRule.own(bucket, capacity, max_queue)
         if b is None:
-            b = self._buckets[bucket] = BucketState(bucket, PoolState(bucket, capacity), max_queue)
+            b = self._buckets[bucket] = BucketState(bucket, PoolState(bucket, capacity), rule)
             b.pool.buckets.append(b)
             return []
         admitted = self._move(b, None, now) if b.shared else []
         b.pool.set_limit(capacity, None)
-        b.configure(max_queue=max_queue)
+        b.configure(rule)
         return admitted + self._fill(b.pool, now)
 
     def set_pool(
@@ -313,45 +313,23 @@ class Admission:
         setattr(pool, "band_cut" if band else "cut", min(1.0, max(0.0, factor)))
         return self._fill(pool, now)
 
-    def set_bucket(
-        self,
-        bucket: str,
-        now: float,
-        *,
-        pool: str,
-        max_queue: int,
-        priority: int = 0,
-        min_share: float = 0.0,
-        max_share: float = 1.0,
-        cap: int | None = None,
-        order: Order = Order.FIFO,
-        tenant: TenantPolicy | None = None,
-        relegate_to: Relegation | None = None,
-    ) -> list[Ticket]:
-        """Create a bucket in a shared pool (``set_pool`` first), or change it; a bucket that
-        had slots of its own, or another pool, moves with its running and waiting requests.
-        ``relegate_to``: where its waiters go at their deadline (``extproc.pool.core.relegate``)."""
-        if max_queue < 0 or not 0 <= min_share <= max_share <= 1 or max_share <= 0:
+    def set_bucket(self, pool: str, rule: BucketRule, now: float) -> list[Ticket]:
+        """Create the bucket ``rule.policy.name`` in the shared pool ``pool`` (``set_pool``
+        first), or change it; a bucket that had slots of its own, or another pool, moves with
+        its running and waiting requests."""
+        bucket, p = rule.policy.name, rule.policy
+        if p.max_queue < 0 or not 0 <= p.min_share <= rule.max_share <= 1 or rule.max_share <= 0:
             raise ValueError(f"bucket {bucket!r}: bad max_queue or shares")
         target = self._pools[pool]
         b = self._buckets.get(bucket)
         admitted: list[Ticket] = []
         if b is None:
-            b = self._buckets[bucket] = BucketState(bucket, target, max_queue)
+            b = self._buckets[bucket] = BucketState(bucket, target, rule)
             b.shared = True
             target.buckets.append(b)
         elif b.pool is not target:
             admitted = self._move(b, target, now)
-        b.configure(
-            max_queue=max_queue,
-            priority=priority,
-            min_share=min_share,
-            max_share=max_share,
-            cap=cap or None,
-            order=QUEUE_ORDERS[order],
-            tenant=tenant,
-            relegate=relegate_to,
-        )
+        b.configure(rule)
         target.buckets.sort(key=lambda x: x.priority)
         return admitted + self._fill(target, now)
 

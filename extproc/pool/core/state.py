@@ -11,12 +11,18 @@ buckets' running tickets.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Final
 
-from extproc.config.policy import TenantPolicy
+from extproc.config.policy import BucketPolicy
 from extproc.pool.core.fair import FairOrder
-from extproc.pool.core.order import BucketChoice, FifoOrder, GuaranteeBandHead, QueueOrder
+from extproc.pool.core.order import (
+    QUEUE_ORDERS,
+    BucketChoice,
+    FifoOrder,
+    GuaranteeBandHead,
+    QueueOrder,
+)
 from extproc.pool.core.relegate import Relegation
 from extproc.pool.core.tenants import TenantBounds, TenantCounts
 from extproc.pool.core.values import BucketStats, PoolStats, Ticket, Verdict, slots
@@ -25,6 +31,7 @@ __all__ = [
     "HOLD_EWMA_ALPHA",
     "RATE_MIN_RELEASES",
     "WAIT_SAMPLES",
+    "BucketRule",
     "BucketState",
     "PoolState",
     "ewma",
@@ -40,6 +47,29 @@ RATE_MIN_RELEASES: Final = 8
 WAIT_SAMPLES: Final = 512
 
 _CHOICE: Final = GuaranteeBandHead()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BucketRule:
+    """A bucket as the core applies it: its policy (band, guaranteed share, queue bound and
+    order, tenants), with what the shell decides on top of it: its largest share and cap (a
+    shared pool's owner turns the share of the whole pool into a cap on this replica's
+    slots) and where its waiters go at their deadline. A new per-bucket setting is a
+    ``BucketPolicy`` field, read through ``policy`` where it is used: nothing between the
+    policy and that use names it."""
+
+    policy: BucketPolicy
+    max_share: float
+    cap: int | None = None
+    relegate: Relegation | None = None
+
+    @classmethod
+    def own(cls, name: str, capacity: int, max_queue: int) -> BucketRule:
+        """A bucket with ``capacity`` slots of its own (no pool): one band, no shares, FIFO."""
+        policy = BucketPolicy(
+            name=name, max_concurrency=capacity, queue_timeout_s=0.0, max_queue=max_queue
+        )
+        return cls(policy=policy, max_share=policy.max_share)
 
 
 def ewma(mean: float | None, value: float) -> float:
@@ -120,22 +150,17 @@ class PoolState:
 class BucketState:
     __slots__ = (
         "admitted_total",
-        "cap",
         "client_expired_total",
         "evicted_total",
         "fair",
-        "max_queue",
-        "max_share",
         "mean_hold_s",
-        "min_share",
         "name",
         "order",
         "pool",
-        "priority",
         "queued_bytes",
         "refused_total",
-        "relegate",
         "relegated_total",
+        "rule",
         "running",
         "shared",
         "tenants",
@@ -144,19 +169,13 @@ class BucketState:
         "waits",
     )
 
-    def __init__(self, name: str, pool: PoolState, max_queue: int) -> None:
+    def __init__(self, name: str, pool: PoolState, rule: BucketRule) -> None:
         self.name = name
         self.pool = pool
         self.shared = False  # in a named pool (else the pool is the bucket's own)
-        self.max_queue = max_queue
-        self.priority = 0
-        self.min_share = 0.0
-        self.max_share = 1.0
-        self.cap: int | None = None
         self.order: QueueOrder = FifoOrder()
         self.fair: FairOrder | None = None  # the order, when it is fair between tenants
         self.tenants: TenantCounts | None = None  # with a tenant policy only
-        self.relegate: Relegation | None = None  # where its waiters go at their deadline
         self.waiting: dict[int, Ticket] = {}  # queued in ``order``
         # ticket id -> (ticket, admitted_at)
         self.running: dict[int, tuple[Ticket, float]] = {}
@@ -169,6 +188,22 @@ class BucketState:
         self.client_expired_total = 0
         self.relegated_total = 0
         self.waits: deque[float] = deque(maxlen=WAIT_SAMPLES)
+        self.rule = rule
+        self.configure(rule)
+
+    # What the order, the choice and relegation read (``Contender``, ``Relegating``).
+    @property
+    def priority(self) -> int:
+        return self.rule.policy.priority
+
+    @property
+    def max_queue(self) -> int:
+        return self.rule.policy.max_queue
+
+    @property
+    def relegate(self) -> Relegation | None:
+        """Where its waiters go at their deadline (None: evicted there)."""
+        return self.rule.relegate
 
     @property
     def in_flight(self) -> int:
@@ -178,25 +213,13 @@ class BucketState:
     def queued(self) -> int:
         return len(self.waiting)
 
-    def configure(
-        self,
-        *,
-        max_queue: int,
-        priority: int = 0,
-        min_share: float = 0.0,
-        max_share: float = 1.0,
-        cap: int | None = None,
-        order: Callable[[], QueueOrder] = FifoOrder,
-        tenant: TenantPolicy | None = None,
-        relegate: Relegation | None = None,
-    ) -> None:
-        """Its settings (the defaults: a bucket with slots of its own). An order of the same
-        class keeps its state (the cost order's running mean, the fair order's tags), and the
-        tenants' counts stay while the bucket has a tenant policy."""
-        self.max_queue, self.priority, self.cap = max_queue, priority, cap
-        self.relegate = relegate
-        self.min_share, self.max_share = min_share, max_share
-        fresh = order()
+    def configure(self, rule: BucketRule) -> None:
+        """Apply ``rule``. An order of the same class keeps its state (the cost order's running
+        mean, the fair order's tags), and the tenants' counts stay while the bucket has a
+        tenant policy."""
+        self.rule = rule
+        tenant = rule.policy.tenant
+        fresh = QUEUE_ORDERS[rule.policy.order]()
         if new_order := type(fresh) is not type(self.order):
             self.order = fresh
         self.fair = self.order if isinstance(self.order, FairOrder) else None
@@ -355,12 +378,13 @@ class BucketState:
         self.order.compact(self.waiting)
 
     def min_slots(self, limit: int) -> int:
-        return slots(self.min_share, limit)
+        return slots(self.rule.policy.min_share, limit)
 
     def max_slots(self, limit: int, cut_band: int | None) -> int:
-        top = max(1, slots(self.max_share, limit))
-        if self.cap is not None:
-            top = min(top, self.cap)
+        rule = self.rule
+        top = max(1, slots(rule.max_share, limit))
+        if rule.cap is not None:
+            top = min(top, rule.cap)
         cut = self.pool.factor
         if cut < 1.0 and self.priority == cut_band:
             top = min(top, max(self.min_slots(limit), slots(cut, top)))
