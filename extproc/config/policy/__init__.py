@@ -6,15 +6,15 @@ and every error names the file, the key path and the reason (``policy.yaml:
 buckets[1].queue_timeout: bad duration '5x' ...``). Route metadata from Envoy is read into the
 ``RouteOverride`` message the same way.
 
-Three modules, data flowing one way:
+Three steps, data flowing one way:
 
 - ``model``: the resolved policy, frozen dataclasses with each default written once, in their
   fields or a latency objective's row (``extproc.objectives``; the embedded
   ``default_policy.yaml`` states only its pool, buckets and trusted headers). The request path
   reads only the resolved ``Policy``; it never touches protobuf.
-- ``resolve``: the message -> the model, one function per section, every default filled in
-  from the model and every cross-field rule checked (bucket names unique, a catch-all bucket
-  last, ...).
+- ``resolve``: the message -> the model, one function per section (the larger sections in
+  modules of their own: ``buckets``, ``tenant``, ``pool``), every default filled in from the
+  model and every cross-field rule checked (bucket names unique, a catch-all bucket last, ...).
 - ``dump``: the model -> the file's shape again (``Policy.to_dict``, what ``llm-extproc
   check`` prints), derived from the dataclass fields and a small map of the keys that differ.
 
