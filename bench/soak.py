@@ -2,20 +2,18 @@
 
 ``python -m bench.soak --minutes 60`` (``make soak``; CI runs ``--minutes 5``).
 
-Stack: the echo backend (testing/backend.py: every request takes a fixed ``--backend-ms``), the
-sidecar with SOAK_POLICY (one pool: 12 slots, 4,000 tokens, two bands), the real Envoy.
-Capacity is therefore known: slots / service time. Clients arrive open-loop (Poisson) at
-``--load`` times that capacity, half interactive, half batch, a share streamed, and
-``--abort-share`` of them give up at a random moment (:func:`bench.load.presets.soak_arrivals`,
-sent by :mod:`bench.load.client`). Every ``--every`` seconds it samples the sidecar's RSS (from
-/proc), the in-flight and queued gauges, and the latency of the requests sent in the window.
+The echo backend (testing/backend.py: every request takes ``--backend-ms``), the sidecar with
+SOAK_POLICY (one pool: 12 slots, 4,000 tokens, two bands) and the real Envoy, so capacity is
+known: slots / service time. Poisson arrivals at ``--load`` times it, half interactive, half
+batch, a share streamed, ``--abort-share`` of them giving up at a random moment
+(:func:`bench.load.presets.soak_arrivals`). Every ``--every`` seconds it samples the sidecar's
+RSS, the in-flight and queued gauges, and the latency of the window's requests.
 
 It fails (exit 1) when, after the load stops, anything is still in flight or queued (bucket
-gauges, and the pool's slots and tokens); when the
-outcome counters do not add up to the requests the sidecar saw; when RSS grew by more than
-``--max-rss-growth-mb`` between the first and last sample; or when the p50 latency of admitted
-requests drifted: the median of the window p50s in the last third of the run above twice that
-of the first third (single windows are noisy on a shared 2-core machine).
+gauges, the pool's slots and tokens); when the outcome counters do not add up to the requests
+the sidecar saw; when RSS grew by more than ``--max-rss-growth-mb`` from the first sample to
+the last; or when admitted requests' p50 latency drifted: the median of the window p50s in the
+last third above twice that of the first third (single windows are noisy on two shared cores).
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """How fast: the latency bounds of the end-to-end and shared-pool tests, timed on the tests'
 own scenarios.
 
-The tests assert what happens (refused with 429 ``queue_full`` while the queue was full,
-evicted at its deadline and not before, the honest client served during the flood) and wait
-for events with bounded waits that are not claims about speed (``testing.wait``). How fast
-each of those things happens is measured here instead, on the same scenario, against the same
-target the test once asserted, with PASS or MISS:
-
-    python -m bench.bounds                  # every bound (about two minutes, eleven stacks)
-    python -m bench.bounds --only queue     # one group (a group's name or a bound's)
-    python -m bench.bounds --strict         # exit 1 on a MISS (the default only reports)
-
-Each row: the bound, the figure in seconds, the target, PASS / MISS (``n/a`` when the scenario
-did not produce the figure, with the reason), and the test whose scenario it times. Figures
-taken by polling the sidecar's metrics (a slot freed, a leaver dropped) include up to one scrape
-(about 10 ms). The leases group runs no stack: lease managers on ``testing.leases``' fake local
-pool and a redis-server of its own. On two shared cores a MISS can be the machine:
-rerun before believing it.
+Why, how to run it and the latest figures: docs/performance.md, "Latency bounds of the
+end-to-end scenarios (`bench.bounds`)". Each row: the bound, the figure in seconds, the target,
+PASS / MISS (``n/a`` with the reason when the scenario did not produce the figure), and the
+test whose scenario it times. The leases group runs no stack: lease managers on
+``testing.leases``' fake local pool and a redis-server of its own.
 """
 
 from __future__ import annotations

@@ -13,12 +13,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["fmt", "format_table"]
+__all__ = ["fmt", "fmt_spread", "format_table"]
 
 
 def fmt(value: float | None, digits: int = 2, none: str = "-") -> str:
     """A number with ``digits`` decimals, or ``none`` for a missing one."""
     return none if value is None or value != value else f"{value:.{digits}f}"
+
+
+def fmt_spread(values: Sequence[float | None], digits: int = 2) -> str:
+    """Several seeds' figure: the mean of those there and, after ``+-``, half their spread
+    (max - min) when there are several; ``-`` when there is none."""
+    nums = [v for v in values if v is not None]
+    if not nums:
+        return "-"
+    mean = fmt(sum(nums) / len(nums), digits)
+    return mean if len(nums) == 1 else f"{mean}+-{(max(nums) - min(nums)) / 2:.{digits}f}"
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], gap: int = 2) -> str:

@@ -14,7 +14,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Final
 
-from bench.load.presets import MIXES
 from bench.load.summary import LoadResult, RequestRecord
 from bench.sim.profiles import PROFILES
 
@@ -34,12 +33,10 @@ from .options import (
     ScenarioName,
     Strategy,
 )
-from .plots import plot
 from .report import (
     check_targets,
     format_admission,
     format_engine,
-    format_replicas,
     format_runs,
     format_scenarios,
     format_targets,
@@ -66,10 +63,9 @@ def _record_dict(r: RequestRecord) -> dict[str, Any]:
     }
 
 
-def compare(opts: Options, *, plots: bool = True, command: str | None = None) -> dict[str, Any]:
-    """Run every strategy on every run of every scenario; write JSON and plots; return the JSON
-    document. Process logs, Envoy configs and policies of each run stay in
-    ``<out>/logs/<run>/<strategy>``."""
+def compare(opts: Options, *, command: str | None = None) -> dict[str, Any]:
+    """Run every strategy on every run of every scenario; write JSON; return the JSON document.
+    Process logs, Envoy configs and policies of each run stay in ``<out>/logs/<run>/<strategy>``."""
     started = time.monotonic()
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     logs = opts.out_dir / "logs"
@@ -77,8 +73,8 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
         f"bench.compare: {engine_name(opts)}, "
         f"scenarios {', '.join(opts.scenarios)}, {opts.duration_s:g} s of arrivals, measured "
         f"over [{opts.warmup_s:g} s, {opts.duration_s:g} s), steady loads "
-        f"{', '.join(f'{x:g}x' for x in opts.loads)}, {opts.mix} mix, {opts.arrivals} "
-        f"arrivals, {opts.interactive_share:.0%} interactive, client timeouts "
+        f"{', '.join(f'{x:g}x' for x in opts.loads)}, Poisson arrivals, "
+        f"{opts.interactive_share:.0%} interactive, client timeouts "
         f"{opts.interactive_timeout_s:g}/{opts.batch_timeout_s:g} s, {opts.max_retries} retries; "
         f"strategies {', '.join(opts.strategies)}",
         flush=True,
@@ -150,16 +146,10 @@ def compare(opts: Options, *, plots: bool = True, command: str | None = None) ->
         + "\n"
     )
     written = [opts.out_dir / n for n in ("compare.json", "records.json", "timelines.json")]
-    if plots:
-        written += plot(rows, results, timelines, cap, opts, opts.out_dir)
     print()
     print(format_runs(rows))
     print()
     print(format_admission(rows))
-    replicas = format_replicas(rows, cap, opts)
-    if replicas:
-        print()
-        print(replicas)
     scenarios = format_scenarios(rows)
     if scenarios:
         print()
@@ -255,7 +245,7 @@ VLLM_CPU_DEFAULTS: Final = {
 QUICK_FACTOR = 0.5
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
+def parse_args(argv: Sequence[str] | None = None) -> Options:
     d = Options()
     p = argparse.ArgumentParser(
         prog="python -m bench.compare",
@@ -287,9 +277,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         help="halve every length (duration, warm-up, spike), skip the live check, smaller model",
     )
     p.add_argument(
-        "--mix", choices=MIXES, default=d.mix, help="request lengths (long: ~2.5k-token prompts)"
-    )
-    p.add_argument(
         "--duration",
         dest="duration_s",
         type=float,
@@ -307,20 +294,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
     p.add_argument(
         "--loads", type=_loads, default=d.loads, help="steady: e.g. 0.5,1,2,4 (x capacity)"
     )
-    p.add_argument("--base-load", type=float, default=d.base_load, help="halve, spike, shift's end")
-    p.add_argument(
-        "--flood-load", type=float, default=d.flood_load, help="shift, of each class's own capacity"
-    )
-    p.add_argument("--spike-load", type=float, default=d.spike_load)
-    p.add_argument("--spike-s", type=float, default=None, help=f"default {d.spike_s:g}")
-    p.add_argument("--slow-factor", type=float, default=d.slow_factor, help="halve: speed after")
     p.add_argument(
         "--heavy-load", type=float, default=d.heavy_load, help="noisy: the heavy tenant's load"
     )
     p.add_argument(
         "--light-load", type=float, default=d.light_load, help="noisy: each light tenant's load"
     )
-    p.add_argument("--light-tenants", type=int, default=d.light_tenants, help="noisy")
     p.add_argument(
         "--noisy-seeds",
         type=_seeds,
@@ -333,19 +312,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         dest="pool_fail_fast",
         action="store_false",
         help="sidecar, sidecar-fair: pool.fail_fast off (no refusal on a predicted wait)",
-    )
-    p.add_argument(
-        "--sample-every",
-        dest="sample_every_s",
-        type=float,
-        default=d.sample_every_s,
-        help="simulated s",
-    )
-    p.add_argument(
-        "--gateway-short-prompt", type=int, default=None, help="default: the mix's median"
-    )
-    p.add_argument(
-        "--gateway-short-output", type=int, default=None, help="default: the mix's median"
     )
     p.add_argument(
         "--strategies",
@@ -364,8 +330,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         help=f"gateways of the replicas-* strategies (default {d.replicas})",
     )
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--arrivals", choices=("poisson", "trace"), default=d.arrivals)
-    p.add_argument("--interactive-share", type=float, default=d.interactive_share)
     p.add_argument(
         "--interactive-timeout",
         dest="interactive_timeout_s",
@@ -427,25 +391,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         default=d.queue_time_ms,
         help="the queue_time objective in simulated ms (default 500: a bound of vLLM's buckets)",
     )
-    p.add_argument(
-        "--batch-queue-frac",
-        dest="batch_queue_timeout_frac",
-        type=float,
-        default=d.batch_queue_timeout_frac,
-        help="batch queue deadline as a fraction of the batch client timeout",
-    )
-    p.add_argument(
-        "--queue-bound",
-        choices=("deadline", "drain"),
-        default=d.queue_bound,
-        help="sidecar max_queue: large (the deadline decides) or what drains within the deadline",
-    )
-    p.add_argument(
-        "--cb-pending-s",
-        type=float,
-        default=d.cb_pending_s,
-        help="envoy-cb max_pending_requests = this many seconds of throughput at C",
-    )
     p.add_argument("--concurrency", type=int, default=None, help="override the derived C")
     p.add_argument("--model-requests", type=int, default=None, help=f"default {d.model_requests}")
     p.add_argument(
@@ -454,10 +399,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         default=None,
         help=f"live saturation check length, simulated s (0: skip; default {d.live_capacity_s:g})",
     )
-    p.add_argument("--max-lag-s", type=float, default=d.max_lag_s)
     p.add_argument("--traces-dir", default=None)
     p.add_argument("--out", dest="out_dir", type=Path, default=d.out_dir)
-    p.add_argument("--no-plots", action="store_true")
     if p.parse_known_args(argv)[0].backend == "vllm-cpu":
         p.set_defaults(**VLLM_CPU_DEFAULTS)
     a = p.parse_args(argv)
@@ -466,8 +409,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         a.duration_s = d.duration_s * q
     if a.warmup_s is None:
         a.warmup_s = (a.max_retries + 1) * a.interactive_timeout_s * q
-    if a.spike_s is None:
-        a.spike_s = d.spike_s * q
+    a.spike_s = d.spike_s * q
     if a.live_capacity_s is None:
         a.live_capacity_s = 0.0 if a.quick else d.live_capacity_s
     if a.model_requests is None:
@@ -478,16 +420,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Options, bool]:
         p.error("need --replicas >= 1")
     if a.strategies is None:
         a.strategies = NOISY_STRATEGIES if a.scenarios == ("noisy",) else d.strategies
-    if a.light_tenants < 1:
-        p.error("need --light-tenants >= 1")
     # Every option's dest is the name of its Options field.
     opts = Options(**{f.name: getattr(a, f.name) for f in fields(Options) if hasattr(a, f.name)})
     vllm_ok = {"steady"} >= set(opts.scenarios) and opts.speedup == 1.0
     if opts.backend == "vllm-cpu" and not (vllm_ok and set(VLLM_STRATEGIES) >= set(a.strategies)):
         p.error(f"--backend vllm-cpu: steady runs, speedup 1, strategies {VLLM_STRATEGIES}")
-    if opts.mix == "long" and opts.arrivals != "poisson":
-        p.error("--mix long needs Poisson arrivals")
-    return opts, not a.no_plots
+    return opts
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -495,13 +433,13 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    opts, plots = parse_args(argv)
+    opts = parse_args(argv)
     args = list(sys.argv[1:] if argv is None else argv)
     command = " ".join(["python -m bench.compare", *args])
     # SIGTERM unwinds like Ctrl-C, so every Stack's __exit__ stops its processes.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        compare(opts, plots=plots, command=command)
+        compare(opts, command=command)
     except KeyboardInterrupt:
         print("\ninterrupted; all processes stopped.", file=sys.stderr)
         return 130

@@ -1,39 +1,26 @@
 """``python -m bench.compare.attain OUT...``: the load each strategy sustains with both classes
 served (issue 20's DistServe figure), read from finished comparisons' output files.
 
-Reads what ``python -m bench.compare --out OUT`` wrote (``compare.json``, ``records.json``) and,
-for every strategy of its ``steady`` runs, at every offered load (a multiple of the measured
-capacity), computes two shares over the run's measurement window:
+The figure, its target and the latest results are in docs/benchmarks.md, "The load each
+strategy sustains with both classes served". The counting rules it leaves to this module:
 
-* **interactive**: of the interactive requests, counted once per original request (its first
-  attempt, whatever its retries did), the share whose first token arrived within
-  :data:`~bench.compare.slo.SLO_TTFT_S` (2 s) of that first attempt's send time, the arrival
-  the client scheduled. A request refused and never served is a failure; so is one whose
-  client gave up (the records keep a first token only for complete answers, so an answer
-  abandoned after an early first token is a failure too).
-* **batch**: of the batch requests, counted the same way, the share that completed (a good
-  answer: a complete 200) within the batch client's deadline: its timeout, 300 simulated s
-  from the original arrival, retries included (``Options.batch_timeout_s``, ``--batch-timeout``;
-  each attempt also gives up at that timeout, ``bench.load.runner``).
-
-A request counts in the window if its final outcome (last byte, last refusal, giving up) falls
-inside it, as every other figure of ``bench.compare`` does (``slo.Window``). A run stops
-its clients one simulated second after the last arrival, so requests still open then (a queue
-that grows) end outside the window and are not counted: the ``open`` column counts them
-(those that arrived in the window), so that a share resting on survivors shows.
-
-The **figure** is the highest load at which both shares are >= 90 %. Loads are scanned
-upwards: at the first load where a share falls below 90 %, the figure is interpolated linearly
-between it and the load below, where the share falls to 90 % (the lower of the two classes'
-crossings when both fall); a load above that passes again does not raise it. Not bracketed,
-it reads ``< L`` (the lowest load already fails) or ``>= L`` (the highest still passes).
-
-Then the **target**: the sidecar's figure >= 1.5x every other strategy's. A bound that leaves
-the ratio undecided reads ``?`` (measure further loads). OUT directories of the same seed
-(``compare.json``'s options) add their loads to one curve (a load measured twice keeps the
-later directory's). Several seeds: the shares are averaged per load that every seed measured
-(``+-`` half their spread, max - min), the figure is read from the mean shares, and each
-seed's own figure is printed beside it.
+* Each request counts once, as its original request, in the window where its final outcome
+  falls (``slo.Window``). Interactive meets its goal with a first token within
+  :data:`~bench.compare.slo.SLO_TTFT_S` of its first attempt's scheduled send. Refused,
+  given up and abandoned answers fail: the records keep a first token only for complete
+  answers. Batch meets its goal with a good answer within its client timeout
+  (``--batch-timeout``) from the original arrival.
+* A run stops its clients one simulated second after the last arrival. Requests still open
+  then end outside the window and are not counted. The ``open`` column counts those that
+  arrived in the window, so a share that rests on survivors shows.
+* Loads are scanned upwards, and the first load that fails decides (the lower crossing when
+  both classes fail there). A higher load that passes again does not raise the figure. When
+  the crossing is not bracketed, the figure reads ``< L`` or ``>= L``, and a ratio that such a
+  bound leaves undecided reads ``?``.
+* OUT directories of one seed (``compare.json``'s options) make one curve; a load measured
+  twice keeps the later directory's. With several seeds the shares are averaged over the loads
+  every seed measured (``+-`` half the spread), the figure is read from the mean shares, and
+  each seed's own figure is printed beside it.
 """
 
 from __future__ import annotations
@@ -46,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from bench.common.table import fmt, format_table
+from bench.common.table import fmt_spread, format_table
 
 from .options import CLASSES
 from .slo import SLO_TTFT_S
@@ -162,11 +149,7 @@ def _mean(values: Sequence[float | None]) -> float | None:
 
 
 def _pct(values: Sequence[float | None]) -> str:
-    nums = [100 * v for v in values if v is not None]
-    if not nums:
-        return "-"
-    mean = sum(nums) / len(nums)
-    return fmt(mean, 1) if len(nums) == 1 else f"{mean:.1f}+-{(max(nums) - min(nums)) / 2:.1f}"
+    return fmt_spread([100 * v for v in values if v is not None], 1)
 
 
 def report(seeds: Sequence[Curves], sidecar: str = "sidecar") -> str:

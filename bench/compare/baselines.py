@@ -1,33 +1,14 @@
 """The peers the sidecar is measured against, each defined here once: what it is, what it runs
 with, and how ``compare.json`` shows its configuration (their names, in report order:
-``options.BASELINES``). The sidecar's own strategies are in :mod:`.strategies`; :mod:`.deploy`
-starts either.
+``options.BASELINES``). What each peer is: docs/benchmarks.md, "The strategies". The sidecar's
+own strategies are in :mod:`.strategies`; :mod:`.deploy` starts either.
 
-``direct``
-    The clients talk to the simulator. Its own FCFS waiting queue is the only admission
-    control (vLLM has no other): under overload the queue grows until clients give up.
-``envoy-cb-default``
-    Envoy without ext_proc, backend circuit breakers at the engine's ``max_num_seqs`` (what an
-    operator sets without a model, :func:`envoy_default_breakers`), the same pending queue as
-    ``envoy-cb``.
-``envoy-cb``
-    Envoy without ext_proc, circuit breakers set from the capacity model
-    (:func:`envoy_breakers`): ``max_connections = max_requests = C`` (HTTP/1.1 upstream: one
-    request per connection, so C requests run at once) and ``max_pending_requests = P``, a
-    modest FIFO in Envoy; beyond it Envoy answers 503 (``x-envoy-overloaded``).
-``envoy-adaptive``
-    Envoy without ext_proc, with its adaptive_concurrency filter (gradient controller, the
-    example values of Envoy's docs, :func:`adaptive_concurrency`) just before the router.
-``priority-gateway``
-    :mod:`bench.gateway`: a small aiohttp gateway of ours, one pool of C workers, short
-    requests first (:func:`gateway_thresholds`), queue timeouts checked at dequeue
-    (:func:`gateway_argv`). Clients talk to it directly (no Envoy): it proxies itself, and an
-    Envoy in front would add a hop and CPU on a two-core host without changing a single
-    admission decision.
-
-``bench.overhead`` has two yardsticks of its own, for the cost of a request rather than for
-admission: the ``floor`` (Envoy with ext_proc disabled on the route) and ``naive``
-(:mod:`bench.overhead.naive`, a bare grpc.aio ext_proc server); see ``bench/overhead/ways.py``.
+What the table there leaves out: the Envoy peers run no ext_proc. The two breaker peers'
+upstream is HTTP/1.1, one request per connection, so ``max_requests`` requests run at once;
+past the pending queue Envoy answers 503 (``x-envoy-overloaded``). The adaptive_concurrency
+filter sits just before the router. ``priority-gateway``'s clients talk to it directly: it
+proxies itself, and an Envoy in front would add a hop and CPU on a two-core host without
+changing a single admission decision.
 """
 
 from __future__ import annotations
@@ -58,7 +39,8 @@ ADAPTIVE_CONCURRENCY_TYPE: Final = (
 
 def envoy_breakers(cap: Capacity, opts: Options) -> dict[str, int]:
     """Backend-cluster circuit breakers for ``envoy-cb``: C at once, a pending queue of about
-    ``--cb-pending-s`` seconds of backend throughput at C (like the sidecar's interactive queue)."""
+    ``Options.cb_pending_s`` (2) seconds of backend throughput at C (like the sidecar's
+    interactive queue)."""
     pending = max(1, round(cap.at_concurrency.throughput_rps * opts.cb_pending_s))
     return {
         "max_connections": cap.concurrency,
@@ -80,21 +62,16 @@ def envoy_default_breakers(cap: Capacity, opts: Options) -> dict[str, int]:
 
 
 def adaptive_concurrency(speedup: float) -> dict[str, Any]:
-    """Envoy's adaptive_concurrency filter with the gradient controller, with the values of the
-    example configuration in Envoy's docs (docs/root/configuration/http/http_filters/
-    adaptive_concurrency_filter.rst, "Example Configuration", envoyproxy/envoy main): p90 of the
-    samples, the limit updated every 100 ms and never below 25 (``min_concurrency_limit``, which
-    Envoy 1.40 has: with it set, the minRTT is measured from live traffic instead of pinning
-    the limit to ``min_concurrency``), the minRTT recalculated every 60 s with 10 % jitter over
-    50 requests; every other field at its default (buffer 25 %, max_concurrency_limit 1000,
-    503 when blocked). Older docs show the same example without the two ``min_*`` fields;
-    without them each minRTT measurement pins the limit to 3 until 50 requests have completed,
-    which takes minutes with LLM streams.
+    """Envoy's adaptive_concurrency filter (gradient controller) with the values of the example
+    configuration in Envoy's docs (adaptive_concurrency_filter.rst, "Example Configuration",
+    envoyproxy/envoy main); every other field at its default (buffer 25 %,
+    max_concurrency_limit 1000, 503 when blocked). Older docs show the example without the two
+    ``min_*`` fields, which Envoy 1.40 has: without them each minRTT measurement pins the limit
+    to 3 until 50 requests have completed, which takes minutes with LLM streams.
 
-    Its two intervals are wall-clock and tuned for a real backend: they are divided by the
-    speedup, so the controller acts as often per *simulated* second as it would at speedup 1
-    (as the sidecar's timers are). Its latency samples are whole requests (it samples when the
-    response ends, so a stream counts until its last token)."""
+    The two intervals are wall-clock, so they are divided by the speedup, as the sidecar's
+    timers are. A request is sampled when its response ends: a stream counts until its last
+    token."""
     return {
         "name": ADAPTIVE_CONCURRENCY_FILTER,
         "typed_config": {
@@ -118,15 +95,12 @@ def adaptive_concurrency(speedup: float) -> dict[str, Any]:
 
 
 def gateway_thresholds(opts: Options) -> tuple[int, int]:
-    """priority-gateway's "short" thresholds (prompt, max_tokens): the options', else the
-    medians of the workload's mix, so that about the cheaper half of each dimension goes
-    first."""
-    if opts.gateway_short_prompt is not None and opts.gateway_short_output is not None:
-        return opts.gateway_short_prompt, opts.gateway_short_output
+    """priority-gateway's "short" thresholds (prompt, max_tokens): the medians of the
+    workload's mix, so that about the cheaper half of each dimension goes first."""
     mix = workload_mix(opts)
     prompt = round(percentile([r.prompt_tokens for r in mix], 50) or 0)
     output = round(percentile([r.output_tokens for r in mix], 50) or 0)
-    return opts.gateway_short_prompt or prompt, opts.gateway_short_output or output
+    return prompt, output
 
 
 def gateway_argv(cap: Capacity, opts: Options, port: int, upstreams: list[str]) -> list[str]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common.stats import percentile
+from bench.common.table import fmt_spread, format_table
 
 __all__ = ["main", "rows_of"]
 
@@ -84,13 +85,7 @@ def rows_of(out: Path) -> dict[tuple[str, str], dict[str, Any]]:
 def _cell(values: Sequence[Any], digits: int | None) -> str:
     if digits is None:  # text: each seed's, joined
         return " ".join(str(v) for v in values)
-    nums = [v for v in values if v is not None]
-    if not nums:
-        return "-"
-    mean = sum(nums) / len(nums)
-    if len(nums) == 1:
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f}+-{(max(nums) - min(nums)) / 2:.{digits}f}"
+    return fmt_spread(values, digits)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -101,13 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = [rows_of(o) for o in outs]
     keys = [k for k in seeds[0] if all(k in s for s in seeds)]
     header = ["run", "strategy", *(c[0] for c in COLUMNS)]
-    table = [header]
-    table.extend(
-        [*key, *(_cell([s[key][f] for s in seeds], d) for _, f, d in COLUMNS)] for key in keys
-    )
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for row in table:
-        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
+    rows = [[*key, *(_cell([s[key][f] for s in seeds], d) for _, f, d in COLUMNS)] for key in keys]
+    print(format_table(header, rows))
     return 0
 
 

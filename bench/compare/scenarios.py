@@ -1,31 +1,13 @@
 """What each scenario offers, pure: per class a piecewise-constant arrival rate, the backend's
 speed changes, and the instants its figures are measured from.
 
-Times are simulated seconds from the start of the arrivals, as fractions of the run's length
-``D`` (``--duration``, 200 s by default), so a short test run keeps the scenario's shape. Rates
-are multiples of the capacity the model computes (:mod:`.capacity`): ``1x`` is the mixed
-workload's saturation throughput, split by the interactive share.
-
-``steady``
-    One run per ``--loads`` entry: both classes at a constant rate (as before scenarios).
-``shift``
-    ``[0, 0.45 D)``: interactive quiet, batch floods at ``--flood-load`` (2x) *batch's own*
-    capacity; ``[0.45 D, 0.65 D)``: batch stops, an interactive burst at 2x interactive's own
-    capacity arrives while batch's backlog is still queued; ``[0.65 D, D)``: both at the base
-    load. Measured: the share of the capacity interactive leaves idle that batch uses (the
-    tokens of its answers per second over ``[0.15 D, 0.45 D)`` against batch's saturation
-    tokens per second; the first 0.15 D fill the queues) and the time from the burst until
-    interactive p99 TTFT is back under 2 s.
-``halve``
-    Both classes at ``--base-load`` (1x) throughout; at ``0.4 D`` the backend's speed drops to
-    ``--slow-factor`` (0.5) of its own and stays there (``POST /sim/speed`` on every replica
-    at that instant of the load's clock, so every strategy meets the change at the same point
-    of the identical schedule). Measured from the change: when the pool limit settles, when
-    interactive p99 TTFT is back under 2 s.
-``spike``
-    ``--base-load``, then ``--spike-load`` (4x) for ``--spike-s`` (30 s, at most 0.15 D) from
-    ``0.4 D``, then the base load again. Measured: the time from the spike's end until
-    interactive p99 TTFT is back under 2 s.
+The scenarios and what is measured in each, at the default 200 s: docs/benchmarks.md, "Shift,
+halve and spike". Here their instants are fractions of the run's length ``D`` (``--duration``),
+so a short test run keeps each scenario's shape, and rates are multiples of the capacity the
+model computes (:mod:`.capacity`; ``1x`` split by the interactive share). Shift's idle use is
+measured over ``[0.15 D, 0.45 D)``: the first 0.15 D fill the queues. Halve's speed change
+(``POST /sim/speed``) reaches every replica at the same instant of the load's clock, so every
+strategy meets it at the same point of the identical schedule.
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
 """The sidecar's strategies, their policies built as data and validated as they are built
 (:func:`bench.common.policy.policy_yaml`: a bad key or value fails here, not when a sidecar
-starts). The peers they are compared with are in :mod:`.baselines`.
+starts). What each strategy is: docs/benchmarks.md, "The strategies" (``sidecar-static``:
+:func:`sidecar_policy`; ``sidecar``: :func:`pool_policy`), "Noisy neighbour: fairness between
+tenants" (``sidecar-fair``) and "Three replicas: shared pool against per-replica limits"
+(``replicas-shared``, ``replicas-shared-fair``: :func:`replica_pool_policy`, each replica a
+``testing.gateways.Gateways`` member). The peers they are compared with are in :mod:`.baselines`.
 
-``sidecar-static``
-    Envoy + llm-extproc with the per-bucket policy (:func:`sidecar_policy`): ``interactive``
-    (header ``x-llm-class: interactive``) and a catch-all ``batch`` whose slots add up to C.
-``sidecar``
-    Envoy + llm-extproc with one shared pool whose limit the sidecar derives from the
-    simulators' own metrics against latency objectives (:func:`pool_policy`); the model gives
-    only the static fallback (C).
-``sidecar-fair``
-    ``sidecar`` with fairness between tenants (not in the default list; the noisy-neighbour
-    scenario's): every bucket keys its tenants on ``x-tenant-id`` (a trusted header: in front
-    of a real gateway Envoy's auth sets it; the bench's Envoy does not strip it, so the load
-    generator plays that part) and orders its queue ``fair`` instead of ``cost``. Nothing else
-    differs, so the two measure the order and nothing but it.
-``replicas-shared``
-    ``Options.replicas`` gateways (``testing.gateways.Gateways``: Envoy + sidecar each) in front
-    of one simulator (:func:`replica_pool_policy`, not in the default list): one static pool of
-    C shared through Redis, the ``sidecar`` strategy's buckets without the adaptive limit.
-``replicas-shared-fair``
-    ``replicas-shared`` with ``sidecar-fair``'s tenants and fair order in every bucket (the
-    noisy-neighbour scenario's): the shared limit crosses replicas, each replica orders only its
-    own queue.
+``sidecar-fair`` differs from ``sidecar`` only in its tenants and order, so the two measure the
+order and nothing else. Its tenant header, ``x-tenant-id``, is trusted: in front of a real
+gateway Envoy's auth sets it, and the bench's Envoy does not strip it, so the load generator
+plays that part. In ``replicas-shared-fair`` the limit is shared across the replicas, but each
+replica orders only its own queue.
 """
 
 from __future__ import annotations
@@ -72,7 +60,7 @@ def _common_policy(opts: Options) -> dict[str, Any]:
         "limits": {
             "max_prompt_tokens": opts.engine.max_model_len,
             "default_max_tokens": 256,
-            "max_output_tokens": 2048 if opts.mix == "default" else 4096,
+            "max_output_tokens": 2048,
             "on_excess": "clamp",
         },
         "retry_after": {"min": "1s", "max": "60s"},
@@ -95,27 +83,23 @@ def sidecar_policy(cap: Capacity, opts: Options) -> str:
       :func:`slot_split`; no length conditions in ``match`` (the class is the client's);
     * ``queue_timeout``: interactive ``--interactive-queue-timeout`` (default 1 s: of a 2 s
       TTFT objective, 1 s in the queue and 1 s for the backend's own TTFT, the ``sidecar``
-      pool's p90 objective; past it, 429 + Retry-After. The first runs used 1.5 s: measured,
-      1 s gave the pool 15-35 % more SLO goodput at the same good req/s, ``python -m
-      bench.compare --strategies sidecar --loads 2,4 --live-capacity-s 0`` with each deadline,
-      docs/benchmarks.md); batch
-      ``--batch-queue-frac`` x its client timeout (default 80 %: a batch request admitted at its
+      pool's p90 objective; 1.5 s measured worse, docs/benchmarks.md, "What changed since the
+      previous run"); batch
+      80 % of its client timeout (a batch request admitted at its
       deadline still has a fifth of its timeout to run, far more than its p99 service time at C);
-    * ``max_queue`` (``--queue-bound``): ``drain`` (default) bounds each queue by what its
-      slots can admit before the deadline (Little's law: slots / mean hold at C x deadline), so
-      the surplus is refused at once instead of after waiting the whole deadline; ``deadline``
-      makes it large (2000 / 5000), so the deadline, not the bound, decides who is refused
-      (the first design: measured worse, see docs/benchmarks.md);
+    * ``max_queue``: what each queue's slots can admit before the deadline (Little's law:
+      slots / mean hold at C x deadline), so the surplus is refused at once instead of after
+      waiting the whole deadline (a large bound, where the deadline decides, measured worse:
+      docs/benchmarks.md);
     * limits: prompts above the simulator's ``max_model_len`` get 413 at the door.
     """
     slots = slot_split(cap)
     qt = opts.queue_timeouts_s
-    max_queue = {"interactive": 2000, "batch": 5000}
-    if opts.queue_bound == "drain":
-        point = cap.at_concurrency
-        for name in max_queue:
-            hold_s = point.in_flight.get(name, 0.0) / max(point.class_rps.get(name, 0.0), 1e-9)
-            max_queue[name] = max(1, math.ceil(slots[name] / max(hold_s, 1e-9) * qt[name]))
+    point = cap.at_concurrency
+    max_queue = {}
+    for name in ("interactive", "batch"):
+        hold_s = point.in_flight.get(name, 0.0) / max(point.class_rps.get(name, 0.0), 1e-9)
+        max_queue[name] = max(1, math.ceil(slots[name] / max(hold_s, 1e-9) * qt[name]))
 
     def bucket(name: str) -> dict[str, Any]:
         return {
@@ -180,16 +164,10 @@ def pool_policy(
     cap: Capacity, opts: Options, metrics_urls: list[str], *, fair: bool = False
 ) -> str:
     """``sidecar``'s policy: one pool whose limit the sidecar reads from the simulators' own
-    metrics against latency objectives. Nothing here comes from the capacity model but the
-    static fallback ``max_concurrency`` (C), used only while the metrics are stale.
-    ``fair``: ``sidecar-fair``'s, the same with tenants and the fair order in every bucket
-    (:func:`_fair`), the tenant header trusted.
-
-    Time: the sidecar's timers (queue deadlines, scrape interval, windows, holds) run on the
-    wall clock and are written as simulated / speedup; the objectives are compared with the
-    simulator's histograms, which are in simulated seconds, so they are written as they are.
-    Deadlines are the same as ``sidecar-static``'s (``--interactive-queue-timeout``,
-    ``--batch-queue-frac``).
+    metrics; the capacity model gives only the fallback ``max_concurrency`` (C). ``fair``:
+    ``sidecar-fair``'s, tenants and the fair order in every bucket (:func:`_fair`), the tenant
+    header trusted. The timers are wall-clock (simulated / speedup); the objectives are not
+    scaled, since the simulator's histograms they are compared with are in simulated seconds.
     """
     s = opts.speedup
     pool = {
@@ -235,19 +213,12 @@ def _shared_lease_s(opts: Options) -> float:
 
 
 def replica_pool_policy(cap: Capacity, opts: Options, *, fair: bool = False) -> str:
-    """Every replica's policy: the ``sidecar`` strategy's pool (:func:`pool_policy`: the same
-    buckets, priorities, shares, cost order, deadlines, queue bounds and overload steps) with
-    a static ``max_concurrency`` of C, all replicas together, instead of the adaptive limit,
-    and no backend metrics (nothing reads them without it).
-
-    The pool is ``pool.shared`` through Redis (:data:`REDIS_PLACEHOLDER` in place of its URL).
-    The lease is 10 s scaled by the speedup (``lease / 3`` between renewals, as at speedup 1
-    per simulated second); the Redis call timeout is a network deadline, not scaled: 250 ms
-    (the policy's default), at most a quarter of the lease. ``fail_fast`` is off: shared mode
-    turns it off (a local release rate says nothing about the pool's).
-
-    ``fair``: tenants and the fair order in every bucket, the tenant header trusted, as
-    :func:`pool_policy`'s ``fair``.
+    """Every replica's policy: :func:`pool_policy`'s buckets and overload steps, shared through
+    Redis (:data:`REDIS_PLACEHOLDER` for its URL), with a static ``max_concurrency`` of C for
+    all replicas together instead of the adaptive limit, and no backend metrics. The lease is
+    10 s scaled by the speedup; the Redis call timeout is a network deadline, so it is not
+    scaled: 250 ms, at most a quarter of the lease. ``fail_fast`` is off, as in shared mode
+    (docs/pool.md, "Several replicas"). ``fair``: as :func:`pool_policy`'s.
     """
     lease_s = _shared_lease_s(opts)
     pool: dict[str, Any] = {

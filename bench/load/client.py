@@ -2,19 +2,17 @@
 sender that keeps to a schedule.
 
 * :func:`attempt` posts one :class:`Call` and reads its whole answer: a streamed 200 as
-  server-sent events (the first content chunk's time, one token per content chunk, or the
-  usage chunk's count; complete at ``[DONE]``), an unstreamed 200 as JSON (tokens from
-  ``usage``), anything else as an OpenAI-style error body (its ``error.code``). A client that
-  gives up (``Call.give_up_s``) leaves by closing its connection, which Envoy, the sidecar and
-  the backend see as a disconnect. Whatever the network or the server does, it returns a
-  :class:`Reply` with its outcome; it never raises for them.
-* :func:`send_all` sends arrivals at their times whatever happens to earlier ones (open loop),
-  optionally no more than ``concurrency`` at once (each then waits for a free place), stops
-  sending at ``stop_after_s``, and cuts what is still open at ``hard_cap_s``. It owns every
-  task it starts: none outlives the call.
+  server-sent events (the first content chunk's time, one token per content chunk or the usage
+  chunk's count, complete at ``[DONE]``), an unstreamed 200 as JSON (``usage``), anything else
+  as an OpenAI-style error body (its ``error.code``). A client that gives up
+  (``Call.give_up_s``) closes its connection, which Envoy, the sidecar and the backend see as a
+  disconnect. It returns a :class:`Reply` with the outcome and never raises for what the
+  network or the server does.
+* :func:`send_all` sends arrivals at their times (open loop), optionally at most
+  ``concurrency`` at once, stops sending at ``stop_after_s`` and cuts what is still open at
+  ``hard_cap_s``. No task it starts outlives the call.
 
-What to send is a preset's business (:mod:`.presets`); retries and per-request records are
-:mod:`.runner`'s.
+What to send is :mod:`.presets`'; retries and per-request records are :mod:`.runner`'s.
 """
 
 from __future__ import annotations

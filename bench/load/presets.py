@@ -1,17 +1,7 @@
-"""What each benchmark sends, as data for :mod:`.client`: one function per benchmark.
-
-============================== ===========================================================
-:func:`default_classes`        ``bench.compare`` and ``python -m bench.load``: the two-class
-                               mix (interactive chat, batch), lengths from the Azure traces
-                               or the long-prompt mix; :mod:`.runner` sends it open loop
-                               with the OpenAI SDK's retries
-:func:`demo_burst`             ``make demo``: a batch flood and three oversize prompts at
-                               once, then interactive chat at a fixed rate
-:func:`storm_arrivals`         ``bench.storm``: chat of random class, length and streaming,
-                               half the clients leaving at a random moment
-:func:`soak_arrivals`          ``bench.soak``: Poisson arrivals of the same kind of chat,
-                               each request a fixed backend time (``testing/backend.py``)
-============================== ===========================================================
+"""What each benchmark sends, as data for :mod:`.client`: one function per benchmark,
+:func:`default_classes` for ``bench.compare`` (sent by :mod:`.runner`; the mix:
+docs/benchmarks.md, "What the simulator models"), :func:`demo_burst` for ``make demo``,
+:func:`storm_arrivals` for ``bench.storm`` and :func:`soak_arrivals` for ``bench.soak``.
 
 The last three take a seed and return ``(t, Call)`` arrivals (wall seconds from the start),
 drawn from one random stream in arrival order, so a run is reproducible. The echo backend
@@ -24,68 +14,31 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
-from dataclasses import replace
-from typing import Final, Literal
+from typing import Final
 
 from .client import Call
-from .workload import ClassSpec, LogNormal
+from .workload import ClassSpec
 
-__all__ = [
-    "LONG_OUTPUT",
-    "LONG_PROMPT",
-    "MIXES",
-    "Mix",
-    "default_classes",
-    "demo_burst",
-    "soak_arrivals",
-    "storm_arrivals",
-]
+__all__ = ["default_classes", "demo_burst", "soak_arrivals", "storm_arrivals"]
 
 _INTERACTIVE: Final = {"x-llm-class": "interactive"}
 
-Mix = Literal["default", "long"]
-MIXES: Final[tuple[Mix, ...]] = ("default", "long")
-# The long-prompt mix: RAG- or agent-like requests, prompts around 2.5k tokens, answers around
-# 300 and up to 4k. The bounds keep prompt + output (4096 + 4000) under the simulator's
-# max_model_len (8192), so no request is refused for its length alone.
-LONG_PROMPT: Final = LogNormal(median=2500, sigma=0.5, lo=64, hi=4096)
-LONG_OUTPUT: Final = LogNormal(median=300, sigma=1.0, lo=1, hi=4000)
 
-
-def default_classes(
-    rate: float,
-    *,
-    interactive_share: float = 0.8,
-    arrivals: Literal["poisson", "trace"] = "poisson",
-    mix: Mix = "default",
-) -> tuple[ClassSpec, ...]:
+def default_classes(rate: float, *, interactive_share: float = 0.8) -> tuple[ClassSpec, ...]:
     """The standard two-class mix: chat-like interactive traffic and prefill-heavy batch traffic.
 
-    * ``interactive``: streamed chat, 30 s timeout, lengths (and arrivals) from ``azure_conv.csv``.
-    * ``batch``: non-streamed, 300 s timeout, lengths (and arrivals) from ``azure_code.csv``
-      (long prompts, short outputs; very bursty arrivals).
-
-    ``mix="long"`` keeps the classes (streaming, timeouts) but draws both classes' lengths from
-    :data:`LONG_PROMPT` / :data:`LONG_OUTPUT` instead of the traces (Poisson arrivals only).
+    * ``interactive``: streamed chat, 30 s timeout, lengths from ``azure_conv.csv``.
+    * ``batch``: non-streamed, 300 s timeout, lengths from ``azure_code.csv`` (long prompts,
+      short outputs).
     """
     if not 0.0 <= interactive_share <= 1.0:
         raise ValueError("interactive_share must be in [0, 1]")
-    if mix not in MIXES:
-        raise ValueError(f"unknown mix {mix!r}")
-    if mix == "long":
-        if arrivals != "poisson":
-            raise ValueError("the long mix has no trace to replay: use Poisson arrivals")
-        return tuple(
-            replace(c, trace=None, prompt=LONG_PROMPT, output=LONG_OUTPUT)
-            for c in default_classes(rate, interactive_share=interactive_share)
-        )
     classes = []
     if interactive_share > 0:
         classes.append(
             ClassSpec(
                 name="interactive",
                 rate=rate * interactive_share,
-                arrivals=arrivals,
                 trace="azure_conv.csv",
                 stream=True,
                 timeout_s=30.0,
@@ -96,7 +49,6 @@ def default_classes(
             ClassSpec(
                 name="batch",
                 rate=rate * (1 - interactive_share),
-                arrivals=arrivals,
                 trace="azure_code.csv",
                 stream=False,
                 timeout_s=300.0,

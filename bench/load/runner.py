@@ -1,6 +1,6 @@
 """The load generator's runs: a :class:`LoadConfig`, request bodies, the OpenAI SDK's retries
 around :func:`.client.attempt`, and :func:`run_load`, which sends a whole open-loop schedule
-with :func:`.client.send_all` and summarizes it."""
+with :func:`.client.send_all`, as records."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import aiohttp
 
 from .client import CHAT_PATH, COMPLETIONS_PATH, Call, attempt, send_all, session
 from .retry import retry_delay_s, should_retry
-from .summary import LoadResult, RequestRecord, backend_work, summarize
+from .summary import LoadResult, RequestRecord
 from .workload import ClassSpec, PlannedRequest, build_schedule
 
 DEFAULT_MODEL: Final = "meta-llama/Llama-3.1-8B-Instruct"
@@ -44,10 +44,8 @@ class LoadConfig:
     speedup: float = 1.0
     seed: int = 0
     max_retries: int = 0  # 2 = the OpenAI SDK default
-    stats_url: str | None = None  # the simulator's /sim/stats, for wasted-work accounting
     traces_dir: str | None = None  # default: <repo>/data/traces
     model: str = DEFAULT_MODEL
-    prompt_tokens_header: bool = False  # also send x-sim-prompt-tokens
     max_run_s: float | None = None  # hard cap on the whole run; default derived from timeouts
     body_extra: Mapping[str, Any] = field(default_factory=dict)  # e.g. vLLM's ignore_eos
 
@@ -109,8 +107,6 @@ async def _run_request(
     headers = {CLASS_HEADER: spec.name}
     if pr.tenant is not None:
         headers[TENANT_HEADER] = pr.tenant
-    if cfg.prompt_tokens_header:
-        headers["x-sim-prompt-tokens"] = str(pr.prompt_tokens)
     rng = random.Random(f"{cfg.seed}:retry:{pr.index}")
     give_up = spec.timeout_s / cfg.speedup
     attempts = 0
@@ -152,19 +148,8 @@ async def _run_request(
     )
 
 
-async def _get_stats(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
-    try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
-            if resp.status == 200:
-                data = await resp.json(content_type=None)
-                return data if isinstance(data, dict) else None
-    except (TimeoutError, aiohttp.ClientError, ValueError):
-        pass
-    return None
-
-
 async def run_load(cfg: LoadConfig, schedule: Sequence[PlannedRequest] | None = None) -> LoadResult:
-    """Run the open-loop load of ``cfg`` (or an explicit ``schedule``) and summarize it."""
+    """Run the open-loop load of ``cfg`` (or an explicit ``schedule``): its records."""
     if cfg.speedup <= 0:
         raise ValueError("speedup must be > 0")
     if schedule is None:
@@ -175,7 +160,6 @@ async def run_load(cfg: LoadConfig, schedule: Sequence[PlannedRequest] | None = 
     due = [(pr.t_s, pr) for pr in arrived]
 
     async with session() as http:
-        before = await _get_stats(http, cfg.stats_url) if cfg.stats_url else None
         t0 = loop.time()
 
         async def send(pr: PlannedRequest, at: float) -> RequestRecord:
@@ -187,30 +171,8 @@ async def run_load(cfg: LoadConfig, schedule: Sequence[PlannedRequest] | None = 
             if exc is not None:
                 print(f"bench.load: request {pr.index} failed: {exc!r}", file=sys.stderr)
             records.append(_cancelled(pr, (loop.time() - t0) * cfg.speedup - pr.t_s))
-        elapsed = (loop.time() - t0) * cfg.speedup
-        backend = None
-        if cfg.stats_url and before is not None:
-            await asyncio.sleep(0.05)  # let the backend process the last disconnects
-            after = await _get_stats(http, cfg.stats_url)
-            if after is not None:
-                backend = backend_work(before, after)
     records.sort(key=lambda r: r.index)
-    n = len(records)
-    window = cfg.duration_s if n < cfg.max_requests or not records else records[-1].arrival_s
-    per_class = {
-        name: summarize(name, [r for r in records if r.cls == name], window) for name in specs
-    }
-    return LoadResult(
-        window_s=window,
-        elapsed_s=elapsed,
-        speedup=cfg.speedup,
-        seed=cfg.seed,
-        loadgen_lag_s_max=sent.lag_max_s * cfg.speedup,
-        overall=summarize("all", records, window),
-        per_class=per_class,
-        backend=backend,
-        records=tuple(records),
-    )
+    return LoadResult(loadgen_lag_s_max=sent.lag_max_s * cfg.speedup, records=tuple(records))
 
 
 def _record(pr: PlannedRequest, **what: Any) -> RequestRecord:

@@ -1,25 +1,18 @@
 """The prompt estimate without a tokenizer, against real tokenizers, text by text:
 ``python -m bench.micro.prompt_estimate`` (the test extra brings the tokenizers).
 
-The sidecar counts prompt tokens exactly only with ``tokens.tokenizer``; otherwise it estimates
-them (``extproc.request.classify``: an ASCII character 1 / ``chars_per_token``, a digit 1, a
-character beyond ASCII 1, 2 or 4 by its UTF-8 length). This measures that estimate, and the
-old one (characters / 4), against two real LLM tokenizers that PyPI's ``mistral-common``
-package carries in its wheel (nothing is downloaded): Mistral 7B's SentencePiece BPE (32k
-pieces with byte fallback, the Llama 2 family's design) and Tekken (the tiktoken-style BPE of
-131k tokens of Mistral NeMo and later).
+The estimate is ``extproc.request.classify``'s (docs/policy.md, "Notes on the keys", the prompt
+estimate); the latest figures: docs/performance.md, "Conclusions from earlier measurements".
+This compares it, and the old characters / 4, with the two tokenizers PyPI's ``mistral-common``
+carries in its wheel (nothing is downloaded): Mistral 7B's SentencePiece BPE (32k pieces with
+byte fallback, the Llama 2 family's design) and Tekken (the tiktoken-style BPE of 131k tokens
+of Mistral NeMo and later). The texts are written for this benchmark, each repeated to a few
+hundred characters; the adversarial strings come from a fixed seed.
 
-Texts: natural prose in fourteen scripts, mixed text (code, a CJK technical note with Latin
-terms, a chat with emoji), written for this benchmark, each repeated to a few hundred
-characters; and adversarial strings (random ASCII, digits, rare CJK, emoji, private-use code
-points) from a fixed seed. For each: the estimate over the larger of the two real counts.
-
-The rates were chosen on these texts (a fit, not a held-out test). Targets: on natural and
-mixed text the estimate is **safe** (at least 0.9 x the larger real
-count: a prompt is never let past ``max_prompt_tokens`` or the token bound at a fraction of
-its cost) and **not absurd** (at most 3x). Adversarial strings are printed with their ratio
-and no target: random text tokenizes at up to about one token per byte, and only a tokenizer
-counts it exactly.
+Targets, on natural and mixed text, against the larger real count: at least 0.9x, so a prompt
+is never let past ``max_prompt_tokens`` or the token bound at a fraction of its cost, and at
+most 3x. Adversarial strings get no target: random text tokenizes at up to about one token per
+byte, and only a tokenizer counts it exactly.
 """
 
 from __future__ import annotations

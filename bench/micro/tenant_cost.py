@@ -1,21 +1,15 @@
 """Admission cost against tenants tracked, in process: ``python -m bench.micro.tenant_cost
 [--ops 5000]``.
 
-``extproc.pool.gate.Gate`` with a pool of one slot and one bucket in the ``fair`` order
-(tenants by ``x-tenant-id``, the policy's default ``max_tracked`` of 10,000, and a per-tenant
-``max_queue``, so the tenant bounds are counted too), the queue kept at :data:`QUEUED`
-waiters. Each request is timed with ``perf_counter_ns`` around its two calls, enter (join the
-queue: the fair order's tag lookup and the tenant bounds) and admit (release the slot, the head
-waiter's ``admitted()`` returns it: the fair order hears the admission), for three populations:
-
-* ``1 tenant``: every request the same tenant (today's behaviour without a key);
-* ``10,000 tracked``: requests cycle through 10,000 tenants, all of them already tracked
-  (one pass before the timed one): the order's table full, every lookup a hit;
-* ``fresh keys``: every request a tenant never seen, with 10,000 tracked: each one evicts the
-  least recently seen (a flood of new keys).
-
-The target (issue 23; ``bench.overhead`` runs this step and holds it to it): per request
-(enter + admit), p50 with 10,000 tracked within 10 % of one tenant's.
+``extproc.pool.gate.Gate`` with one slot and one bucket in the ``fair`` order (tenants by
+``x-tenant-id``, the default ``max_tracked`` of 10,000, a per-tenant ``max_queue`` so the
+tenant bounds count too), the queue kept at :data:`QUEUED` waiters. Each request's enter (the
+fair order's tag lookup, the tenant bounds) and admit (the head waiter's ``admitted()``: the
+fair order hears the admission) are timed with ``perf_counter_ns``, for three populations:
+``1 tenant``; ``10,000 tracked``, all tracked before the timed pass, so every lookup hits; and
+``fresh keys``, a tenant never seen per request with 10,000 tracked, so each evicts the least
+recently seen. The target (p50 of enter + admit with 10,000 tracked within 10 % of one
+tenant's; ``bench.overhead`` runs this step) and its figures: docs/performance.md, "Targets".
 """
 
 from __future__ import annotations

@@ -31,13 +31,11 @@ _CATEGORIES = (
     ("hpack/", "transport (hpack)"),
     ("uvloop/", "event loop"),
     ("extproc/", "ours (extproc/)"),
-    ("grpc/", "grpc python"),
     ("asyncio/", "asyncio loop"),
     ("selectors.py", "asyncio loop"),
     ("google/protobuf", "protobuf python"),
     ("json/", "json"),
     ("prometheus_client", "prometheus_client"),
-    ("threading.py", "grpc aio poller thread"),
 )
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]+)(?::(?P<line>\d+))?\)$")
 

@@ -1,10 +1,6 @@
-"""A vLLM-like OpenAI-compatible inference server simulator.
-
-It stands in for a real vLLM backend in tests and benchmarks of the admission-control sidecar:
-it speaks the same HTTP API (chat/completions, streaming SSE, ``/v1/models``, ``/health``,
-``/metrics`` with vLLM's metric names) and reproduces vLLM's *queueing* behaviour -- continuous
-batching, chunked prefill, a finite KV cache with recompute preemption, and aborting a request the
-moment its client disconnects -- while the GPU is replaced by a linear step-time model.
+"""A vLLM-like OpenAI-compatible inference server simulator, the backend of the tests and
+benchmarks. What it models and what it does not, and how it is held to a real vLLM:
+docs/benchmarks.md, "What the simulator models".
 
 Design
 ------
@@ -49,20 +45,18 @@ Three layers, one module each, plus :mod:`.profiles` (step-time model, engine li
    (``vllm_sim:engine_lag_seconds`` gauge, ``lag_s_max`` / ``lag_s_mean`` in ``/sim/stats``).
    A request arriving while the engine is behind is stamped with its real arrival time and only
    joins steps that start after it. A lag that keeps growing means the machine cannot run this
-   speedup: lower ``--speedup``. Speed changes (``POST /sim/speed``, ``--speed-schedule``) reach
-   the core between steps; a scheduled one applies to the steps that start at or after its time.
+   speedup: lower ``--speedup``. Speed changes (``POST /sim/speed``) reach
+   the core between steps.
 
 3. **HTTP layer** (:mod:`.server`, aiohttp): parses requests (:func:`.api.parse_request`),
-   submits them to the engine and streams tokens as they are produced. The server runs with
-   ``handler_cancellation=True`` so that a client disconnect cancels the handler, which aborts
-   the request in the core and frees its slot and KV at once. Metrics are exposed from a
-   per-instance :class:`prometheus_client.CollectorRegistry`.
+   submits them to the engine and streams tokens as they are produced; a client disconnect
+   aborts the request in the core at once. Metrics come from a per-instance
+   :class:`prometheus_client.CollectorRegistry`.
 
 All times reported (metrics, ``/sim/stats``, ``x-sim-*`` response headers) are simulated seconds.
 
 Token accounting (prompt tokens from characters / 4, exactly ``max_tokens`` generated): see
 :mod:`.api`.
 
-Run: ``python -m bench.sim --host 127.0.0.1 --port 8000 --profile h100 --speedup 1``
-(``--speed-schedule 120:0.5,240:1``: half as fast from simulated second 120 to 240).
+Run: ``python -m bench.sim --host 127.0.0.1 --port 8000 --profile h100 --speedup 1``.
 """

@@ -16,27 +16,8 @@ from .profiles import (
     DEFAULT_MODEL,
     PROFILES,
     EngineConfig,
-    check_speed_factor,
 )
 from .server import SimConfig, create_app
-
-
-def speed_schedule(text: str) -> tuple[tuple[float, float], ...]:
-    """``"120:0.5,240:1"`` -> ((120.0, 0.5), (240.0, 1.0)): at simulated second 120 the GPU
-    gets half as fast, at 240 it is back to normal."""
-    changes: list[tuple[float, float]] = []
-    for item in text.split(","):
-        at, sep, factor = item.strip().partition(":")
-        try:
-            if not sep:
-                raise ValueError("expected SECONDS:FACTOR")
-            at_s = float(at)
-            if not at_s >= 0:
-                raise ValueError("seconds must be >= 0")
-            changes.append((at_s, check_speed_factor(float(factor))))
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"bad speed change {item.strip()!r}: {exc}") from None
-    return tuple(sorted(changes, key=lambda change: change[0]))
 
 
 def config_from_args(argv: list[str] | None = None) -> tuple[SimConfig, str, int]:
@@ -52,16 +33,6 @@ def config_from_args(argv: list[str] | None = None) -> tuple[SimConfig, str, int
     parser.add_argument("--kv-cache-tokens", type=int, default=DEFAULT_KV_CACHE_TOKENS)
     parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
-    parser.add_argument(
-        "--speed-schedule",
-        type=speed_schedule,
-        default=(),
-        metavar="S:F,...",
-        help=(
-            "GPU speed changes, e.g. 120:0.5,240:1: from simulated second 120 on, steps take "
-            "1/0.5 as long; from 240 on, normal again (factor > 0 and <= 10)"
-        ),
-    )
     args = parser.parse_args(argv)
     engine = EngineConfig(
         profile=PROFILES[args.profile],
@@ -70,16 +41,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[SimConfig, str, int
         kv_cache_tokens=args.kv_cache_tokens,
         max_model_len=args.max_model_len,
     )
-    return (
-        SimConfig(
-            engine=engine,
-            speedup=args.speedup,
-            model_name=args.model,
-            speed_schedule=args.speed_schedule,
-        ),
-        args.host,
-        args.port,
-    )
+    config = SimConfig(engine=engine, speedup=args.speedup, model_name=args.model)
+    return config, args.host, args.port
 
 
 def main(argv: list[str] | None = None) -> None:

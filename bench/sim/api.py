@@ -2,7 +2,7 @@
 and SSE chunks out; and the body of the simulator's own ``POST /sim/speed``.
 
 Token accounting: a prompt's token count is the number of characters of its text / 4 (rounded
-up, at least 1), or the value of the ``x-sim-prompt-tokens`` request header. The simulator always
+up, at least 1). The simulator always
 generates exactly ``max_completion_tokens`` / ``max_tokens`` tokens (default 16), each the text
 ``" tok"``, with ``finish_reason="length"``.
 """
@@ -117,21 +117,11 @@ def _positive_int(value: Any, name: str) -> int:
     return value
 
 
-def parse_request(
-    body: Any, *, chat: bool, max_model_len: int, prompt_tokens_header: str | None = None
-) -> ParsedRequest:
+def parse_request(body: Any, *, chat: bool, max_model_len: int) -> ParsedRequest:
     """Validate an OpenAI request body and extract token counts; raises :class:`SimRequestError`."""
     if not isinstance(body, Mapping):
         raise SimRequestError("request body must be a JSON object")
-    if prompt_tokens_header is not None:
-        try:
-            prompt_tokens = _positive_int(int(prompt_tokens_header), "x-sim-prompt-tokens")
-        except ValueError:
-            raise SimRequestError("x-sim-prompt-tokens must be a positive integer") from None
-        if chat and not isinstance(body.get("messages"), list):
-            raise SimRequestError("messages must be a non-empty list")
-    else:
-        prompt_tokens = count_prompt_tokens(body, chat=chat)
+    prompt_tokens = count_prompt_tokens(body, chat=chat)
     raw_max = body.get("max_completion_tokens") if chat else None
     if raw_max is None:
         raw_max = body.get("max_tokens")

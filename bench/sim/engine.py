@@ -4,14 +4,12 @@ wall clock (see :mod:`bench.sim`)."""
 from __future__ import annotations
 
 import asyncio
-from collections import deque
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from prometheus_client import Histogram
 
-from .profiles import EngineConfig, check_speed_factor
+from .profiles import EngineConfig
 from .scheduler import FinishedRequest, Scheduler, StepOutcome
 
 if TYPE_CHECKING:
@@ -50,31 +48,16 @@ class LagStats:
 
 
 class SimEngine:
-    """Runs the :class:`Scheduler` on a virtual clock ``speedup`` times faster than the wall.
-
-    ``speed_schedule`` is a list of (simulated seconds since start, speed factor): each factor
-    applies to the steps that start at or after its time (see
-    :meth:`Scheduler.set_speed_factor`); :meth:`set_speed_factor` changes it at once.
+    """Runs the :class:`Scheduler` on a virtual clock ``speedup`` times faster than the wall;
+    :meth:`set_speed_factor` changes the GPU's speed (see :meth:`Scheduler.set_speed_factor`).
     """
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        *,
-        speedup: float = 1.0,
-        speed_schedule: Iterable[tuple[float, float]] = (),
-    ) -> None:
+    def __init__(self, config: EngineConfig, *, speedup: float = 1.0) -> None:
         if speedup <= 0:
             raise ValueError("speedup must be > 0")
         self.config = config
         self.speedup = speedup
         self.core = Scheduler(config)
-        changes = sorted(speed_schedule, key=lambda change: change[0])
-        for at_s, factor in changes:
-            if not at_s >= 0:
-                raise ValueError(f"speed schedule times must be >= 0, got {at_s!r}")
-            check_speed_factor(factor)
-        self._speed_schedule = deque(changes)
         self.lag = LagStats()
         self.rejected_requests = 0
         self._handles: dict[int, RequestHandle] = {}
@@ -125,26 +108,12 @@ class SimEngine:
 
     @property
     def speed_factor(self) -> float:
-        """The speed factor of a step starting now (scheduled changes that are due included)."""
-        now = self.now_s()
-        factor = self.core.speed_factor
-        for at_s, scheduled in self._speed_schedule:
-            if at_s > now:
-                break
-            factor = scheduled
-        return factor
+        """The speed factor of a step starting now."""
+        return self.core.speed_factor
 
     def set_speed_factor(self, factor: float) -> None:
-        """Change the GPU's speed from the next step on; scheduled changes due by now are
-        dropped (this one overrides them), later ones still apply. ValueError if out of range."""
-        check_speed_factor(factor)
-        self._apply_speed_schedule(self.now_s())
+        """Change the GPU's speed from the next step on. ValueError if out of range."""
         self.core.set_speed_factor(factor)
-
-    def _apply_speed_schedule(self, t: float) -> None:
-        schedule = self._speed_schedule
-        while schedule and schedule[0][0] <= t:
-            self.core.set_speed_factor(schedule.popleft()[1])
 
     async def _run(self) -> None:
         core = self.core
@@ -157,8 +126,6 @@ class SimEngine:
                 last_yield = loop.time()
                 continue
             start = core.next_start_s(self._engine_free_s)
-            if self._speed_schedule:
-                self._apply_speed_schedule(start)
             plan = core.schedule(start)
             if plan is None:  # cannot happen with a valid config; never spin
                 self._engine_free_s = max(start, self.now_s())

@@ -51,7 +51,7 @@ PROFILES: Final[Mapping[str, Profile]] = {
 }
 
 
-# A speed factor (``POST /sim/speed``, ``--speed-schedule``) scales the GPU's speed: step
+# A speed factor (``POST /sim/speed``) scales the GPU's speed: step
 # times are divided by it. Above 10x the linear model means nothing.
 MAX_SPEED_FACTOR: Final = 10.0
 

@@ -358,19 +358,3 @@ class Scheduler:
             finished=tuple(finished),
             token_gaps=tuple(gaps.items()),
         )
-
-    def run_until_idle(self, start_s: float = 0.0, max_steps: int = 1_000_000) -> list[StepOutcome]:
-        """Run back-to-back steps (no clock) until no work is left; for tests and offline use."""
-        outcomes: list[StepOutcome] = []
-        t = start_s
-        for _ in range(max_steps):
-            if not self.has_work:
-                return outcomes
-            t = self.next_start_s(t)
-            plan = self.schedule(t)
-            if plan is None:
-                raise RuntimeError("scheduler stalled with work queued")
-            outcome = self.complete(plan)
-            outcomes.append(outcome)
-            t = outcome.end_s
-        raise RuntimeError("max_steps exceeded")

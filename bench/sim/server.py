@@ -38,8 +38,6 @@ class SimConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     speedup: float = 1.0
     model_name: str = DEFAULT_MODEL
-    # (simulated seconds since start, speed factor), see :class:`~bench.sim.engine.SimEngine`.
-    speed_schedule: tuple[tuple[float, float], ...] = ()
 
 
 ENGINE_KEY: Final = web.AppKey("engine", SimEngine)
@@ -59,12 +57,7 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             body = await request.json(loads=json.loads)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise SimRequestError("malformed JSON body") from None
-        parsed = parse_request(
-            body,
-            chat=chat,
-            max_model_len=config.engine.max_model_len,
-            prompt_tokens_header=request.headers.get("x-sim-prompt-tokens"),
-        )
+        parsed = parse_request(body, chat=chat, max_model_len=config.engine.max_model_len)
     except SimRequestError as exc:
         engine.rejected_requests += 1
         return _error(exc)
@@ -195,7 +188,7 @@ async def set_sim_speed(request: web.Request) -> web.Response:
 def create_app(config: SimConfig = SimConfig()) -> web.Application:
     """The simulator as an aiohttp app. Serve it with ``handler_cancellation=True``."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
-    engine = SimEngine(config.engine, speedup=config.speedup, speed_schedule=config.speed_schedule)
+    engine = SimEngine(config.engine, speedup=config.speedup)
     app[CONFIG_KEY] = config
     app[ENGINE_KEY] = engine
     app[REGISTRY_KEY] = make_registry(engine, config.model_name)

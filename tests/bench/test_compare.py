@@ -112,13 +112,13 @@ def test_pool_policy_timers_scaled_slos_not(cap: Capacity) -> None:
     assert b["batch"].min_share == 0.0  # by default, no guaranteed share
     assert b["batch"].queue_timeout_s == pytest.approx(240 / OPTS.speedup, abs=1e-3)
     assert all(x.relegate_to is None for x in policy.buckets)  # by default, 429 at the deadline
-    opts, _ = parse_args(["--batch-min-share", "0.1", "--relegate"])
+    opts = parse_args(["--batch-min-share", "0.1", "--relegate"])
     shared = policy_from_yaml(pool_policy(cap, opts, ["http://127.0.0.1:9/metrics"]), "generated")
     assert {x.name: x.min_share for x in shared.buckets}["batch"] == 0.1
     assert {x.name: x.relegate_to for x in shared.buckets}["interactive"] == "interactive-retry"
     assert "queue_time" not in a.slo_s  # by default, time to first token only
     for choice, ttft, queue in (("queue_time", None, 0.3), ("both", 1.0, 0.3)):
-        opts, _ = parse_args(["--admission-objective", choice, "--queue-time-ms", "300"])
+        opts = parse_args(["--admission-objective", choice, "--queue-time-ms", "300"])
         generated = policy_from_yaml(pool_policy(cap, opts, ["http://127.0.0.1:9/m"]), "generated")
         assert generated.pool is not None and generated.pool.adaptive is not None
         got = generated.pool.adaptive
@@ -240,12 +240,12 @@ def test_scenario_schedules(cap: Capacity) -> None:
 
 
 def test_cli_scenarios_and_quick() -> None:
-    opts, plots = parse_args(["--scenario", "shift,halve", "--quick", "--no-plots"])
-    assert opts.scenarios == ("shift", "halve") and not plots
+    opts = parse_args(["--scenario", "shift,halve", "--quick"])
+    assert opts.scenarios == ("shift", "halve")
     assert (opts.duration_s, opts.warmup_s, opts.live_capacity_s) == (100.0, 45.0, 0.0)
-    assert parse_args(["--scenario", "all"])[0].scenarios == ("steady", "shift", "halve", "spike")
-    opts, _ = parse_args(["--mix", "long", "--duration", "50", "--warmup", "10"])
-    assert opts.mix == "long" and opts.duration_s == 50
+    assert parse_args(["--scenario", "all"]).scenarios == ("steady", "shift", "halve", "spike")
+    opts = parse_args(["--duration", "50", "--warmup", "10"])
+    assert opts.duration_s == 50
     with pytest.raises(SystemExit):
         parse_args(["--scenario", "nope"])
 
@@ -461,8 +461,6 @@ def test_compare_end_to_end_small(tmp_path: Path) -> None:
     )  # fmt: skip
     assert rc == 0
     doc = json.loads((tmp_path / "compare.json").read_text())
-    assert (tmp_path / "goodput.png").stat().st_size > 10_000
-    assert (tmp_path / "latency_cdf.png").stat().st_size > 10_000
     records = json.loads((tmp_path / "records.json").read_text())
     assert set(records) == {f"steady-2x/{s}" for s in SMOKE_STRATEGIES}
     cap = doc["capacity"]
@@ -510,7 +508,7 @@ def test_compare_end_to_end_small(tmp_path: Path) -> None:
 def test_compare_halve_small(tmp_path: Path) -> None:
     rc = main(
         [*SMOKE, "--duration", "40", "--scenario", "halve", "--strategies", "sidecar",
-         "--live-capacity-s", "0", "--out", str(tmp_path), "--no-plots"]
+         "--live-capacity-s", "0", "--out", str(tmp_path)]
     )  # fmt: skip
     assert rc == 0
     doc = json.loads((tmp_path / "compare.json").read_text())

@@ -61,11 +61,11 @@ def test_noisy_runs_and_their_schedules(cap: Capacity) -> None:
     assert light(0) == light(1) and light(0) != light(2)
     assert {t for t, _, _ in light(0)} == {"light-1", "light-2", "light-3", "light-4"}
     # --scenario noisy alone runs the scenario's strategies; the fair sidecar is held.
-    opts, _ = parse_args(["--scenario", "noisy", "--noisy-seeds", "1,2"])
+    opts = parse_args(["--scenario", "noisy", "--noisy-seeds", "1,2"])
     assert opts.strategies == NOISY_STRATEGIES and opts.noisy_seeds == (1, 2)
     assert held_strategy(opts.strategies) == "sidecar-fair"
-    assert parse_args(["--scenario", "noisy,steady"])[0].strategies == Options().strategies
-    assert "noisy" not in parse_args(["--scenario", "all"])[0].scenarios
+    assert parse_args(["--scenario", "noisy,steady"]).strategies == Options().strategies
+    assert "noisy" not in parse_args(["--scenario", "all"]).scenarios
 
 
 def test_fair_policy_is_the_pool_policy_with_tenants(cap: Capacity) -> None:
@@ -185,7 +185,7 @@ def test_noisy_end_to_end_small(tmp_path: Path) -> None:
     rc = main(
         ["--scenario", "noisy", "--noisy-seeds", "0", "--heavy-load", "2", "--duration", "16",
          "--warmup", "4", "--speedup", "4", "--model-requests", "1500", "--live-capacity-s", "0",
-         "--out", str(tmp_path), "--no-plots"]
+         "--out", str(tmp_path)]
     )  # fmt: skip
     assert rc == 0
     doc = json.loads((tmp_path / "compare.json").read_text())

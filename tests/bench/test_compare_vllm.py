@@ -14,11 +14,11 @@ from tests.bench.test_compare import OPTS
 
 
 def test_its_defaults_and_what_it_refuses() -> None:
-    opts, _ = parse_args(["--backend", "vllm-cpu"])
+    opts = parse_args(["--backend", "vllm-cpu"])
     assert (opts.loads, opts.strategies, opts.speedup) == ((1.0, 3.0), VLLM_STRATEGIES, 1.0)
     assert (opts.duration_s, opts.warmup_s, opts.interactive_timeout_s) == (100.0, 30.0, 10.0)
-    assert parse_args(["--backend", "vllm-cpu", "--loads", "2"])[0].loads == (2.0,)
-    assert parse_args([])[0] == Options()  # the simulator's: unchanged
+    assert parse_args(["--backend", "vllm-cpu", "--loads", "2"]).loads == (2.0,)
+    assert parse_args([]) == Options()  # the simulator's: unchanged
     for bad in (["--scenario", "halve"], ["--speedup", "3"], ["--strategies", "sidecar-static"]):
         with pytest.raises(SystemExit):
             parse_args(["--backend", "vllm-cpu", *bad])

@@ -20,6 +20,22 @@ def step(profile: Profile, prefill: int, decode: int) -> float:
     return profile.b0_s + profile.b1_s * prefill + profile.b2_s * decode
 
 
+def run_until_idle(s: Scheduler, start_s: float = 0.0) -> list[StepOutcome]:
+    """Back-to-back steps (no clock) until no work is left."""
+    outcomes: list[StepOutcome] = []
+    t = start_s
+    for _ in range(1_000_000):
+        if not s.has_work:
+            return outcomes
+        t = s.next_start_s(t)
+        plan = s.schedule(t)
+        if plan is None:
+            raise RuntimeError("scheduler stalled with work queued")
+        outcomes.append(s.complete(plan))
+        t = outcomes[-1].end_s
+    raise RuntimeError("max_steps exceeded")
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure core
 # ---------------------------------------------------------------------------------------------
@@ -55,7 +71,7 @@ def test_single_request_timeline() -> None:
     out = s.complete(plan)
     assert out.tokens == ((rid, 1),)
     assert out.first_tokens[0][1] == pytest.approx(step(H100, 100, 0))
-    outs = s.run_until_idle(out.end_s)
+    outs = run_until_idle(s, out.end_s)
     assert [(o.tokens) for o in outs] == [((rid, 2),), ((rid, 3),)]
     fin = outs[-1].finished[0]
     assert fin.output_tokens == 3 and fin.queue_s == 0.0
@@ -95,7 +111,7 @@ def test_max_num_seqs_and_fcfs_queueing() -> None:
     assert plan is not None and [r for r, _ in plan.scheduled] == ids[:2]
     assert s.num_running == 2 and s.num_waiting == 1
     outs: list[StepOutcome] = [s.complete(plan)]
-    outs += s.run_until_idle(outs[0].end_s)
+    outs += run_until_idle(s, outs[0].end_s)
     finished = {f.rid: f for o in outs for f in o.finished}
     assert set(finished) == set(ids)
     assert finished[ids[2]].queue_s == pytest.approx(outs[1].end_s)  # admitted when a slot freed
@@ -119,7 +135,7 @@ def test_kv_full_blocks_admission_head_of_line() -> None:
     plan = s.schedule(0.0)
     assert plan is not None and plan.scheduled == ((a, 700),)
     assert s.num_waiting == 2
-    outs = [s.complete(plan), *s.run_until_idle(plan.end_s)]
+    outs = [s.complete(plan), *run_until_idle(s, plan.end_s)]
     order = [f.rid for o in outs for f in o.finished]
     assert order[0] == a and set(order) == {a, b, c}
     assert s.stats.preemptions == 0
@@ -129,7 +145,7 @@ def test_recompute_preemption_of_most_recent() -> None:
     s = Scheduler(EngineConfig(kv_cache_tokens=100, max_model_len=100))
     a = s.add(prompt_tokens=40, max_tokens=30, arrival_s=0.0)
     b = s.add(prompt_tokens=40, max_tokens=30, arrival_s=0.0)
-    outs = s.run_until_idle(0.0)
+    outs = run_until_idle(s, 0.0)
     assert s.stats.preemptions == 1
     finished = {f.rid: f for o in outs for f in o.finished}
     assert finished[a].output_tokens == 30 and finished[b].output_tokens == 30
@@ -190,7 +206,7 @@ def test_token_gaps_one_per_token_after_the_first() -> None:
     s = Scheduler(EngineConfig())
     s.add(prompt_tokens=100, max_tokens=4, arrival_s=0.0)
     s.add(prompt_tokens=50, max_tokens=2, arrival_s=0.0)
-    outs = s.run_until_idle()
+    outs = run_until_idle(s)
     assert outs[0].first_tokens and outs[0].token_gaps == ()  # the prefill step: first tokens
     # Both decode in the next step, which is one gap of that step's length for each of them.
     ((gap, n),) = outs[1].token_gaps
@@ -206,7 +222,7 @@ def test_token_gap_after_preemption_spans_the_recompute() -> None:
     s = Scheduler(EngineConfig(kv_cache_tokens=100, max_model_len=100))
     s.add(prompt_tokens=40, max_tokens=30, arrival_s=0.0)
     s.add(prompt_tokens=40, max_tokens=30, arrival_s=0.0)
-    outs = s.run_until_idle()
+    outs = run_until_idle(s)
     gaps = [(gap, n) for o in outs for gap, n in o.token_gaps]
     assert s.stats.preemptions == 1 and sum(n for _, n in gaps) == 2 * (30 - 1)
     # The preempted request waits for the other to finish (19 more decode steps), then
@@ -282,12 +298,10 @@ def test_parse_request_fields() -> None:
     }
     p = parse_request(body, chat=True, max_model_len=8192)
     assert (p.prompt_tokens, p.max_tokens, p.stream, p.include_usage) == (1, 9, True, True)
-    p = parse_request({"prompt": "hi"}, chat=False, max_model_len=8192, prompt_tokens_header="500")
-    assert (p.prompt_tokens, p.max_tokens, p.stream, p.include_usage) == (500, 16, False, False)
+    p = parse_request({"prompt": "hi"}, chat=False, max_model_len=8192)
+    assert (p.prompt_tokens, p.max_tokens, p.stream, p.include_usage) == (1, 16, False, False)
     with pytest.raises(SimRequestError):
         parse_request({"prompt": "hi", "max_tokens": 0}, chat=False, max_model_len=8192)
-    with pytest.raises(SimRequestError):
-        parse_request({"prompt": "hi"}, chat=False, max_model_len=8192, prompt_tokens_header="x")
 
 
 def test_context_length_error_message() -> None:

@@ -13,7 +13,6 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.sim.__main__ import config_from_args
 from bench.sim.metrics import ITL_BUCKETS
 from bench.sim.profiles import PROFILES, EngineConfig, Profile
 from bench.sim.server import SimConfig, SimServer, start_server
@@ -429,30 +428,3 @@ def test_http_speed_change() -> None:
         assert await _speed(server, session) == 1.0  # nothing bad was applied
 
     run(lambda: with_server(FAST, body))
-
-
-def test_speed_schedule_option() -> None:
-    # Half as fast from the start, twice as fast from simulated second 60 (0.6 s of wall time at
-    # speedup 100); the changes may be given in any order.
-    config, _, _ = config_from_args(["--speedup", "100", "--speed-schedule", "60:2, 0:0.5"])
-    assert config.speed_schedule == ((0.0, 0.5), (60.0, 2.0))
-
-    async def body(server: SimServer, session: aiohttp.ClientSession) -> None:
-        assert await _speed(server, session) == 0.5
-        assert await _e2e(server, session) == pytest.approx(2 * NORMAL_E2E, abs=1e-6)
-        async with session.get(server.url + "/sim/stats") as resp:
-            stats = await resp.json()
-        assert stats["sim_time_s"] < 60 and stats["speed_factor"] == 0.5
-        await until_async(lambda: server.engine.speed_factor == 2.0, "the change at second 60")
-        assert await _speed(server, session) == 2.0
-        # The engine was idle at second 60: the change applies to the next step started.
-        assert await _e2e(server, session) == pytest.approx(NORMAL_E2E / 2, abs=1e-6)
-
-    run(lambda: with_server(config, body))
-
-
-@pytest.mark.parametrize("schedule", ["10:0", "10:11", "-1:1", "10", "x:1", "10:nan", "1:1,"])
-def test_speed_schedule_option_rejects(schedule: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        config_from_args([f"--speed-schedule={schedule}"])
-    assert "bad speed change" in capsys.readouterr().err
