@@ -37,8 +37,8 @@ USER 10001:10001
 FROM runtime AS sim
 USER root
 # Only what the simulator imports beyond the sidecar's dependencies (prometheus-client): the
-# `bench` extra also pulls matplotlib for the plots, which the simulator does not use. Same
-# requirement as the extra in pyproject.toml (tests/deploy/test_docker.py compares them).
+# `bench` extra, aiohttp. Same requirement as the extra in pyproject.toml
+# (tests/deploy/test_docker.py compares them).
 RUN pip install -c /opt/llm-extproc/requirements.lock "aiohttp>=3.9"
 COPY bench/__init__.py ./bench/
 COPY bench/sim ./bench/sim
