@@ -1,7 +1,8 @@
 """What each benchmark sends, as data for :mod:`.client`: one function per benchmark,
 :func:`default_classes` for ``bench.compare`` (sent by :mod:`.runner`; the mix:
 docs/benchmarks.md, "What the simulator models"), :func:`demo_burst` for ``make demo``,
-:func:`storm_arrivals` for ``bench.storm`` and :func:`soak_arrivals` for ``bench.soak``.
+:func:`storm_arrivals` for the disconnect storm (``tests/e2e/test_faults.py``) and
+:func:`soak_arrivals` for ``bench.soak``.
 
 The last three take a seed and return ``(t, Call)`` arrivals (wall seconds from the start),
 drawn from one random stream in arrival order, so a run is reproducible. The echo backend
