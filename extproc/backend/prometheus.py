@@ -17,9 +17,8 @@ Label values are kept as written (escapes are not undone). ``label`` and ``split
 the label text pair by pair from its start, each pair anchored where the last one ended, so the
 cost is linear in the text (a search for a pair anywhere in it would try every position).
 
-The scanner's cost against ``prometheus_client.parser``, which builds every family of a page,
-is in ``scrape``'s docstring (measured by ``bench/micro/metrics_parser.py``, removed later; see
-633d5d9).
+The scanner's cost against ``prometheus_client.parser``, which builds every family of a page:
+``scrape``'s docstring.
 """
 
 from __future__ import annotations

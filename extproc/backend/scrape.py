@@ -37,10 +37,8 @@ The page is parsed by hand (``prometheus``, ``vllm``) rather than with
 ``prometheus_client.parser``: a vLLM page is about 100 KB, mostly histograms we do not need,
 and that parser builds every family of it in pure Python, per endpoint, per round, on the event
 loop that serves the requests; ours parses only the lines of the families it reads, and costs
-about 28 times less. Measured by ``bench/micro/metrics_parser.py`` (removed later; see 633d5d9)
-on one page that prometheus_client wrote with vLLM's families (115 KB, three engines):
-1.5-1.8 ms against 41-51 ms per page, 28x to 29x, in three runs on a busy two-core machine (at
-633d5d9, 1 December 2026; prometheus_client 0.26.0; the median of 100 interleaved calls each).
+about 28 times less on a vLLM page (docs/performance.md, "Conclusions from earlier
+measurements").
 
 ``Scraper.scrape`` is not reentrant: the poller runs one scrape at a time.
 """

@@ -1,12 +1,12 @@
 """Large bodies are parsed and classified in a worker process, off the event loop.
 
 Parsing costs CPU in proportion to the number of JSON values, not bytes: a 4 MB body of tiny
-``tools`` objects took 0.55 s of the event loop (measured by hand through Envoy, at fad7af2; not
-measured by a command in this repository), while every other request on the sidecar waited.
-Python threads would not help: ``json.loads`` and ``json.dumps`` hold the GIL for long
-stretches. So a body above ``INLINE_BODY_BYTES`` is parsed and classified by
-``parse.parse_body`` and ``classify.classify`` in a separate process; smaller ones (almost every
-chat request) stay on the loop, where they cost microseconds.
+``tools`` objects took 0.55 s of the event loop while every other request on the sidecar waited
+(docs/performance.md, "Conclusions from earlier measurements"). Python threads would not help:
+``json.loads`` and ``json.dumps`` hold the GIL for long stretches. So a body above
+``INLINE_BODY_BYTES`` is parsed and classified by ``parse.parse_body`` and
+``classify.classify`` in a separate process; smaller ones (almost every chat request) stay on
+the loop, where they cost microseconds.
 
 Bounds: one worker process (``workers``), at most ``max_pending`` large bodies being parsed or
 waiting for the worker; beyond that a request is refused at once with ``Busy`` (the servicer

@@ -17,13 +17,11 @@ Why bytes:
 
 Building ``ProcessingResponse`` messages with the protobuf API (five HeaderValueOptions, a
 CommonResponse, a Struct of dynamic metadata) and serialising them cost more than everything
-else the sidecar does for a request (about 35 us of a ~150 us budget, measured before 383e630 by
-an in-process timing that ``python -m bench.overhead --profile`` printed then and no longer
-does; no command times the answers alone today; docs/performance.md). The answers have a fixed
-shape, so this module writes their bytes directly: a handful of length-delimited fields. Field
-numbers are read from Envoy's own descriptors at import, not typed in, and
-tests/unit/test_wire.py checks every encoder against the message built with the protobuf API,
-field for field.
+else the sidecar does for a request (about 35 us of a ~150 us budget; docs/performance.md,
+"Conclusions from earlier measurements"). The answers have a fixed shape, so this module writes
+their bytes directly: a handful of length-delimited fields. Field numbers are read from
+Envoy's own descriptors at import, not typed in, and tests/unit/test_wire.py checks every
+encoder against the message built with the protobuf API, field for field.
 
 The gRPC method is registered with a serializer that passes ``bytes`` through unchanged and
 serialises messages as usual (``serialize``), so both can be written to the stream.

@@ -17,54 +17,48 @@ Decrease, ``L := floor(L * f)``, when any of these holds, the first one named in
   one cut per cooldown while the queue deadlines expire;
 - ``vllm_queue`` (``f = 0.8``): vLLM's own waiting queue (summed over endpoints) is longer than
   the allowance ``max(8, floor(0.1 * L))`` in three rounds in a row: vLLM could not take in
-  everything we admitted. A request joins vLLM's waiting queue on arrival and leaves it at a
-  scheduler step with room in its prefill budget (``max_num_batched_tokens``, 8192 tokens by
-  default: four 2k-token prompts), so with the limit refilled at every release a few requests
-  are always waiting their prefill turn on a backend that keeps up. Whether that wait matters
-  is what the TTFT objective (which includes it) says; this rule only catches a queue that
-  stays long;
+  everything we admitted. (A few requests always wait their prefill turn, within
+  ``max_num_batched_tokens``, on a backend that keeps up; whether that wait matters is the
+  TTFT objective's question. This rule only catches a queue that stays long.)
 - ``vllm_refused`` (``f = 0.8``, checked first): vLLM itself refused requests since the last
   round (``vllm:admission_rejections_total`` grew: its ``--max-num-queued-reqs`` or
   ``--max-num-queued-tokens`` cap). Those were requests the sidecar admitted and their clients
   got vLLM's 503: the plainest sign that more is admitted than the engine takes in;
 - ``kv`` (``f = 0.8``): the fullest endpoint's KV cache is at or above ``max_kv_usage`` (0.9):
   past it vLLM preempts running requests and recomputes them, which costs more than it serves;
-- ``abandoned`` (``f = 0.8``, with ``slo.abandoned``): of the slot time of the admitted
-  requests whose streams ended in the window (at least ``MIN_OBSERVATIONS`` of them), a larger
-  share than the objective went to requests that ended at or after their deadline: their
-  clients had given up, and the backend's work on them was wasted (``extproc.pool.ends``;
-  ``ended`` is passed by the pool's controller). It bounds what
-  a loose streaming objective lets through: a slower stream makes long answers outlive their
-  clients' patience, which no latency quantile shows. The sidecar's own count, not vLLM's, so
-  it applies with or without the latency objectives (``objectives``), and it names the
-  limit, not the band cut: every band's streams slow down together.
+- ``abandoned`` (``f = 0.8``, with ``slo.abandoned``): of the slot time of the requests whose
+  streams ended in the window (at least ``MIN_OBSERVATIONS``; ``ended``, from
+  ``extproc.pool.ends``), a larger share than the objective went to requests that ended at or
+  after their deadline, for clients who had given up. It bounds what a loose streaming
+  objective lets through (long answers outliving their clients' patience, which no quantile
+  shows); the sidecar's own count, it applies with or without ``objectives`` and always cuts
+  the limit, not the band: every band's streams slow down together.
 
 A breach does not cut again until the last cut has landed:
 
 - for ``cooldown_s`` (the policy's ``window``, the scraper's) after a decrease the limit holds,
   up or down: the windowed quantiles still hold observations from the old limit;
-- while more requests run than the limit (``in_flight > L``), there is no further cut: lowering
-  the limit stops no running request, the requests admitted under the old limit finish only over
-  their own duration, and until they have the signals describe the old load, not the new
-  limit (a breach as long as the longest requests would otherwise cut once per cooldown all
-  along, and overshoot far below the level that meets the objective).
+- while more requests run than the limit (``in_flight > L``), there is no further cut: the
+  requests admitted under the old limit finish over their own duration, and until they have,
+  the signals describe the old load (cutting once per cooldown meanwhile would overshoot far
+  below the level that meets the objective).
 
 One breach therefore costs at most one cut per cooldown, never a collapse to ``min_limit``.
 
 The least urgent band first (``extproc.pool.control.bandcut``, with ``band`` passed): a
-latency breach while that band holds more than its guaranteed share cuts what the band may hold, by
-the same factor, and leaves the limit; the limit is cut once the band is down to its share. A band
+latency breach while that band holds more than its guaranteed share cuts what the band may hold
+by the same factor and leaves the limit, which is cut once the band is down to its share. A band
 cut counts as a decrease for the cooldown, and while the band runs more than its cut a latency
-breach cuts nothing. In a round where the limit could grow, a band held by its cut is lent one
-step back instead (``lend``).
+breach cuts nothing; a round where the limit could grow lends a band held by its cut one step
+back instead (``lend``).
 
 Objectives protect the urgent bands. ``update(..., objectives=False)``, which the pool's
 controller passes while no band but the least urgent has requests running or waiting, leaves
 the latency objectives out of both the decrease and the increase: only vLLM's queue and KV
 bound the limit. The least urgent band (batch, typically long prompts) would otherwise break
 an interactive TTFT objective with its own TTFTs and hold the limit far below what the backend
-can run while it is alone. vLLM's histograms have no class label, so the objectives cannot be
-read per band (``extproc.pool.core.demand.objectives_apply``).
+can run while it is alone (vLLM's histograms have no class label: the objectives cannot be read
+per band; ``extproc.pool.core.demand.objectives_apply``).
 
 Increase, ``L := L + max(1, floor(0.05 * L))``, when all of these hold (and no band cut is
 eased in the same round):
@@ -85,13 +79,11 @@ clamped to ``[min_limit, max_limit]``.
 
 Stale data
 ----------
-``signals`` None, no endpoint answering, or signals older than ``stale_after_s`` are no data.
-For ``stale_after_s`` after the last good scrape the limit simply holds (a missed scrape is
-normal), then the state is ``holding``; after ``fallback_after_s`` the limit moves to
-``fallback_limit`` (by default ``initial``; the pool's controller passes the operator's static
-limit): the sidecar neither freezes on a limit found under conditions long gone nor fails
-closed. Never 0, but for the next case. When data returns, tracking resumes at once from the
-limit in force.
+``signals`` None, no endpoint answering, or signals older than ``stale_after_s`` are no data:
+the limit holds (a missed scrape is normal), in state ``holding`` after ``stale_after_s``; after
+``fallback_after_s`` it moves to ``fallback_limit`` (``initial``, or the operator's static
+limit the controller passes): neither frozen on a limit found under conditions long gone nor
+failing closed. Never 0, but for the next case. When data returns, tracking resumes at once.
 
 No backend at all (``queue_while_no_backend``, off by default): while every host of
 ``backend.metrics`` names no address (``Signals.no_backend``: NXDOMAIN, what a headless Service
@@ -102,10 +94,9 @@ is the demand an autoscaler scales from zero on (docs/autoscaling.md). At the fi
 reaches an endpoint, tracking resumes from ``initial``. Off, a name that never resolves (a typo)
 is no data, as above, and never stops traffic.
 
-The settings are the policy's ``AdaptivePolicy``; the law's constants are named below.
-
-Pure: ``update`` takes ``now`` from the caller; no clock, no I/O. ``snapshot()`` is what the
-gauges and /debug/queues show. ``extproc.pool.control.poller.Poller`` is the asyncio shell that
+The settings are the policy's ``AdaptivePolicy``; the law's constants are named below. Pure:
+``update`` takes ``now`` from the caller; no clock, no I/O. ``snapshot()`` is what the gauges
+and /debug/queues show. ``extproc.pool.control.poller.Poller`` is the asyncio shell that
 scrapes every ``interval`` and feeds ``update``.
 """
 

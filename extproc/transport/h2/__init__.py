@@ -1,7 +1,7 @@
 """A small gRPC server on asyncio: HTTP/2 framing written for the sidecar's two services.
 
-Why not grpc.aio: profiling the sidecar under load (``python -m bench.overhead --profile`` at
-4bef4fb, on grpc.aio; docs/performance.md) put ~85% of its CPU in grpc.aio's machinery (the
+Why not grpc.aio: profiling the sidecar under load when it ran on grpc.aio (docs/performance.md,
+"Conclusions from earlier measurements") put ~85% of its CPU in grpc.aio's machinery (the
 completion-queue poller thread, the hops between it and the event loop, per-call objects), not
 in admission. Envoy is the only client that matters and it speaks plain gRPC over HTTP/2 on
 long-lived connections, one stream per HTTP request. This package implements exactly that server
