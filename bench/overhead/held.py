@@ -4,8 +4,8 @@ The held-queue sidecar's one bucket has one slot, taken by a direct gRPC stream 
 then N requests go through Envoy (h2c, h2load) and queue behind it, paced or all at once.
 Sidecar and Envoy RSS at rest and with all N held, Envoy's ext_proc counters, then the time to
 drain the queue once the slot is freed. (The naive server holding as many streams from a direct
-grpc.aio client was measured here too, removed later: 302 MB for 10,000 in docs/performance.md's
-reference run at 140ecdd.)
+grpc.aio client was measured here too, removed later: 302 MB for 10,000 in docs/performance.md,
+"The reference run".)
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ examples use); it answers ``request_headers`` with CONTINUE, parses the buffered
 Envoy ends the stream. No policy, no queue, no metrics, no mutation.
 
 It is a yardstick, not a product: the sidecar must cost no more per request than this does.
-(The same answers through ``context.read()``/``context.write()`` were no slower, 383e630's
-``--naive-style read-write``, removed later.)
+(The same answers through ``context.read()``/``context.write()`` were no slower:
+docs/performance.md, "Tried and ruled out".)
 
 ``python -m bench.overhead.naive --listen 127.0.0.1:50052``
 """
