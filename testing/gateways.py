@@ -5,9 +5,8 @@ shared pool's end-to-end tests (``tests/shared/``).
 the vLLM-like simulator, ``python -m bench.sim --speedup 20``), then ``n`` stacks that route to
 it, all on one policy file, in which ``{redis}`` is replaced by the Redis URL and ``{backend}``
 by the backend's. ``policy`` may
-also be one policy per gateway (``policy-<i>.yaml``: replicas with different limits), and
-``start_redis=False`` starts no Redis (replicas that share nothing; bench.compare), and
-``sidecar_args`` are more flags for every sidecar. ``Sampler``
+also be one policy per gateway (``policy-<i>.yaml``: each replica's own Redis URL in
+``testing.faults``), and ``sidecar_args`` are more flags for every sidecar. ``Sampler``
 polls the simulator's ``/sim/stats`` from a thread and keeps the most requests it ever had
 (running + waiting): what the backend itself says was in flight, whatever the gateways think.
 """
@@ -40,7 +39,6 @@ class Gateways:
         *,
         backend_argv: Sequence[str] = SIM,
         envoy_patch: Callable[[dict[str, Any]], None] | None = None,
-        start_redis: bool = True,
         sidecar_args: Sequence[str] = (),
     ) -> None:
         if not isinstance(policy, str) and len(policy) != n:
@@ -50,7 +48,6 @@ class Gateways:
         self.log_dir = log_dir
         self.backend_argv = list(backend_argv)
         self.envoy_patch = envoy_patch
-        self.start_redis = start_redis
         self.sidecar_args = list(sidecar_args)
         self.redis = RedisServer(log_dir)
         self.backend: Stack | None = None
@@ -80,8 +77,7 @@ class Gateways:
     def start(self) -> Gateways:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
-            if self.start_redis:
-                self.redis.start()
+            self.redis.start()
             self.backend = Stack(
                 backend_argv=self.backend_argv,
                 start_sidecar=False,
