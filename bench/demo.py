@@ -34,6 +34,7 @@ from bench.common.table import fmt, format_table
 from bench.load.client import Call, Reply, attempt, send_all, session
 from bench.load.presets import demo_burst
 from bench.load.retry import retry_after_s
+from testing.harness import wait_idle
 from testing.stack import Stack
 from testing.vllm import HOW, VllmServer, find_engine_python
 
@@ -190,6 +191,12 @@ def run(stack: Stack, args: argparse.Namespace) -> None:
     )
     print(f"done in {time.monotonic() - t0:.1f}s\n")
     print(table(results))
+    # A stream's outcome is counted when the sidecar finishes it, a moment after the client's
+    # last byte: the counters are read once nothing is in flight.
+    try:
+        wait_idle(stack, timeout=30)
+    except AssertionError as e:
+        print(f"\n{e}")
     with urllib.request.urlopen(stack.metrics_url) as r:
         metrics = r.read().decode()
     print("\nsidecar outcome counters (those not zero):")
