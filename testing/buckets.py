@@ -13,18 +13,13 @@ def rule(
     name: str,
     *,
     max_queue: int = 100,
-    max_share: float = 1.0,
     cap: int | None = None,
     relegate_to: Relegation | None = None,
     **policy: Any,
 ) -> BucketRule:
-    """``name``'s rule in a shared pool; ``policy``: more ``BucketPolicy`` fields."""
+    """``name``'s rule in a shared pool, its share and cap the policy's; ``policy``: more
+    ``BucketPolicy`` fields (their defaults are the policy's)."""
     p = BucketPolicy(
-        name=name,
-        max_concurrency=cap or 0,
-        queue_timeout_s=1.0,
-        max_queue=max_queue,
-        max_share=max_share,
-        **policy,
+        name=name, max_concurrency=cap or 0, queue_timeout_s=1.0, max_queue=max_queue, **policy
     )
-    return BucketRule(policy=p, max_share=max_share, cap=cap, relegate=relegate_to)
+    return BucketRule(policy=p, max_share=p.max_share, cap=cap, relegate=relegate_to)
