@@ -13,7 +13,7 @@ from enum import StrEnum
 
 from extproc.pool.view import HIDDEN, gauge
 
-__all__ = ["BucketStats", "Decision", "Entry", "PoolStats", "Ticket", "Verdict", "slots"]
+__all__ = ["BucketStats", "Carried", "Decision", "Entry", "PoolStats", "Ticket", "Verdict", "slots"]
 
 
 class Verdict(StrEnum):
@@ -26,11 +26,11 @@ class Verdict(StrEnum):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Entry:
-    """What a request brings to admission (``Admission.enqueue``): its ``Ticket`` is made of it."""
+class Carried:
+    """What a request carries into admission and its ticket keeps: written once here, for
+    ``Entry`` and ``Ticket``."""
 
     bucket: str
-    timeout_s: float  # how long it may wait: its deadline is its enqueue time + this
     held_bytes: int = 0  # held while it waits (its body, to be forwarded once admitted)
     cost: int = 0  # estimated prompt tokens + effective max_tokens: what it costs the backend
     # Its deadline is its client's own, sooner than its queue timeout: when it passes, the
@@ -48,19 +48,20 @@ class Entry:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Ticket:
+class Entry(Carried):
+    """What a request brings to admission (``Admission.enqueue``): its ``Ticket`` is made of it."""
+
+    timeout_s: float  # how long it may wait: its deadline is its enqueue time + this
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ticket(Carried):
+    """A request in admission: its ``Entry``'s facts, an id, when it joined and its deadline
+    (``bucket``: where it waits or runs now)."""
+
     id: int
-    bucket: str
     enqueued_at: float
-    deadline: float  # ``enqueued_at`` + its timeout; the fields below are its ``Entry``'s
-    held_bytes: int = 0
-    cost: int = 0
-    client_deadline: bool = False
-    tenant: str | None = None
-    weight: float = 1.0
-    output: int = 0
-    own_deadline: float | None = None
-    own_stated: bool = False
+    deadline: float  # ``enqueued_at`` + its timeout
     # The bucket it was relegated from (None: it waits or runs in the bucket it joined).
     relegated_from: str | None = None
 
